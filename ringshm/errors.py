@@ -1,0 +1,77 @@
+"""The exception tree, and the one place where a C status code becomes an exception.
+
+Each exception is also the builtin a caller would naturally catch (PyNaCl's pattern): a ring timeout is a
+``TimeoutError``, a dead peer a ``BrokenPipeError``, an oversize record a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+
+class RingshmError(Exception):
+    """Base of every error ringshm raises on purpose."""
+
+
+class RingTimeout(RingshmError, TimeoutError):
+    """A blocking ring call ran past its ``timeout_s`` with the peer still alive."""
+
+
+class PeerDied(RingshmError, BrokenPipeError):
+    """The process on the other side of a ring is gone, or it closed the ring."""
+
+
+class RingCorrupt(RingshmError, RuntimeError):
+    """An index or record header read from shared memory fails its bounds checks.
+
+    Raised instead of touching memory outside the ring; the ring cannot be trusted afterwards.
+    """
+
+
+class RecordTooLarge(RingshmError, ValueError):
+    """A record can never fit in this ring, however long the caller waits."""
+
+
+class SegmentMismatch(RingshmError, ValueError):
+    """A segment's header (magic, layout version, capacity) is not what this build of ringshm expects."""
+
+
+class RoleTaken(RingshmError, RuntimeError):
+    """Another live process already holds this side (producer or consumer) of a single-producer ring."""
+
+
+class RingStateError(RingshmError, RuntimeError):
+    """A two-phase call out of order: commit without reserve, release without peek, use after close."""
+
+
+# C status codes, mirrored from csrc/ring.h (enum ringshm_status).
+OK = 0
+WOULD_BLOCK = 1
+ERR_TOO_BIG = -1
+ERR_CORRUPT = -2
+ERR_BAD_MAGIC = -3
+ERR_BAD_VERSION = -4
+ERR_BAD_CAPACITY = -5
+ERR_STATE = -6
+ERR_PEER_CLOSED = -7
+
+_STATUS = {
+    ERR_TOO_BIG: (RecordTooLarge, "record larger than the ring can ever hold"),
+    ERR_CORRUPT: (RingCorrupt, "ring index or record header out of bounds (corrupted shared memory)"),
+    ERR_BAD_MAGIC: (SegmentMismatch, "bad magic: not a ringshm ring"),
+    ERR_BAD_VERSION: (SegmentMismatch, "ring layout version differs from this build's"),
+    ERR_BAD_CAPACITY: (SegmentMismatch, "capacity in the header is not a power of two that fits the segment"),
+    ERR_STATE: (RingStateError, "two-phase call out of order"),
+    ERR_PEER_CLOSED: (PeerDied, "the peer closed the ring"),
+}
+
+
+def check_status(status: int, context: str = "") -> int:
+    """Return ``status`` when it is ``OK`` or ``WOULD_BLOCK``; raise the matching exception otherwise.
+
+    Raises:
+        RecordTooLarge, RingCorrupt, SegmentMismatch, RingStateError, PeerDied: by C status code.
+        RingshmError: an unknown code (a build mismatch between Python and C).
+    """
+    if status >= 0:
+        return status
+    cls, what = _STATUS.get(status, (RingshmError, f"unknown C status {status}"))
+    raise cls(f"{context}: {what}" if context else what)

@@ -1,0 +1,35 @@
+"""Build and install ringshm; the C ring and kernels become the cffi extension ``ringshm._C``."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="ringshm",
+    version="0.1.0",
+    description="Single-host pipeline-parallel LLM inference over lock-free shared-memory rings",
+    packages=find_packages(include=["ringshm", "ringshm.*"]),
+    python_requires=">=3.10",
+    setup_requires=["cffi>=1.16"],
+    cffi_modules=["csrc/ffi_build.py:ffibuilder"],
+    install_requires=[
+        # torch is installed by `make install` (pinned CPU build here; left alone where it is already importable).
+        "torch>=2.1",
+        "numpy>=1.24",
+        "cffi>=1.16",
+        "posix_ipc>=1.1",
+        "tqdm>=4.60",
+        "gguf>=0.10",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "transformers>=4.45",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            "pytest-benchmark>=4",
+            "hypothesis>=6",
+            "accelerate>=0.30",  # transformers' GGUF loading (the oracle)
+            "matplotlib>=3.7",  # bench plots
+        ],
+    },
+    entry_points={"console_scripts": ["ringshm=ringshm.cli:main"]},
+)
