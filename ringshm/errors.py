@@ -75,3 +75,26 @@ def check_status(status: int, context: str = "") -> int:
         return status
     cls, what = _STATUS.get(status, (RingshmError, f"unknown C status {status}"))
     raise cls(f"{context}: {what}" if context else what)
+
+
+# Model side: loading a checkpoint and addressing the KV cache (ringshm/loader.py, ringshm/model.py).
+
+
+class UnsupportedArchitecture(RingshmError, ValueError):
+    """A checkpoint's architecture is not one ringshm computes (Llama, Mistral, Qwen2)."""
+
+
+class MissingTensor(RingshmError, ValueError):
+    """A tensor the model needs is absent from the checkpoint; the message names it and the file."""
+
+
+class UnsupportedQuantType(RingshmError, ValueError):
+    """A GGUF tensor is stored in a quantization type ringshm cannot dequantize."""
+
+
+class LayerRangeError(RingshmError, ValueError):
+    """A stage's layer range is empty or lies outside ``[0, n_layers)`` of the model."""
+
+
+class KVRangeError(RingshmError, ValueError):
+    """An op would read KV positions a row has not written, or write past ``max_seq_len``; nothing changed."""
