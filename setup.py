@@ -8,7 +8,6 @@ setup(
     description="Single-host pipeline-parallel LLM inference over lock-free shared-memory rings",
     packages=find_packages(include=["ringshm", "ringshm.*"]),
     python_requires=">=3.10",
-    setup_requires=["cffi>=1.16"],
     cffi_modules=["csrc/ffi_build.py:ffibuilder"],
     install_requires=[
         # torch is installed by `make install` (pinned CPU build here; left alone where it is already importable).

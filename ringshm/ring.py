@@ -1,0 +1,378 @@
+"""``Ring``: the shared-memory SPSC ring as bytes in, bytes or zero-copy views out. No torch here.
+
+One process is the producer and one the consumer (the same process may be both, e.g. in tests). A side is
+claimed on first use (or up front with ``role=``); a second live process that tries to take a claimed side
+gets ``RoleTaken``. Blocking calls take ``timeout_s`` (None: no deadline) and re-check the peer at least
+every ``LIVENESS_PERIOD_S``; they raise ``PeerDied`` when the peer process is gone or has closed its side,
+and ``RingTimeout`` when the deadline passes with the peer alive. A ``Ring`` is not thread-safe: one thread
+per side.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+from ringshm import errors
+from ringshm._C import ffi, lib
+from ringshm.errors import PeerDied, RingStateError, RingTimeout, RoleTaken, check_status
+from ringshm.segment import Segment, is_alive, self_start_time
+
+PRODUCER = lib.RINGSHM_PRODUCER
+CONSUMER = lib.RINGSHM_CONSUMER
+_ROLE_NAMES = {"producer": PRODUCER, "consumer": CONSUMER}
+
+LIVENESS_PERIOD_S = 0.1  # a blocked call re-checks its peer at least this often (issue 2)
+DEFAULT_SPIN = 2000  # pause-loop iterations before parking on the futex (~50-100 us on x86)
+HEADER_BYTES = int(lib.ringshm_ring_segment_bytes(0))  # the header precedes the data area
+
+
+class Ring:
+    """A mapped ring. Make one with ``Ring.create`` (owns the segment name) or ``Ring.attach``.
+
+    Attributes:
+        name: the segment name to pass to ``Ring.attach`` in another process.
+        capacity_bytes: size of the data area (a power of two).
+        max_record_bytes: largest payload one record can carry (capacity_bytes - 8).
+        spin: pause-loop iterations a blocked call spins before it sleeps on the futex.
+    """
+
+    def __init__(self, segment: Segment, *, spin: int = DEFAULT_SPIN, role: str | None = None):
+        self._segment = segment
+        self._h = ffi.new("ringshm_ring *")
+        self._base = ffi.from_buffer(segment.buf)
+        try:
+            check_status(lib.ringshm_ring_open(self._h, self._base, segment.size_bytes), f"ring {segment.name}")
+        except BaseException:
+            ffi.release(self._base)
+            segment.close()
+            raise
+        self.name = segment.name
+        self.capacity_bytes = int(self._h.capacity)
+        self.max_record_bytes = int(lib.ringshm_ring_max_record(self._h.capacity))
+        self.spin = spin
+        self._data = memoryview(segment.buf)[HEADER_BYTES : HEADER_BYTES + self.capacity_bytes]
+        self._data_ptr = self._h.data
+        self._off = ffi.new("uint64_t *")
+        self._len = ffi.new("uint64_t *")
+        self._roles: set[int] = set()
+        self._view: memoryview | None = None  # the last view handed out by peek/reserve
+        self._last_peer_check = 0.0
+        # A creator that forgets close() still removes the name when the object is collected or at exit.
+        self._finalizer = weakref.finalize(self, segment.unlink) if segment.owner else None
+        if role is not None:
+            if role not in _ROLE_NAMES:
+                raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
+            self._claim(_ROLE_NAMES[role])
+
+    # ----------------------------------------------------------------------------------------------- life
+    @classmethod
+    def create(
+        cls, capacity_bytes: int, *, role: str | None = None, spin: int = DEFAULT_SPIN, start_index: int = 0
+    ) -> "Ring":
+        """Create a ring with a data area of ``capacity_bytes`` in a new 0600 segment.
+
+        Args:
+            capacity_bytes: a power of two >= 64; records up to ``capacity_bytes - 8`` bytes fit.
+            role: claim 'producer' or 'consumer' now instead of on first use.
+            start_index: initial value of both 64-bit byte counters (tests use values near 2**64 to
+                exercise counter wraparound); rounded up to a multiple of 8.
+
+        Raises:
+            ValueError: capacity_bytes is not a power of two >= 64, or start_index is not in [0, 2**64).
+        """
+        if capacity_bytes < 64 or capacity_bytes & (capacity_bytes - 1):
+            raise ValueError(f"capacity_bytes must be a power of two >= 64, got {capacity_bytes}")
+        if not 0 <= start_index < 2**64:
+            raise ValueError(f"start_index must be in [0, 2**64), got {start_index}")
+        seg = Segment.create(int(lib.ringshm_ring_segment_bytes(capacity_bytes)))
+        try:
+            base = ffi.from_buffer(seg.buf)
+            check_status(lib.ringshm_ring_init(base, seg.size_bytes, capacity_bytes, start_index))
+            ffi.release(base)
+        except BaseException:
+            seg.close()
+            seg.unlink()
+            raise
+        return cls(seg, spin=spin, role=role)
+
+    @classmethod
+    def attach(cls, name: str, *, role: str | None = None, spin: int = DEFAULT_SPIN) -> "Ring":
+        """Map the ring another process created.
+
+        Raises:
+            FileNotFoundError: no segment of that name.
+            SegmentMismatch: the segment holds no ring of this layout (bad magic, version or capacity).
+        """
+        return cls(Segment.attach(name), spin=spin, role=role)
+
+    def close(self) -> None:
+        """Mark this process's sides closed (a blocked peer gets ``PeerDied``) and unmap. Idempotent.
+
+        The creator's name stays until ``unlink()`` (or until the object is collected). A view still held
+        by the caller keeps the mapping alive (no dangling memory); it is unmapped when the view goes.
+        """
+        if self._h is None:
+            return
+        for role in self._roles:
+            lib.ringshm_ring_close_side(self._h, role)
+        self._drop_view()
+        self._data.release()
+        ffi.release(self._base)
+        self._h = None
+        self._segment.close()
+
+    def unlink(self) -> None:
+        """Remove the segment's name (creator only; otherwise a no-op). Mappings stay valid. Idempotent."""
+        self._segment.unlink()
+        if self._finalizer is not None:
+            self._finalizer.detach()
+
+    def __enter__(self) -> "Ring":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+        self.unlink()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._h is None else f"used={self.used_bytes()}"
+        return f"Ring({self.name!r}, capacity_bytes={self.capacity_bytes}, {state})"
+
+    # -------------------------------------------------------------------------------------- producer side
+    def try_reserve(self, n: int) -> memoryview | None:
+        """Reserve a writable, contiguous view of ``n`` bytes, or None when the ring is too full now.
+
+        The view is invisible to the consumer until ``commit()``; it is valid until then.
+
+        Raises:
+            RecordTooLarge: n > max_record_bytes (it could never fit).
+            RingStateError: a reservation is already open, or the ring is closed.
+            RingCorrupt: the shared indices are out of bounds.
+        """
+        h = self._producer()
+        st = lib.ringshm_ring_try_reserve(h, n, self._off)
+        if st:
+            if st < 0:
+                check_status(st, f"reserve {n} bytes on {self.name}")
+            return None
+        off = self._off[0]
+        self._view = view = self._data[off : off + n]
+        return view
+
+    def reserve(self, n: int, timeout_s: float | None = None) -> memoryview:
+        """Blocking ``try_reserve``: wait for room until ``timeout_s`` (None: no deadline).
+
+        Raises:
+            RingTimeout: still no room after timeout_s seconds, consumer alive.
+            PeerDied: the consumer process is gone or closed the ring.
+            RecordTooLarge, RingStateError, RingCorrupt: as try_reserve.
+        """
+        view = self.try_reserve(n)
+        if view is not None:
+            return view
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            st = lib.ringshm_ring_wait_writable(self._h, n, self._slice_ns(deadline), self.spin)
+            if st < 0:
+                self._raise_wait_error(st, CONSUMER)
+            view = self.try_reserve(n)
+            if view is not None:
+                return view
+            self._check_blocked(deadline, CONSUMER, f"no room for {n} bytes")
+
+    def commit(self, n: int | None = None) -> None:
+        """Publish the first ``n`` bytes (default: all) of the open reservation.
+
+        Raises:
+            RingStateError: no open reservation, or n larger than reserved.
+        """
+        if self._h is None:
+            raise RingStateError(f"ring {self.name} is closed")
+        if n is None:
+            n = self._h.write_max
+        self._drop_view()
+        check_status(lib.ringshm_ring_commit(self._h, n), f"commit {n} bytes on {self.name}")
+
+    def try_send(self, buf) -> bool:
+        """Copy ``buf`` (any C-contiguous buffer) into one record and publish it; False when full now."""
+        src = memoryview(buf)
+        n = src.nbytes
+        h = self._producer()
+        st = lib.ringshm_ring_try_reserve(h, n, self._off)
+        if st:
+            if st < 0:
+                check_status(st, f"send {n} bytes on {self.name}")
+            return False
+        ffi.memmove(self._data_ptr + self._off[0], src, n)
+        lib.ringshm_ring_commit(h, n)
+        return True
+
+    def send(self, buf, timeout_s: float | None = None) -> None:
+        """Copy ``buf`` (any C-contiguous buffer) into one record and publish it, waiting for room.
+
+        Raises:
+            RingTimeout, PeerDied, RecordTooLarge, RingCorrupt: as ``reserve``.
+        """
+        if self.try_send(buf):
+            return
+        n = memoryview(buf).nbytes
+        self.reserve(n, timeout_s)
+        ffi.memmove(self._data_ptr + self._off[0], buf, n)
+        self.commit(n)
+
+    # -------------------------------------------------------------------------------------- consumer side
+    def try_peek(self) -> memoryview | None:
+        """A read-only, zero-copy view of the oldest record, or None when the ring is empty.
+
+        The view is valid until ``release()``, which also invalidates it (using it afterwards raises
+        ValueError instead of reading bytes the producer may be overwriting). Peeking again without a
+        release returns the same record.
+
+        Raises:
+            RingCorrupt: an index or record header failed its bounds checks.
+            RingStateError: the ring is closed.
+        """
+        h = self._consumer()
+        st = lib.ringshm_ring_try_peek(h, self._off, self._len)
+        if st:
+            if st < 0:
+                check_status(st, f"peek on {self.name}")
+            return None
+        off = self._off[0]
+        self._drop_view()
+        self._view = view = self._data[off : off + self._len[0]].toreadonly()
+        return view
+
+    def peek(self, timeout_s: float | None = None) -> memoryview:
+        """Blocking ``try_peek``: wait for a record until ``timeout_s`` (None: no deadline).
+
+        Raises:
+            RingTimeout: still empty after timeout_s seconds, producer alive.
+            PeerDied: empty and the producer process is gone or closed the ring.
+            RingCorrupt, RingStateError: as try_peek.
+        """
+        view = self.try_peek()
+        if view is not None:
+            return view
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            st = lib.ringshm_ring_wait_readable(self._h, self._slice_ns(deadline), self.spin)
+            if st < 0:
+                self._raise_wait_error(st, PRODUCER)
+            view = self.try_peek()
+            if view is not None:
+                return view
+            self._check_blocked(deadline, PRODUCER, "no record")
+
+    def release(self) -> None:
+        """Free the peeked record (and invalidate its view).
+
+        Raises:
+            RingStateError: nothing is peeked, or the ring is closed.
+        """
+        if self._h is None:
+            raise RingStateError(f"ring {self.name} is closed")
+        self._drop_view()
+        check_status(lib.ringshm_ring_release(self._h), f"release on {self.name}")
+
+    def try_recv(self) -> bytes | None:
+        """The oldest record as ``bytes`` (a copy; the record is released), or None when empty."""
+        view = self.try_peek()
+        if view is None:
+            return None
+        data = bytes(view)
+        self.release()
+        return data
+
+    def recv(self, timeout_s: float | None = None) -> bytes:
+        """The oldest record as ``bytes`` (a copy; the record is released at once), waiting for one.
+
+        For zero-copy reads use ``peek()`` / ``release()``.
+
+        Raises:
+            RingTimeout, PeerDied, RingCorrupt: as ``peek``.
+        """
+        data = bytes(self.peek(timeout_s))
+        self.release()
+        return data
+
+    # ---------------------------------------------------------------------------------------- inspection
+    def used_bytes(self) -> int:
+        """Bytes published and not yet released, record headers and pads included."""
+        status = ffi.new("int *")
+        used = lib.ringshm_ring_used(self._live(), status)
+        check_status(status[0], f"used bytes of {self.name}")
+        return int(used)
+
+    def peer(self, role: str) -> tuple[int, bool]:
+        """(pid, closed) of the process holding ``role`` ('producer' or 'consumer'); pid 0 = unclaimed."""
+        pid, _start, closed = self._peer(_ROLE_NAMES[role])
+        return pid, closed
+
+    # ------------------------------------------------------------------------------------------- private
+    def _live(self):
+        if self._h is None:
+            raise RingStateError(f"ring {self.name} is closed")
+        return self._h
+
+    def _producer(self):
+        if PRODUCER not in self._roles:
+            self._claim(PRODUCER)
+        return self._live()
+
+    def _consumer(self):
+        if CONSUMER not in self._roles:
+            self._claim(CONSUMER)
+        return self._live()
+
+    def _claim(self, role: int) -> None:
+        holder = ffi.new("int32_t *")
+        check_status(lib.ringshm_ring_claim(self._live(), role, os.getpid(), self_start_time(), holder))
+        if holder[0] != os.getpid():
+            side = "producer" if role == PRODUCER else "consumer"
+            state = "alive" if is_alive(holder[0]) else "gone; create a new ring"
+            raise RoleTaken(f"the {side} side of ring {self.name} is held by pid {holder[0]} ({state})")
+        self._roles.add(role)
+
+    def _peer(self, role: int) -> tuple[int, int, bool]:
+        pid, start, closed = ffi.new("int32_t *"), ffi.new("uint64_t *"), ffi.new("int32_t *")
+        check_status(lib.ringshm_ring_peer(self._live(), role, pid, start, closed))
+        return pid[0], start[0], bool(closed[0])
+
+    def _drop_view(self) -> None:
+        if self._view is not None:
+            try:
+                self._view.release()
+            except BufferError:  # the caller built something on it (e.g. torch.frombuffer); it stays valid
+                pass
+            self._view = None
+
+    @staticmethod
+    def _slice_ns(deadline: float | None) -> int:
+        """Nanoseconds to sleep in one futex wait: the time left, capped at the liveness period."""
+        if deadline is None:
+            return int(LIVENESS_PERIOD_S * 1e9)
+        return max(0, int(min(deadline - time.monotonic(), LIVENESS_PERIOD_S) * 1e9))
+
+    def _raise_wait_error(self, status: int, peer_role: int) -> None:
+        side = "producer" if peer_role == PRODUCER else "consumer"
+        if status == errors.ERR_PEER_CLOSED:
+            raise PeerDied(f"the {side} of ring {self.name} closed it")
+        check_status(status, f"wait on {self.name}")
+
+    def _check_blocked(self, deadline: float | None, peer_role: int, what: str) -> None:
+        """Between waits: raise PeerDied if the peer is gone (checked at most every LIVENESS_PERIOD_S),
+        RingTimeout if the deadline passed."""
+        now = time.monotonic()
+        if now - self._last_peer_check >= LIVENESS_PERIOD_S:
+            self._last_peer_check = now
+            pid, start, closed = self._peer(peer_role)
+            side = "producer" if peer_role == PRODUCER else "consumer"
+            if closed:
+                raise PeerDied(f"the {side} of ring {self.name} closed it")
+            if pid and not is_alive(pid, start):
+                raise PeerDied(f"the {side} of ring {self.name} (pid {pid}) is gone")
+        if deadline is not None and now >= deadline:
+            raise RingTimeout(f"{what} on ring {self.name} after the timeout")

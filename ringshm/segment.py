@@ -1,0 +1,162 @@
+"""POSIX shared-memory segments: create (mode 0600), attach, unlink, and sweep the ones whose creator died.
+
+Names look like ``/ringshm-<pid>-<start>-<token>``: the creator's pid and its process start time (clock
+ticks since boot, from ``/proc/<pid>/stat``), so a pid reused by an unrelated process is not taken for the
+creator, and 16 random hex digits, so a name cannot be guessed. Linux only (``/proc`` and ``/dev/shm``).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+import posix_ipc
+
+PREFIX = "ringshm"
+SHM_DIR = Path("/dev/shm")
+_NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-[0-9a-f]{{16}}$")
+
+
+def process_start_time(pid: int) -> int | None:
+    """Start time of a live process in clock ticks since boot, or None when it is gone or a zombie.
+
+    Field 22 of ``/proc/<pid>/stat`` (proc(5)). A zombie (state Z or X) counts as gone: it has exited and
+    only waits to be reaped, so it will never read or write a ring again.
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # The command name (field 2) is in parentheses and may itself contain spaces or ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X", b"x"):
+        return None
+    return int(fields[19])
+
+
+def is_alive(pid: int, start_time: int = 0) -> bool:
+    """Whether ``pid`` runs and, when ``start_time`` is non-zero, is the same process that started then."""
+    if pid <= 0:
+        return False
+    started = process_start_time(pid)
+    return started is not None and (start_time == 0 or started == start_time)
+
+
+_SELF_START = process_start_time(os.getpid()) or 0
+
+
+def self_start_time() -> int:
+    """This process's start time (clock ticks since boot); re-read after a fork."""
+    global _SELF_START
+    if not _SELF_START or process_start_time(os.getpid()) != _SELF_START:
+        _SELF_START = process_start_time(os.getpid()) or 0
+    return _SELF_START
+
+
+class Segment:
+    """A mapped POSIX shared-memory segment.
+
+    ``buf`` is an ``mmap`` of ``size_bytes``. The creator owns the name: ``unlink()`` removes it (other
+    mappings stay valid until they close). Use ``Segment.create`` / ``Segment.attach``.
+    """
+
+    def __init__(self, name: str, buf: mmap.mmap, size_bytes: int, owner: bool):
+        self.name = name
+        self.buf = buf
+        self.size_bytes = size_bytes
+        self.owner = owner
+
+    @classmethod
+    def create(cls, size_bytes: int) -> "Segment":
+        """Create a zero-filled segment of ``size_bytes`` with mode 0600 and a fresh unguessable name.
+
+        Raises:
+            ValueError: size_bytes < 1.
+            OSError: the system refused (e.g. /dev/shm full).
+        """
+        if size_bytes < 1:
+            raise ValueError(f"segment size must be >= 1 byte, got {size_bytes}")
+        name = f"/{PREFIX}-{os.getpid()}-{self_start_time()}-{secrets.token_hex(8)}"
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size_bytes)
+        try:
+            buf = mmap.mmap(shm.fd, size_bytes)
+        except BaseException:
+            shm.unlink()
+            raise
+        finally:
+            shm.close_fd()
+        return cls(name, buf, size_bytes, owner=True)
+
+    @classmethod
+    def attach(cls, name: str) -> "Segment":
+        """Map an existing segment by name (with or without the leading '/').
+
+        Raises:
+            FileNotFoundError: no segment of that name.
+        """
+        if not name.startswith("/"):
+            name = "/" + name
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError as exc:
+            raise FileNotFoundError(f"no shared-memory segment named {name!r}") from exc
+        try:
+            size_bytes = shm.size
+            buf = mmap.mmap(shm.fd, size_bytes)
+        finally:
+            shm.close_fd()
+        return cls(name, buf, size_bytes, owner=False)
+
+    def close(self) -> bool:
+        """Unmap. Returns False when a view into the mapping is still alive (the mapping then stays valid
+        and is unmapped when the last view goes), True otherwise. Idempotent."""
+        try:
+            self.buf.close()
+        except BufferError:
+            return False
+        return True
+
+    def unlink(self) -> None:
+        """Remove the name (creator only; a no-op for attachers and when already gone). Idempotent."""
+        if not self.owner:
+            return
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            pass
+        self.owner = False
+
+
+def list_segments() -> list[str]:
+    """Names (with leading '/') of every ringshm segment on this host."""
+    try:
+        entries = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return []
+    return sorted("/" + e for e in entries if _NAME_RE.match(e))
+
+
+def creator_of(name: str) -> tuple[int, int] | None:
+    """(pid, start_time) encoded in a ringshm segment name, or None for a foreign name."""
+    m = _NAME_RE.match(name.lstrip("/"))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def sweep_stale() -> list[str]:
+    """Unlink every ringshm segment whose creator process is gone (or is a different process now that
+    reuses its pid). Returns the names removed. Safe to run while other ringshm processes work: segments
+    of live creators are left alone."""
+    removed = []
+    for name in list_segments():
+        pid, start = creator_of(name)
+        if is_alive(pid, start):
+            continue
+        try:
+            posix_ipc.unlink_shared_memory(name)
+            removed.append(name)
+        except posix_ipc.ExistentialError:
+            pass
+    return removed
