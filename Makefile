@@ -42,7 +42,7 @@ test-c:
 
 bench: install
 	mkdir -p bench/results
-	$(PYTHON) -m pytest bench -q --benchmark-only --benchmark-json=bench/results/bench-$$(date +%Y%m%d-%H%M%S).json
+	$(PYTHON) -m pytest bench/bench_*.py -q -p no:cacheprovider --benchmark-only --benchmark-json=bench/results/bench-$$(date +%Y%m%d-%H%M%S).json
 
 clean:
 	rm -rf build csrc/build *.egg-info .pytest_cache .benchmarks .hypothesis $(EXT_STAMP) $(DEPS_STAMP)

@@ -20,7 +20,7 @@ def _cdef_of(header: Path) -> str:
     return text.split(begin, 1)[1].split(end, 1)[0]
 
 
-present = [m for m in MODULES if (HERE / f"{m}.h").exists()]
+present = [m for m in MODULES if (HERE / f"{m}.h").exists() and (HERE / f"{m}.c").exists()]
 ffibuilder = FFI()
 ffibuilder.cdef("\n".join(_cdef_of(HERE / f"{m}.h") for m in present))
 ffibuilder.set_source(

@@ -321,12 +321,12 @@ int ringshm_ring_wait_readable(ringshm_ring *r, int64_t timeout_ns, uint32_t spi
     atomic_store_explicit(&h->consumer_parked, 1, memory_order_seq_cst);
     int st = RINGSHM_WOULD_BLOCK;
     if (readable(h, tail))
-        st = RINGSHM_OK;
+        st = RINGSHM_READY_AFTER_SLEEP;
     else if (atomic_load(&h->producer_closed))
         st = RINGSHM_ERR_PEER_CLOSED;
     else if (timeout_ns > 0) {
         futex_wait(&h->data_futex, seen, timeout_ns);
-        if (readable(h, tail)) st = RINGSHM_OK;
+        if (readable(h, tail)) st = RINGSHM_READY_AFTER_SLEEP;
     }
     atomic_store_explicit(&h->consumer_parked, 0, memory_order_relaxed);
     return st;
@@ -372,7 +372,7 @@ int ringshm_ring_wait_writable(ringshm_ring *r, uint64_t n, int64_t timeout_ns, 
         }
     }
     atomic_store_explicit(&h->producer_parked, 0, memory_order_relaxed);
-    return st;
+    return st == RINGSHM_OK ? RINGSHM_READY_AFTER_SLEEP : st;
 }
 
 uint64_t ringshm_ring_used(const ringshm_ring *r, int *status) {

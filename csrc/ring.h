@@ -71,6 +71,7 @@
 enum ringshm_status {
     RINGSHM_OK = 0,
     RINGSHM_WOULD_BLOCK = 1,
+    RINGSHM_READY_AFTER_SLEEP = 2, /* wait_*: ready, but only after parking on the futex */
     RINGSHM_ERR_TOO_BIG = -1,
     RINGSHM_ERR_CORRUPT = -2,
     RINGSHM_ERR_BAD_MAGIC = -3,
@@ -137,8 +138,9 @@ int ringshm_ring_try_peek(ringshm_ring *r, uint64_t *offset, uint64_t *len);
 int ringshm_ring_release(ringshm_ring *r);
 
 /* Block until a record (or pad) is readable: spin `spin` iterations, then sleep on the futex for at most
- * timeout_ns (<= 0: do not sleep). RINGSHM_OK: readable. RINGSHM_WOULD_BLOCK: woke or timed out without
- * data. ERR_PEER_CLOSED: empty and the producer closed its side. */
+ * timeout_ns (<= 0: do not sleep). RINGSHM_OK: readable while spinning. RINGSHM_READY_AFTER_SLEEP: readable
+ * after parking (the caller may shorten its spin: the peer did not answer within it). RINGSHM_WOULD_BLOCK:
+ * woke or timed out without data. ERR_PEER_CLOSED: empty and the producer closed its side. */
 int ringshm_ring_wait_readable(ringshm_ring *r, int64_t timeout_ns, uint32_t spin);
 
 /* Block until a record with an n-byte payload could be reserved (one pad first, if needed): same rules.

@@ -24,7 +24,10 @@ CONSUMER = lib.RINGSHM_CONSUMER
 _ROLE_NAMES = {"producer": PRODUCER, "consumer": CONSUMER}
 
 LIVENESS_PERIOD_S = 0.1  # a blocked call re-checks its peer at least this often (issue 2)
-DEFAULT_SPIN = 2000  # pause-loop iterations before parking on the futex (~50-100 us on x86)
+DEFAULT_SPIN = 5000  # most pause-loop iterations before parking: ~70 us at the ~14 ns per pause measured here
+# (a futex wake costs ~40 us per hop on these VMs, so a peer that answers within the spin saves that)
+PROBE_EVERY = 64  # after this many parks in a row, one wait spins the full DEFAULT_SPIN again
+_READY_AFTER_SLEEP = lib.RINGSHM_READY_AFTER_SLEEP
 HEADER_BYTES = int(lib.ringshm_ring_segment_bytes(0))  # the header precedes the data area
 
 
@@ -35,7 +38,12 @@ class Ring:
         name: the segment name to pass to ``Ring.attach`` in another process.
         capacity_bytes: size of the data area (a power of two).
         max_record_bytes: largest payload one record can carry (capacity_bytes - 8).
-        spin: pause-loop iterations a blocked call spins before it sleeps on the futex.
+        max_spin: most pause-loop iterations a blocked call spins before it sleeps on the futex.
+
+    Spinning is adaptive: a wait whose peer answered within the spin doubles the next spin (up to
+    max_spin); a wait that had to park halves it, and every PROBE_EVERY parks one wait spins max_spin
+    again. With free cores the spin catches the peer (no wake syscall); with more processes than cores a
+    spinning waiter would only delay the peer it waits for, and the spin shrinks towards zero.
     """
 
     def __init__(self, segment: Segment, *, spin: int = DEFAULT_SPIN, role: str | None = None):
@@ -51,7 +59,9 @@ class Ring:
         self.name = segment.name
         self.capacity_bytes = int(self._h.capacity)
         self.max_record_bytes = int(lib.ringshm_ring_max_record(self._h.capacity))
-        self.spin = spin
+        self.max_spin = spin
+        self._spin = spin
+        self._parks = 0
         self._data = memoryview(segment.buf)[HEADER_BYTES : HEADER_BYTES + self.capacity_bytes]
         self._data_ptr = self._h.data
         self._off = ffi.new("uint64_t *")
@@ -174,9 +184,10 @@ class Ring:
             return view
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            st = lib.ringshm_ring_wait_writable(self._h, n, self._slice_ns(deadline), self.spin)
+            st = lib.ringshm_ring_wait_writable(self._h, n, self._slice_ns(deadline), self._spin)
             if st < 0:
                 self._raise_wait_error(st, CONSUMER)
+            self._adapt_spin(st)
             view = self.try_reserve(n)
             if view is not None:
                 return view
@@ -258,9 +269,10 @@ class Ring:
             return view
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            st = lib.ringshm_ring_wait_readable(self._h, self._slice_ns(deadline), self.spin)
+            st = lib.ringshm_ring_wait_readable(self._h, self._slice_ns(deadline), self._spin)
             if st < 0:
                 self._raise_wait_error(st, PRODUCER)
+            self._adapt_spin(st)
             view = self.try_peek()
             if view is not None:
                 return view
@@ -348,6 +360,15 @@ class Ring:
             except BufferError:  # the caller built something on it (e.g. torch.frombuffer); it stays valid
                 pass
             self._view = None
+
+    def _adapt_spin(self, status: int) -> None:
+        """Double the spin after a wait the spin caught; halve it after one that parked (see class doc)."""
+        if status == 0:  # RINGSHM_OK: ready while spinning
+            self._parks = 0
+            self._spin = min(self.max_spin, max(2 * self._spin, 64))
+        else:
+            self._parks += 1
+            self._spin = self.max_spin if self._parks % PROBE_EVERY == 0 else self._spin // 2
 
     @staticmethod
     def _slice_ns(deadline: float | None) -> int:

@@ -1,0 +1,74 @@
+"""Benchmark session plumbing: benches register (name, median seconds, extra) figures; at the end of the
+session every ratio a bench asked for is printed and saved as JSON under bench/results/.
+
+Figures only: nothing here asserts on time (these machines are shared and noisy; quote medians and ratios).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+class Figures:
+    """Medians and ratios measured in one benchmark session."""
+
+    def __init__(self) -> None:
+        self.medians: dict[str, float] = {}
+        self.extra: dict[str, dict] = {}
+        self.ratios: list[tuple[str, str, str, str]] = []  # (label, numerator, denominator, goal)
+
+    def record(self, name: str, benchmark, per: int = 1, **extra) -> None:
+        """Store the benchmark's median (seconds) divided by ``per`` operations per round."""
+        self.medians[name] = benchmark.stats.stats.median / per
+        self.extra[name] = extra
+        benchmark.extra_info.update(extra, per_op_median_s=self.medians[name])
+
+    def ratio(self, label: str, numerator: str, denominator: str, goal: str = "") -> None:
+        """Ask for ``median(numerator) / median(denominator)`` in the end-of-session table."""
+        self.ratios.append((label, numerator, denominator, goal))
+
+    def table(self) -> list[dict]:
+        rows = []
+        for label, num, den, goal in self.ratios:
+            if num in self.medians and den in self.medians:
+                rows.append(
+                    {
+                        "ratio": label,
+                        "numerator_s": self.medians[num],
+                        "denominator_s": self.medians[den],
+                        "value": self.medians[num] / self.medians[den],
+                        "goal": goal,
+                    }
+                )
+        return rows
+
+
+_FIGURES = Figures()
+
+
+@pytest.fixture(scope="session")
+def figures() -> Figures:
+    return _FIGURES
+
+
+def pytest_sessionfinish(session, exitstatus):
+    rows = _FIGURES.table()
+    if not rows:
+        return
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out = RESULTS_DIR / f"ratios-{stamp}.json"
+    out.write_text(json.dumps({"medians_s": _FIGURES.medians, "extra": _FIGURES.extra, "ratios": rows}, indent=2))
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_sep("=", "ratios (medians from this run)")
+        for r in rows:
+            goal = f"  goal {r['goal']}" if r["goal"] else ""
+            reporter.write_line(f"{r['ratio']:<58} {r['value']:8.3f}{goal}")
+        reporter.write_line(f"saved {out}")
