@@ -67,7 +67,9 @@ class Ring:
         self._off = ffi.new("uint64_t *")
         self._len = ffi.new("uint64_t *")
         self._roles: set[int] = set()
-        self._view: memoryview | None = None  # the last view handed out by peek/reserve
+        # One slot per side: a process holding both sides must not lose its reservation to a release.
+        self._write_view: memoryview | None = None  # the view of the open reservation
+        self._read_view: memoryview | None = None  # the view of the peeked record
         self._last_peer_check = 0.0
         # A creator that forgets close() still removes the name when the object is collected or at exit.
         self._finalizer = weakref.finalize(self, segment.unlink) if segment.owner else None
@@ -127,7 +129,8 @@ class Ring:
             return
         for role in self._roles:
             lib.ringshm_ring_close_side(self._h, role)
-        self._drop_view()
+        self._write_view = _released(self._write_view)
+        self._read_view = _released(self._read_view)
         self._data.release()
         ffi.release(self._base)
         self._h = None
@@ -168,7 +171,7 @@ class Ring:
                 check_status(st, f"reserve {n} bytes on {self.name}")
             return None
         off = self._off[0]
-        self._view = view = self._data[off : off + n]
+        self._write_view = view = self._data[off : off + n]
         return view
 
     def reserve(self, n: int, timeout_s: float | None = None) -> memoryview:
@@ -203,8 +206,9 @@ class Ring:
             raise RingStateError(f"ring {self.name} is closed")
         if n is None:
             n = self._h.write_max
-        self._drop_view()
+        # A refused commit (n too large) leaves the reservation open, so its view stays usable.
         check_status(lib.ringshm_ring_commit(self._h, n), f"commit {n} bytes on {self.name}")
+        self._write_view = _released(self._write_view)
 
     def try_send(self, buf) -> bool:
         """Copy ``buf`` (any C-contiguous buffer) into one record and publish it; False when full now."""
@@ -252,8 +256,8 @@ class Ring:
                 check_status(st, f"peek on {self.name}")
             return None
         off = self._off[0]
-        self._drop_view()
-        self._view = view = self._data[off : off + self._len[0]].toreadonly()
+        self._read_view = _released(self._read_view)
+        self._read_view = view = self._data[off : off + self._len[0]].toreadonly()
         return view
 
     def peek(self, timeout_s: float | None = None) -> memoryview:
@@ -286,7 +290,7 @@ class Ring:
         """
         if self._h is None:
             raise RingStateError(f"ring {self.name} is closed")
-        self._drop_view()
+        self._read_view = _released(self._read_view)
         check_status(lib.ringshm_ring_release(self._h), f"release on {self.name}")
 
     def try_recv(self) -> bytes | None:
@@ -353,14 +357,6 @@ class Ring:
         check_status(lib.ringshm_ring_peer(self._live(), role, pid, start, closed))
         return pid[0], start[0], bool(closed[0])
 
-    def _drop_view(self) -> None:
-        if self._view is not None:
-            try:
-                self._view.release()
-            except BufferError:  # the caller built something on it (e.g. torch.frombuffer); it stays valid
-                pass
-            self._view = None
-
     def _adapt_spin(self, status: int) -> None:
         """Double the spin after a wait the spin caught; halve it after one that parked (see class doc)."""
         if status == 0:  # RINGSHM_OK: ready while spinning
@@ -391,9 +387,24 @@ class Ring:
             self._last_peer_check = now
             pid, start, closed = self._peer(peer_role)
             side = "producer" if peer_role == PRODUCER else "consumer"
+            gone = closed or (pid and not is_alive(pid, start))
+            if gone and peer_role == PRODUCER and self.used_bytes():
+                # Published just before the producer left (after our last empty check): deliver it first.
+                self._last_peer_check = 0.0
+                return
             if closed:
                 raise PeerDied(f"the {side} of ring {self.name} closed it")
-            if pid and not is_alive(pid, start):
+            if gone:
                 raise PeerDied(f"the {side} of ring {self.name} (pid {pid}) is gone")
         if deadline is not None and now >= deadline:
             raise RingTimeout(f"{what} on ring {self.name} after the timeout")
+
+
+def _released(view: memoryview | None) -> None:
+    """Release a view handed out by peek/reserve, so that using it afterwards raises ValueError."""
+    if view is not None:
+        try:
+            view.release()
+        except BufferError:  # the caller built something on it (e.g. torch.frombuffer); it stays valid
+            pass
+    return None
