@@ -1,0 +1,102 @@
+/* ringshm kernels: RoPE, KV-append and causal GQA attention over one KV-cache row, fp32, single thread.
+ *
+ * These are the hot path of a stage process: decode (n = 1) and speculative verify (n = 8) run one
+ * attention call per layer per op. The caller (ringshm/kernels.py) checks shapes, dtypes, devices and
+ * contiguity before every call; the C side re-checks only what a wrong value would turn into an
+ * out-of-bounds access, and answers with a status. Nothing here prints, exits, allocates or keeps state.
+ *
+ * Tensor layout (row-major, contiguous, fp32; names as in the Python docstrings):
+ *
+ *     q, out       [n, Hq, D]          query j of the chunk sits at absolute position start + j
+ *     k, v         [n, Hkv, D]         new keys/values of the chunk, k not yet rotated
+ *     cache row    [Hkv, S_max, D]     one row of the per-layer cache [R, Hkv, S_max, D]
+ *     cos, sin     [P, D/2]            RoPE tables, row p = position p (ringshm.kernels.rope_tables)
+ *
+ * RoPE is the rotate-half (NeoX / Hugging Face Llama) layout: dims i and i + D/2 form a pair,
+ *     x'[i]       = x[i]       * cos[p, i] - x[i + D/2] * sin[p, i]
+ *     x'[i + D/2] = x[i + D/2] * cos[p, i] + x[i]       * sin[p, i]        for 0 <= i < D/2.
+ *
+ * Limits: 0 < D <= ringshm_attn_max_head_dim() and D % 16 == 0 for attention (vector width); Hq % Hkv == 0.
+ */
+#ifndef RINGSHM_KERNELS_H
+#define RINGSHM_KERNELS_H
+
+#include <stdint.h>
+
+/* Largest head_dim the attention kernel accepts; its per-call state lives in fixed stack buffers sized by it. */
+#define RINGSHM_ATTN_MAX_HEAD_DIM 256
+/* head_dim must be a multiple of this (one 16-float vector). */
+#define RINGSHM_ATTN_HEAD_DIM_MULTIPLE 16
+
+/* CDEF BEGIN */
+/* Status codes of the kernels; distinct from the ring's (-1 .. -7) so one table can map both. */
+enum ringshm_kernel_status {
+    RINGSHM_KERNEL_OK = 0,
+    RINGSHM_KERNEL_ERR_SHAPE = -16, /* a dimension is <= 0, D odd or too large, Hq % Hkv != 0 */
+    RINGSHM_KERNEL_ERR_RANGE = -17  /* start + n past S_max or past the RoPE table, or a row index out of range */
+};
+
+/* Largest head_dim (D) the attention kernel accepts (RINGSHM_ATTN_MAX_HEAD_DIM). */
+int ringshm_attn_max_head_dim(void);
+
+/* ringshm_rope_apply: rotate n x H vectors by RoPE at positions start .. start + n - 1.
+ *
+ *     x, out    [n, H, D]      out may be x itself (in place); otherwise they must not overlap
+ *     cos, sin  [n_pos, D/2]   row p holds the angle terms of position p
+ *
+ * out[j, h] = rope(x[j, h], position start + j). D must be even.
+ * Returns RINGSHM_KERNEL_ERR_RANGE if start + n > n_pos.
+ */
+int ringshm_rope_apply(float *out, const float *x, const float *cos, const float *sin,
+                       int n, int n_heads, int head_dim, int start, int n_pos);
+
+/* ringshm_kv_append: rotate the chunk's keys by RoPE and write keys and values into one cache row.
+ *
+ *     k_cache, v_cache  [Hkv, S_max, D]   one row of the layer's cache; written in place
+ *     k, v              [n, Hkv, D]       the chunk's new keys (unrotated) and values
+ *     cos, sin          [n_pos, D/2]      RoPE tables
+ *
+ * For 0 <= j < n, 0 <= h < Hkv:
+ *     k_cache[h, start + j] = rope(k[j, h], start + j)
+ *     v_cache[h, start + j] = v[j, h]
+ * Positions outside [start, start + n) are not touched. Writing at start < the row's length overwrites
+ * (speculative rollback). Returns RINGSHM_KERNEL_ERR_RANGE if start + n > S_max or > n_pos.
+ */
+int ringshm_kv_append(float *k_cache, float *v_cache, const float *k, const float *v,
+                      const float *cos, const float *sin,
+                      int n, int n_kv_heads, int max_seq_len, int head_dim, int start, int n_pos);
+
+/* ringshm_attn_forward: causal GQA attention of a chunk of n queries against one cache row.
+ *
+ *     q, out            [n, Hq, D]        q already rotated; out is written, must not overlap q
+ *     k_cache, v_cache  [Hkv, S_max, D]   positions [0, start + n) are read (the chunk's own keys included)
+ *
+ * Mask: causal, aligned bottom-right: query j (absolute position start + j) sees keys 0 .. start + j.
+ * GQA:  query head h reads kv head h / (Hq / Hkv).
+ *
+ *     out[j, h] = sum_t softmax_t(q[j, h] . k[h', t] / sqrt(D)) v[h', t],  t <= start + j,  h' = h / (Hq / Hkv)
+ *
+ * Accumulation in fp32 with an online (flash-style, max-subtracted) softmax over blocks of keys.
+ * Each output row depends only on its own query, its position and the cache: it is bitwise the same
+ * whatever n, the other rows in the chunk or the batch (decode of position p == verify row at p).
+ * Returns RINGSHM_KERNEL_ERR_SHAPE for a bad D or Hq % Hkv != 0, RINGSHM_KERNEL_ERR_RANGE if start + n > S_max.
+ */
+int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const float *v_cache,
+                         int n, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim, int start);
+
+/* ringshm_attn_forward_batched: ringshm_attn_forward for B chunks of the same n, each on its own cache row.
+ *
+ *     q, out            [B, n, Hq, D]
+ *     k_cache, v_cache  [R, Hkv, S_max, D]   the layer's whole cache
+ *     rows, starts      [B] int64             entry b reads cache row rows[b], its queries sit at starts[b] ..
+ *
+ * out[b] = attn_forward(q[b], k_cache[rows[b]], v_cache[rows[b]], starts[b]). Rows may repeat.
+ * All rows and starts are checked before anything is written: RINGSHM_KERNEL_ERR_RANGE if a row is outside
+ * [0, R) or starts[b] < 0 or starts[b] + n > S_max.
+ */
+int ringshm_attn_forward_batched(float *out, const float *q, const float *k_cache, const float *v_cache,
+                                 const int64_t *rows, const int64_t *starts, int n_batch, int n_cache_rows,
+                                 int n, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim);
+/* CDEF END */
+
+#endif /* RINGSHM_KERNELS_H */

@@ -1,0 +1,342 @@
+"""RoPE, KV-append and causal GQA attention over a KV-cache row: shape checks here, then one C call.
+
+Dispatch lives in one place (``_c_path``): contiguous CPU fp32 tensors with a head_dim the C kernel takes
+(a multiple of 16, at most ``MAX_HEAD_DIM``) go to ``ringshm._C`` (csrc/kernels.c); everything else (CUDA,
+bf16, odd head_dims) runs the plain torch reference below, which the tests also use as the oracle.
+
+Shapes follow the cache layout of ``ringshm.model``: the per-layer cache is ``[R, Hkv, S_max, D]`` (R rows,
+S_max positions), and ``cache[row]`` is one contiguous ``[Hkv, S_max, D]`` row. A chunk of n tokens sits at
+absolute positions ``start .. start + n - 1`` of its row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ringshm._C import ffi, lib
+from ringshm.errors import KVRangeError
+
+MAX_HEAD_DIM: int = lib.ringshm_attn_max_head_dim()
+"""Largest head_dim the C attention takes (its state lives in fixed stack buffers); larger D runs in torch."""
+
+HEAD_DIM_MULTIPLE = 16
+"""The C attention takes head_dims that are a multiple of this (one 16-float vector); others run in torch."""
+
+_STATUS = {
+    lib.RINGSHM_KERNEL_ERR_SHAPE: "bad shape (a dimension <= 0, head_dim not a multiple of 16 or too large, "
+    "or Hq not a multiple of Hkv)",
+    lib.RINGSHM_KERNEL_ERR_RANGE: "positions or rows out of range (start + n past S_max, or row outside [0, R))",
+}
+
+
+def _check(status: int, what: str) -> None:
+    """Map a C kernel status to an exception; Python checks run first, so reaching here is a bug or bad data."""
+    if status == lib.RINGSHM_KERNEL_OK:
+        return
+    msg = f"{what}: {_STATUS.get(status, f'unknown C status {status}')}"
+    if status == lib.RINGSHM_KERNEL_ERR_RANGE:
+        raise KVRangeError(msg)
+    raise ValueError(msg)
+
+
+def _f32p(t: torch.Tensor):
+    return ffi.cast("float *", t.data_ptr())
+
+
+def _c_path(*ts: torch.Tensor) -> bool:
+    """The one dispatch rule: every tensor on CPU in fp32 (contiguity is checked by the caller)."""
+    return all(t.dtype is torch.float32 and t.device.type == "cpu" for t in ts)
+
+
+def _attn_c_ok(head_dim: int) -> bool:
+    return head_dim % HEAD_DIM_MULTIPLE == 0 and head_dim <= MAX_HEAD_DIM
+
+
+def _same_placement(what: str, ref: torch.Tensor, **others: torch.Tensor) -> None:
+    for name, t in others.items():
+        if t.dtype != ref.dtype:
+            raise ValueError(f"{what}: {name} is {t.dtype}, expected {ref.dtype} like the others")
+        if t.device != ref.device:
+            raise ValueError(f"{what}: {name} is on {t.device}, expected {ref.device} like the others")
+
+
+def _need_contiguous(what: str, **ts: torch.Tensor) -> None:
+    for name, t in ts.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{what}: {name} must be contiguous (pass cache[row] of a contiguous [R, Hkv, S_max, D] cache)")
+
+
+# --- RoPE -------------------------------------------------------------------------------------------------------
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE angle tables for positions ``0 .. max_seq_len - 1``.
+
+    Returns ``(cos, sin)``, each fp32 ``[max_seq_len, head_dim // 2]``: entry ``[p, i]`` is ``cos/sin(p * f_i)``
+    with ``f_i = 1 / theta ** (2i / head_dim)`` (RoFormer, Su et al. 2021; the Hugging Face Llama default, no
+    scaling). Computed exactly as transformers' ``LlamaRotaryEmbedding`` does in fp32, so the angles match its
+    bits: ``inv_freq = 1 / theta ** (arange(0, D, 2) / D)``, then one fp32 product per entry.
+
+    Raises:
+        ValueError: head_dim not a positive even number, or max_seq_len < 1.
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"rope_tables: head_dim must be a positive even number, got {head_dim}")
+    if max_seq_len < 1:
+        raise ValueError(f"rope_tables: max_seq_len must be >= 1, got {max_seq_len}")
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [D/2]
+    pos = torch.arange(max_seq_len, dtype=torch.int64).float()  # [P]
+    freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+    return freqs.cos().contiguous().to(device), freqs.sin().contiguous().to(device)
+
+
+def _check_tables(what: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, end: int, device) -> None:
+    if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
+        raise ValueError(
+            f"{what}: cos and sin must both be [max_seq_len, {head_dim // 2}] (from rope_tables(head_dim={head_dim}, ...)),"
+            f" got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32:
+        raise ValueError(f"{what}: cos and sin must be fp32 (rope_tables makes them so), got {cos.dtype}, {sin.dtype}")
+    if cos.device != device or sin.device != device:
+        raise ValueError(f"{what}: cos and sin are on {cos.device}, expected {device} like the tensors they rotate")
+    if end > cos.shape[0]:
+        raise KVRangeError(f"{what}: positions up to {end - 1} but the RoPE tables cover only {cos.shape[0]}; "
+                           "build them with a larger max_seq_len")
+    _need_contiguous(what, cos=cos, sin=sin)
+
+
+def apply_rope_reference(x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Torch RoPE, rotate-half layout; the fallback of ``apply_rope`` and the tests' oracle. Same contract."""
+    n, _, d = x.shape
+    c = cos[start : start + n, None, :]  # [n, 1, D/2]
+    s = sin[start : start + n, None, :]
+    x0, x1 = x.float()[..., : d // 2], x.float()[..., d // 2 :]  # [n, H, D/2] each
+    return torch.cat([x0 * c - x1 * s, x1 * c + x0 * s], dim=-1).to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` by RoPE at positions ``start .. start + n - 1``; returns a new tensor, ``x`` is not changed.
+
+    Args:
+        x: ``[n, H, D]`` fp32 or bf16 (queries or keys of one chunk), D even.
+        start: absolute position of ``x[0]``.
+        cos, sin: fp32 ``[P, D/2]`` from ``rope_tables``, on x's device; P >= start + n.
+
+    Layout is rotate-half (GPT-NeoX / Hugging Face Llama): dims i and i + D/2 rotate together. bf16 is rotated
+    in fp32 and rounded once.
+
+    Returns:
+        ``[n, H, D]``, x's dtype and device.
+
+    Raises:
+        ValueError: x not 3-d, D odd, tables of the wrong shape/dtype/device, start < 0.
+        KVRangeError (a ValueError): start + n beyond the tables.
+    """
+    if x.dim() != 3 or x.shape[2] % 2:
+        raise ValueError(f"apply_rope: x must be [n, H, D] with D even, got {tuple(x.shape)}")
+    n, h, d = x.shape
+    if start < 0:
+        raise ValueError(f"apply_rope: start must be >= 0, got {start}")
+    _check_tables("apply_rope", cos, sin, d, start + n, x.device)
+    if not _c_path(x) or n == 0:
+        return apply_rope_reference(x, start, cos, sin)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    status = lib.ringshm_rope_apply(_f32p(out), _f32p(x), _f32p(cos), _f32p(sin), n, h, d, start, cos.shape[0])
+    _check(status, "apply_rope")
+    return out
+
+
+# --- KV append --------------------------------------------------------------------------------------------------
+
+
+def kv_append_reference(k_cache, v_cache, k, v, start, cos, sin) -> None:
+    """Torch KV-append; the fallback of ``kv_append`` and the tests' oracle. Same contract."""
+    n = k.shape[0]
+    k_cache[:, start : start + n] = apply_rope_reference(k, start, cos, sin).transpose(0, 1).to(k_cache.dtype)
+    v_cache[:, start : start + n] = v.transpose(0, 1).to(v_cache.dtype)  # [n, Hkv, D] -> [Hkv, n, D]
+
+
+def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+              cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate the chunk's keys by RoPE and write keys and values into one cache row, in place.
+
+    Args:
+        k_cache, v_cache: one row of the layer's cache, ``[Hkv, S_max, D]``, contiguous (``cache[row]`` of a
+            contiguous ``[R, Hkv, S_max, D]`` cache). Written at positions ``[start, start + n)`` only; writing
+            below the row's current length overwrites (speculative rollback).
+        k, v: ``[n, Hkv, D]``, the chunk's keys (not yet rotated) and values; same dtype/device as the cache.
+        start: absolute position of the chunk's first token.
+        cos, sin: fp32 ``[P, D/2]`` from ``rope_tables``, P >= start + n.
+
+    fp32 on CPU runs the C kernel; other dtypes/devices run ``kv_append_reference`` (bf16 rotated in fp32).
+
+    Raises:
+        ValueError: shapes, dtypes or devices that do not match, a non-contiguous cache row, start < 0.
+        KVRangeError (a ValueError): start + n > S_max, or beyond the RoPE tables. Nothing is written.
+    """
+    if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
+        raise ValueError(f"kv_append: k_cache and v_cache must both be one cache row [Hkv, S_max, D] (cache[row]), "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    hkv, smax, d = k_cache.shape
+    if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (hkv, d):
+        raise ValueError(f"kv_append: k and v must both be [n, {hkv}, {d}] to match the cache row, "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if d % 2:
+        raise ValueError(f"kv_append: head_dim must be even for RoPE, got {d}")
+    _same_placement("kv_append", k_cache, v_cache=v_cache, k=k, v=v)
+    _need_contiguous("kv_append", k_cache=k_cache, v_cache=v_cache)
+    n = k.shape[0]
+    if start < 0:
+        raise ValueError(f"kv_append: start must be >= 0, got {start}")
+    if start + n > smax:
+        raise KVRangeError(f"kv_append: writing positions [{start}, {start + n}) overflows the cache row "
+                           f"(S_max = {smax}); nothing was written")
+    _check_tables("kv_append", cos, sin, d, start + n, k.device)
+    if n == 0:
+        return
+    if not _c_path(k_cache):
+        kv_append_reference(k_cache, v_cache, k, v, start, cos, sin)
+        return
+    k, v = k.contiguous(), v.contiguous()
+    status = lib.ringshm_kv_append(_f32p(k_cache), _f32p(v_cache), _f32p(k), _f32p(v), _f32p(cos), _f32p(sin),
+                                   n, hkv, smax, d, start, cos.shape[0])
+    _check(status, "kv_append")
+
+
+# --- attention --------------------------------------------------------------------------------------------------
+
+
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+    """Plain torch attention (matmul, mask, softmax, matmul in fp32); the fallback of ``attention``, the oracle.
+
+    Same contract as ``attention``; no checks of its own.
+    """
+    n, hq, d = q.shape
+    hkv = k_cache.shape[0]
+    n_keys = start + n
+    k = k_cache[:, :n_keys].float().repeat_interleave(hq // hkv, dim=0)  # [Hq, L, D]
+    v = v_cache[:, :n_keys].float().repeat_interleave(hq // hkv, dim=0)  # [Hq, L, D]
+    scores = q.float().transpose(0, 1) @ k.transpose(1, 2) / math.sqrt(d)  # [Hq, n, L]
+    key_pos = torch.arange(n_keys, device=q.device)  # [L]
+    query_pos = start + torch.arange(n, device=q.device)  # [n]
+    scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))  # bottom-right causal
+    out = torch.softmax(scores, dim=-1) @ v  # [Hq, n, D]
+    return out.transpose(0, 1).to(q.dtype)  # [n, Hq, D]
+
+
+def attention_batched_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                                starts: torch.Tensor) -> torch.Tensor:
+    """Torch form of ``attention_batched``: one ``attention_reference`` per entry. Same contract."""
+    out = [attention_reference(q[b], k_cache[int(r)], v_cache[int(r)], int(s))
+           for b, (r, s) in enumerate(zip(rows.tolist(), starts.tolist()))]
+    return torch.stack(out) if out else torch.empty_like(q)
+
+
+def _check_attention_shapes(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            cache_dims: int) -> tuple[int, int, int, int, int]:
+    """Shared checks; returns (n, Hq, Hkv, S_max, D)."""
+    q_dims = cache_dims  # q [n, Hq, D] goes with a row [Hkv, S_max, D]; q [B, n, Hq, D] with [R, Hkv, S_max, D]
+    q_shape = "[n, Hq, D]" if cache_dims == 3 else "[B, n, Hq, D]"
+    cache_shape = "[Hkv, S_max, D] (cache[row])" if cache_dims == 3 else "[R, Hkv, S_max, D] (the layer's cache)"
+    if q.dim() != q_dims:
+        raise ValueError(f"{what}: q must be {q_shape}, got {tuple(q.shape)}")
+    if k_cache.dim() != cache_dims or v_cache.shape != k_cache.shape:
+        raise ValueError(f"{what}: k_cache and v_cache must both be {cache_shape}, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    n, hq, d = q.shape[-3:]
+    hkv, smax, d_cache = k_cache.shape[-3:]
+    if d != d_cache:
+        raise ValueError(f"{what}: q's head_dim {d} differs from the cache's {d_cache}")
+    if hq % hkv:
+        raise ValueError(f"{what}: query heads ({hq}) must be a multiple of kv heads ({hkv}) for GQA")
+    _same_placement(what, q, k_cache=k_cache, v_cache=v_cache)
+    _need_contiguous(what, k_cache=k_cache, v_cache=v_cache)
+    return n, hq, hkv, smax, d
+
+
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal GQA attention of a chunk of n queries against one KV-cache row.
+
+    Args:
+        q: ``[n, Hq, D]``, already rotated by RoPE; query j sits at absolute position ``start + j``.
+        k_cache, v_cache: one cache row ``[Hkv, S_max, D]``, contiguous, same dtype/device as q; positions
+            ``[0, start + n)`` are read (the chunk's own keys must already be appended).
+        start: absolute position of the chunk's first token.
+
+    Query j sees keys ``0 .. start + j`` (causal mask aligned bottom-right); query head h reads kv head
+    ``h // (Hq // Hkv)``; scores scaled by ``1 / sqrt(D)``; softmax max-subtracted, accumulated in fp32.
+    CPU fp32 with D a multiple of 16 and at most ``MAX_HEAD_DIM`` runs the C kernel (online softmax, single
+    thread); there each output row is bitwise independent of n and of the other rows, so decoding position p
+    gives the same bits as row p of a verify chunk. Anything else runs ``attention_reference``.
+
+    Returns:
+        ``[n, Hq, D]``, q's dtype and device.
+
+    Raises:
+        ValueError: shapes that do not fit together, Hq not a multiple of Hkv, mixed dtypes/devices,
+            a non-contiguous cache row, start < 0.
+        KVRangeError (a ValueError): start + n > S_max.
+    """
+    n, hq, hkv, smax, d = _check_attention_shapes("attention", q, k_cache, v_cache, cache_dims=3)
+    if start < 0:
+        raise ValueError(f"attention: start must be >= 0, got {start}")
+    if start + n > smax:
+        raise KVRangeError(f"attention: positions [{start}, {start + n}) run past the cache row (S_max = {smax})")
+    if n == 0 or not (_c_path(q) and _attn_c_ok(d)):
+        return attention_reference(q, k_cache, v_cache, start)
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    status = lib.ringshm_attn_forward(_f32p(out), _f32p(q), _f32p(k_cache), _f32p(v_cache), n, hq, hkv, smax, d, start)
+    _check(status, "attention")
+    return out
+
+
+def attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                      starts: torch.Tensor) -> torch.Tensor:
+    """Lockstep attention for B cache rows, each with its own start (batched decode / verify, same n for all).
+
+    Args:
+        q: ``[B, n, Hq, D]``, already rotated; entry b's query j sits at position ``starts[b] + j``.
+        k_cache, v_cache: the layer's whole cache ``[R, Hkv, S_max, D]``, contiguous, same dtype/device as q.
+        rows: int64 ``[B]``, the cache row of each entry, in ``[0, R)`` (may repeat).
+        starts: int64 ``[B]``, each entry's start, ``0 <= starts[b] <= S_max - n``.
+
+    ``out[b] == attention(q[b], k_cache[rows[b]], v_cache[rows[b]], starts[b])`` (bitwise on the C path).
+
+    Returns:
+        ``[B, n, Hq, D]``, q's dtype and device.
+
+    Raises:
+        ValueError: as ``attention``; rows/starts not int64 ``[B]`` or not on the CPU for the C path.
+        KVRangeError (a ValueError): a row outside ``[0, R)``, a start < 0 or ``starts[b] + n > S_max``.
+            Nothing is computed.
+    """
+    n, hq, hkv, smax, d = _check_attention_shapes("attention_batched", q, k_cache, v_cache, cache_dims=4)
+    b, r = q.shape[0], k_cache.shape[0]
+    for name, t in (("rows", rows), ("starts", starts)):
+        if t.dtype != torch.int64 or t.shape != (b,):
+            raise ValueError(f"attention_batched: {name} must be int64 [B] = [{b}], got {t.dtype} {tuple(t.shape)}")
+    if b == 0 or n == 0:
+        return torch.empty_like(q)
+    if not (_c_path(q) and _attn_c_ok(d)):
+        if bool((rows < 0).any() | (rows >= r).any() | (starts < 0).any() | (starts + n > smax).any()):
+            raise KVRangeError(f"attention_batched: rows must lie in [0, {r}) and starts in [0, {smax - n}]; "
+                               f"got rows {rows.tolist()}, starts {starts.tolist()}")
+        return attention_batched_reference(q, k_cache, v_cache, rows, starts)
+    if rows.device.type != "cpu" or starts.device.type != "cpu":
+        raise ValueError("attention_batched: rows and starts must be CPU tensors for a CPU cache")
+    q, rows, starts = q.contiguous(), rows.contiguous(), starts.contiguous()
+    out = torch.empty_like(q)
+    status = lib.ringshm_attn_forward_batched(
+        _f32p(out), _f32p(q), _f32p(k_cache), _f32p(v_cache),
+        ffi.cast("int64_t *", rows.data_ptr()), ffi.cast("int64_t *", starts.data_ptr()),
+        b, r, n, hq, hkv, smax, d)
+    if status == lib.RINGSHM_KERNEL_ERR_RANGE:
+        raise KVRangeError(f"attention_batched: rows must lie in [0, {r}) and starts in [0, {smax - n}]; "
+                           f"got rows {rows.tolist()}, starts {starts.tolist()}")
+    _check(status, "attention_batched")
+    return out
