@@ -8,7 +8,7 @@ DEPS_STAMP := .stamp-deps
 PYTEST_ARGS ?=
 CC ?= cc
 
-.PHONY: install demo test test-c bench clean
+.PHONY: install demo demo-ring test test-c bench clean
 
 install: $(EXT_STAMP)
 
@@ -27,7 +27,12 @@ $(EXT_STAMP): $(DEPS_STAMP) $(CSRC)
 	$(PYTHON) setup.py -q build_ext --inplace
 	touch $@
 
+DEMO_PROMPT ?= What are three reasons the sky looks blue? Answer briefly.
+
 demo: install
+	$(PYTHON) -m ringshm.cli generate --chat --stages 3 --max-new-tokens 96 "$(DEMO_PROMPT)"
+
+demo-ring: install
 	$(PYTHON) -m ringshm.demo
 
 test: install test-c

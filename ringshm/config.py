@@ -62,3 +62,81 @@ class ModelConfig:
     def kv_dim(self) -> int:
         """Width of each of the key and value projection outputs, ``n_kv_heads * head_dim``."""
         return self.n_kv_heads * self.head_dim
+
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to run a model: stage processes, KV rows, prefill chunking. No environment knobs.
+
+    Args:
+        model: a ``.gguf`` file or an HF directory; None = the default model (``ringshm.models``).
+        stages: stage processes, each owning a contiguous layer range.
+        layer_split: layers per stage (e.g. ``(10, 10, 10)``), summing to the model's layer count; None =
+            as even as possible, earlier stages taking the remainder.
+        device: "cpu", or "cuda" (stage i on GPU ``i % torch.cuda.device_count()``).
+        prefill_chunk: prompt tokens per prefill op (chunked prefill).
+        prefill_depth: prefill ops in flight at once (1 = serial; more pipelines the stages).
+        max_seq_len: positions per KV row (prompt + generated); capped at the model's context length.
+        max_rows: KV rows per stage, i.e. streams that can be live at once.
+        dtype: weights and activations, "float32" or "bfloat16" (the KV cache stays fp32).
+        op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.
+        startup_timeout_s: the longest startup (every stage loaded and answering) may take.
+
+    Raises:
+        ValueError: a field out of range, with what to change.
+    """
+
+    model: str | None = None
+    stages: int = 3
+    layer_split: tuple[int, ...] | None = None
+    device: str = "cpu"
+    prefill_chunk: int = 256
+    prefill_depth: int = 8
+    max_seq_len: int = 2048
+    max_rows: int = 8
+    dtype: str = "float32"
+    op_timeout_s: float = 120.0
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for name in ("stages", "prefill_chunk", "prefill_depth", "max_seq_len", "max_rows"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.layer_split is not None:
+            split = tuple(self.layer_split)
+            if len(split) != self.stages or any(not isinstance(n, int) or n < 1 for n in split):
+                raise ValueError(f"layer_split must give {self.stages} layer counts >= 1 (one per stage), "
+                                 f"got {self.layer_split!r}")
+            object.__setattr__(self, "layer_split", split)
+        if not (self.op_timeout_s > 0 and self.startup_timeout_s > 0):
+            raise ValueError("op_timeout_s and startup_timeout_s must be > 0")
+
+    def layer_ranges(self, n_layers: int) -> list[range]:
+        """Each stage's contiguous layer range for a model of ``n_layers``.
+
+        Raises:
+            ValueError: more stages than layers, or a ``layer_split`` that does not sum to ``n_layers``.
+        """
+        if self.stages > n_layers:
+            raise ValueError(f"{self.stages} stages for a {n_layers}-layer model: use at most {n_layers}")
+        if self.layer_split is None:
+            base, extra = divmod(n_layers, self.stages)
+            counts = [base + (i < extra) for i in range(self.stages)]
+        else:
+            counts = list(self.layer_split)
+            if sum(counts) != n_layers:
+                raise ValueError(f"layer_split {self.layer_split} sums to {sum(counts)}, the model has "
+                                 f"{n_layers} layers")
+        ranges, start = [], 0
+        for n in counts:
+            ranges.append(range(start, start + n))
+            start += n
+        return ranges

@@ -1,8 +1,7 @@
-"""``python -m ringshm.demo``: the main job ``make demo`` runs.
+"""``python -m ringshm.demo`` (``make demo-ring``): the ring on its own, between two processes.
 
-For now (issue 2) a ring ping-pong between two processes that prints its figures: 64-byte round-trip
-latency next to multiprocessing.Pipe, and 1 MiB record throughput next to a single-core memcpy. The model
-demo replaces it once the engine lands (issue 4).
+A ping-pong that prints its figures: 64-byte round-trip
+latency next to multiprocessing.Pipe, and 1 MiB record throughput next to a single-core memcpy.
 """
 
 from __future__ import annotations

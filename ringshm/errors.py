@@ -98,3 +98,39 @@ class LayerRangeError(RingshmError, ValueError):
 
 class KVRangeError(RingshmError, ValueError):
     """An op would read KV positions a row has not written, or write past ``max_seq_len``; nothing changed."""
+
+
+# ------------------------------------------------------------------------------------------ engine errors
+class StageDied(PeerDied):
+    """A stage process is gone (killed, crashed). ``stage`` is its index, ``exitcode`` its exit status
+    (negative: the signal that killed it)."""
+
+    def __init__(self, message: str, stage: int = -1, exitcode: int | None = None):
+        super().__init__(message)
+        self.stage = stage
+        self.exitcode = exitcode
+
+
+class StageError(RingshmError, RuntimeError):
+    """A stage failed an op and answered with an error reply; the engine stays usable.
+
+    ``stage``: the index of the stage that raised; ``remote_type``: the exception's class name there.
+    """
+
+    def __init__(self, message: str, stage: int = -1, remote_type: str = ""):
+        super().__init__(message)
+        self.stage = stage
+        self.remote_type = remote_type
+
+
+class StageStartupError(StageError):
+    """A stage could not start (e.g. its weights failed to load); the message is the stage's own error."""
+
+
+class KVCacheOverflow(StageError, ValueError):
+    """An op would write or read KV positions a stage's cache does not have (``KVRangeError`` there)."""
+
+
+class ReplyMismatch(RingshmError, RuntimeError):
+    """A reply does not answer the op the coordinator expects next (row, sequence number or op differ):
+    replies must come back in send order, and a mismatch is raised rather than mis-assigned."""

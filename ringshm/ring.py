@@ -74,9 +74,7 @@ class Ring:
         # A creator that forgets close() still removes the name when the object is collected or at exit.
         self._finalizer = weakref.finalize(self, segment.unlink) if segment.owner else None
         if role is not None:
-            if role not in _ROLE_NAMES:
-                raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
-            self._claim(_ROLE_NAMES[role])
+            self.claim(role)
 
     # ----------------------------------------------------------------------------------------------- life
     @classmethod
@@ -313,6 +311,17 @@ class Ring:
         data = bytes(self.peek(timeout_s))
         self.release()
         return data
+
+    def claim(self, role: str) -> None:
+        """Take the 'producer' or 'consumer' side now (otherwise the first call of that side takes it).
+
+        Raises:
+            ValueError: an unknown role. RoleTaken: another live process holds that side.
+        """
+        if role not in _ROLE_NAMES:
+            raise ValueError(f"role must be 'producer' or 'consumer', got {role!r}")
+        if _ROLE_NAMES[role] not in self._roles:
+            self._claim(_ROLE_NAMES[role])
 
     # ---------------------------------------------------------------------------------------- inspection
     def used_bytes(self) -> int:

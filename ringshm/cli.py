@@ -1,0 +1,95 @@
+"""The ``ringshm`` command line.
+
+    ringshm generate [--model PATH] [--stages N] [--prefill-chunk N] [--prefill-depth N]
+                     [--max-new-tokens N] [--temperature T --seed S] [--chat] [--json] PROMPT
+
+Text streams to stdout as it is generated; a one-line summary (TTFT, decode tok/s, stages) follows on
+stderr. With ``--json``, stdout holds exactly one JSON object: the result's fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--stages", type=int, default=3, help="stage processes (default 3)")
+    p.add_argument("--layer-split", default=None,
+                   help="layers per stage, comma-separated, e.g. 10,10,10 (default: even)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill op")
+    p.add_argument("--prefill-depth", type=int, default=8, help="prefill ops in flight")
+    p.add_argument("--max-seq-len", type=int, default=2048)
+    p.add_argument("--max-rows", type=int, default=8)
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict:
+    split = None
+    if a.layer_split:
+        try:
+            split = tuple(int(x) for x in a.layer_split.split(","))
+        except ValueError:
+            raise SystemExit(f"--layer-split must be comma-separated integers, got {a.layer_split!r}") from None
+    return dict(model=a.model, stages=a.stages, layer_split=split, device=a.device, dtype=a.dtype,
+                prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, max_seq_len=a.max_seq_len,
+                max_rows=a.max_rows)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringshm", description="Pipeline-parallel LLM inference over "
+                                     "shared-memory rings.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a continuation of PROMPT")
+    _engine_args(gen)
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object with the result, nothing else")
+    return parser
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from ringshm.engine import Engine
+
+    def show(ev) -> None:
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+
+    with Engine(progress=not a.json, **_engine_kwargs(a)) as engine:
+        result = engine.generate(a.prompt, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                                 top_p=a.top_p, seed=a.seed, stop=a.stop, chat=a.chat,
+                                 on_token=None if a.json else show)
+        stages = engine.config.stages
+    if a.json:
+        print(json.dumps(dict(result.to_dict(), stages=stages)))
+    else:
+        sys.stdout.write("\n")
+        print(f"[ttft {result.ttft_s * 1e3:.0f} ms | decode {result.decode_tok_s:.1f} tok/s | "
+              f"{result.n_prompt_tokens} prompt + {result.n_output_tokens} output tokens | {stages} stages | "
+              f"finish: {result.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``ringshm`` console script. Bad arguments exit with status 2 and a message."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except ValueError as exc:  # bad input: a clear message, no traceback
+        print(f"ringshm: error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

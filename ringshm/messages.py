@@ -1,0 +1,209 @@
+"""Every op and tag on the wire, and the record codec. No pickle: a fixed binary header, a row table, tensor
+descriptors, then raw tensor bytes written straight into the ring record and read back zero-copy.
+
+Record layout (little-endian, every section 8-byte aligned):
+
+    +--------------------------------------------------------------------------------------------+
+    | header (HEADER.size = 48 bytes)                                                            |
+    |   magic u16 | version u8 | op u8 | flags u16 | n_tensors u8 | pad u8                       |
+    |   job u32 | epoch u32 | seq u64 | row i32 | start i32 | n_tokens i32 | n_rows i32 | aux i64 |
+    +--------------------------------------------------------------------------------------------+
+    | row table: n_rows x (row i32, start i32)   (lockstep batch ops; one entry for single-row)  |
+    +--------------------------------------------------------------------------------------------+
+    | tensor descriptors: n_tensors x (dtype u8, ndim u8, pad u16, shape 4 x i32, nbytes u64)    |
+    +--------------------------------------------------------------------------------------------+
+    | tensor bytes, each starting on a 64-byte boundary of the record                            |
+    +--------------------------------------------------------------------------------------------+
+
+A reply repeats the op's job, epoch, seq, row, start and row table with ``flags | REPLY``; an error reply
+has ``op = ERROR`` and one uint8 tensor holding ``"<ExceptionName>: <message>"`` in UTF-8.
+"""
+
+from __future__ import annotations
+
+import struct
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+# ---------------------------------------------------------------------------------------------- op codes
+RESET = 1  # clear rows: row table = the rows; no tensor; reply: empty
+PREFILL = 2  # a chunk of prompt tokens for one row; reply: argmax at the last position
+VERIFY = 3  # n tokens for one row; reply: argmax at every position (speculative decoding)
+DECODE = 4  # one token per row for a lockstep batch of rows; reply: argmax per row
+SHUTDOWN = 5  # the stage forwards it and exits its loop
+PING = 6  # startup / liveness: every stage forwards it; reply carries nothing
+ERROR = 0x7F  # a stage failed an op: payload names the exception
+
+OP_NAMES = {RESET: "reset", PREFILL: "prefill", VERIFY: "verify", DECODE: "decode", SHUTDOWN: "shutdown",
+            PING: "ping", ERROR: "error"}
+
+# ------------------------------------------------------------------------------------------------- flags
+REPLY = 1 << 0  # set by the last stage on what it sends back to the coordinator
+WANT_LOGITS = 1 << 1  # last stage appends the last position's fp32 logits (sampling)
+ALL_POSITIONS = 1 << 2  # last stage returns argmax at every position (verify)
+HIDDEN = 1 << 3  # the tensor is hidden states (between stages), not token ids
+
+MAGIC = 0x5352  # "RS"
+VERSION = 1
+HEADER = struct.Struct("<HBBHBxIIQiiiiq")
+ROW_ENTRY = struct.Struct("<ii")
+TENSOR_DESC = struct.Struct("<BBxx4iQ")
+TENSOR_ALIGN = 64
+MAX_NDIM = 4
+MAX_TENSORS = 4
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8]
+_DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
+
+# A ring record is read-only; tensors over it are only ever copied from, never written.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+
+class ProtocolError(ValueError):
+    """A record that does not decode: bad magic or version, or sizes that disagree with the record."""
+
+
+def _align(n: int, a: int = 8) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass
+class Message:
+    """One op or reply. ``rows`` is the row table: ``[(row, start), ...]``; single-row ops have one entry.
+
+    ``tensors``: CPU tensors to send, or (decoded) zero-copy views over the ring record that are valid
+    only until the record is released: copy what you keep.
+    """
+
+    op: int
+    job: int = 0
+    epoch: int = 0
+    seq: int = 0
+    row: int = 0
+    start: int = 0
+    n_tokens: int = 0
+    flags: int = 0
+    aux: int = 0  # op-specific integer (e.g. the sampling seed, or the stage index of an error)
+    rows: list[tuple[int, int]] = field(default_factory=list)
+    tensors: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def is_reply(self) -> bool:
+        return bool(self.flags & REPLY)
+
+    def reply(self, tensors: list[torch.Tensor], flags: int = 0) -> "Message":
+        """A reply to this op: same job/epoch/seq/row/start/rows, ``REPLY`` set."""
+        return Message(self.op, self.job, self.epoch, self.seq, self.row, self.start, self.n_tokens,
+                       (self.flags & ~HIDDEN) | REPLY | flags, self.aux, self.rows, tensors)
+
+    def error(self, exc: BaseException, stage: int) -> "Message":
+        """An error reply naming ``exc`` (class and message) and the stage that raised it (in ``aux``)."""
+        text = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
+        payload = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
+        return Message(ERROR, self.job, self.epoch, self.seq, self.row, self.start, self.n_tokens,
+                       self.flags | REPLY, stage, self.rows, [payload])
+
+    def error_text(self) -> str:
+        """The ``"<ExceptionName>: <message>"`` of an ERROR message."""
+        return bytes(self.tensors[0].numpy()).decode("utf-8", "replace") if self.tensors else ""
+
+
+def _layout(msg: Message) -> tuple[int, list[int]]:
+    """Total record bytes and the offset of each tensor's bytes."""
+    off = HEADER.size + _align(ROW_ENTRY.size * len(msg.rows)) + TENSOR_DESC.size * len(msg.tensors)
+    offsets = []
+    for t in msg.tensors:
+        off = _align(off, TENSOR_ALIGN)
+        offsets.append(off)
+        off += t.numel() * t.element_size()
+    return off, offsets
+
+
+def encoded_size(msg: Message) -> int:
+    """Bytes ``encode_into`` writes for ``msg``."""
+    return _layout(msg)[0]
+
+
+def encode_into(buf: memoryview, msg: Message) -> int:
+    """Write ``msg`` into ``buf`` (e.g. a view from ``Ring.reserve``); returns the bytes written.
+
+    Tensors must be CPU and contiguous (the caller moves device tensors to the host once).
+
+    Raises:
+        ValueError: too many tensors or dims, an unsupported dtype, a non-contiguous or non-CPU tensor,
+            or ``buf`` too small.
+    """
+    if len(msg.tensors) > MAX_TENSORS:
+        raise ValueError(f"at most {MAX_TENSORS} tensors per record, got {len(msg.tensors)}")
+    total, offsets = _layout(msg)
+    if len(buf) < total:
+        raise ValueError(f"buffer of {len(buf)} bytes cannot hold a {total}-byte record")
+    HEADER.pack_into(buf, 0, MAGIC, VERSION, msg.op, msg.flags, len(msg.tensors), msg.job, msg.epoch,
+                     msg.seq, msg.row, msg.start, msg.n_tokens, len(msg.rows), msg.aux)
+    off = HEADER.size
+    for r, s in msg.rows:
+        ROW_ENTRY.pack_into(buf, off, r, s)
+        off += ROW_ENTRY.size
+    off = HEADER.size + _align(ROW_ENTRY.size * len(msg.rows))
+    for t in msg.tensors:
+        if t.dim() > MAX_NDIM or t.dtype not in _DTYPE_CODE:
+            raise ValueError(f"cannot send a {t.dim()}-d {t.dtype} tensor (at most {MAX_NDIM} dims of "
+                             f"{[str(d) for d in _DTYPES]})")
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("tensors on the wire must be contiguous CPU tensors; call .contiguous().cpu()")
+        shape = list(t.shape) + [0] * (MAX_NDIM - t.dim())
+        TENSOR_DESC.pack_into(buf, off, _DTYPE_CODE[t.dtype], t.dim(), *shape, t.numel() * t.element_size())
+        off += TENSOR_DESC.size
+    for t, o in zip(msg.tensors, offsets):
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            dst = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=o)
+            dst.copy_(t.reshape(-1).view(torch.uint8))
+    return total
+
+
+def encode(msg: Message) -> bytearray:
+    """``msg`` as a new bytearray (for ``Ring.try_send``; the hot path encodes into ``Ring.reserve``)."""
+    buf = bytearray(encoded_size(msg))
+    encode_into(memoryview(buf), msg)
+    return buf
+
+
+def decode(buf: memoryview) -> Message:
+    """Parse a record; tensors are zero-copy views over ``buf`` (valid until it is released).
+
+    Raises:
+        ProtocolError: bad magic/version, or a row table / tensor that runs past the record.
+    """
+    if len(buf) < HEADER.size:
+        raise ProtocolError(f"record of {len(buf)} bytes is shorter than the {HEADER.size}-byte header")
+    (magic, version, op, flags, n_tensors, job, epoch, seq, row, start, n_tokens, n_rows,
+     aux) = HEADER.unpack_from(buf, 0)
+    if magic != MAGIC or version != VERSION:
+        raise ProtocolError(f"record magic/version {magic:#x}/{version}, expected {MAGIC:#x}/{VERSION}")
+    if n_rows < 0 or n_tensors > MAX_TENSORS:
+        raise ProtocolError(f"record claims {n_rows} rows and {n_tensors} tensors")
+    desc_off = HEADER.size + _align(ROW_ENTRY.size * n_rows)
+    if desc_off + TENSOR_DESC.size * n_tensors > len(buf):
+        raise ProtocolError("row table or tensor descriptors run past the record")
+    rows = [ROW_ENTRY.unpack_from(buf, HEADER.size + i * ROW_ENTRY.size) for i in range(n_rows)]
+    tensors = []
+    off = desc_off + TENSOR_DESC.size * n_tensors
+    for i in range(n_tensors):
+        code, ndim, s0, s1, s2, s3, nbytes = TENSOR_DESC.unpack_from(buf, desc_off + i * TENSOR_DESC.size)
+        if code >= len(_DTYPES) or ndim > MAX_NDIM:
+            raise ProtocolError(f"tensor {i}: dtype code {code}, {ndim} dims")
+        dtype, shape = _DTYPES[code], (s0, s1, s2, s3)[:ndim]
+        off = _align(off, TENSOR_ALIGN)
+        numel = 1
+        for d in shape:
+            numel *= d
+        if min(shape, default=0) < 0 or numel * dtype.itemsize != nbytes or off + nbytes > len(buf):
+            raise ProtocolError(f"tensor {i}: shape {shape} of {dtype} does not match {nbytes} bytes "
+                                f"at offset {off} of a {len(buf)}-byte record")
+        t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off) if numel else torch.empty(0, dtype=dtype)
+        tensors.append(t.view(shape))
+        off += nbytes
+    return Message(op, job, epoch, seq, row, start, n_tokens, flags, aux, rows, tensors)

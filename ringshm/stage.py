@@ -1,0 +1,157 @@
+"""The stage process: one single-threaded loop that takes the next op from its input ring, applies it to its
+``StageModel`` and puts the result on its output ring, strictly in arrival order.
+
+Arrival order is the invariant the coordinator relies on: because every stage applies ops in the order it
+received them, keeping many ops in flight (pipelined prefill, de-lockstep rows, speculative verify) gives
+exactly the serial result.
+
+A failed op (bad row, KV overflow) becomes an ERROR reply that every later stage forwards untouched; the
+stage keeps serving. A stage whose upstream peer dies or closes its ring exits (``PeerDied``), so a killed
+coordinator never leaves stages behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+# Shared status slots per stage (multiprocessing.Array of doubles, index * N_SLOTS + slot).
+N_SLOTS = 3
+SLOT_STATE, SLOT_BUSY_S, SLOT_OPS = 0, 1, 2
+STARTING, LOADED, FAILED, EXITED = 0.0, 1.0, 2.0, 3.0
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Everything a stage process needs, as plain values (pickled once by ``spawn`` at process start; the
+    rings themselves carry no pickle)."""
+
+    index: int
+    n_stages: int
+    model_path: str
+    layer_start: int
+    layer_stop: int
+    max_rows: int
+    max_seq_len: int
+    dtype: str
+    device: str
+    in_ring: str
+    out_ring: str
+    n_threads: int
+    ring_timeout_s: float
+
+
+def stage_main(spec: StageSpec, status) -> None:
+    """Process entry point: attach the rings, load the layers, serve ops until SHUTDOWN or a dead peer."""
+    # Threads are set before torch does any work: stages must not oversubscribe the cores (engine.py).
+    import torch
+
+    torch.set_num_threads(spec.n_threads)
+    from ringshm import messages as m
+    from ringshm.errors import PeerDied
+    from ringshm.ring import Ring
+
+    base = spec.index * N_SLOTS
+    rin = Ring.attach(spec.in_ring, role="consumer")
+    rout = Ring.attach(spec.out_ring, role="producer")
+    try:
+        try:
+            model = _load(spec)
+        except Exception as exc:  # report the stage's own error through the ring, then exit
+            status[base + SLOT_STATE] = FAILED
+            _send(rout, m.Message(m.PING).error(exc, spec.index), spec.ring_timeout_s)
+            return
+        status[base + SLOT_STATE] = LOADED
+        serve(model, spec, rin, rout, status)
+    except PeerDied:
+        pass  # upstream or downstream is gone: nothing left to serve
+    finally:
+        status[base + SLOT_STATE] = EXITED
+        rin.close()
+        rout.close()
+        os._exit(0)  # skip interpreter teardown (torch thread pools); the rings are closed
+
+
+def _load(spec: StageSpec):
+    import torch
+
+    from ringshm.model import StageModel
+
+    device = "cuda:0" if spec.device == "cuda" else "cpu"  # CUDA_VISIBLE_DEVICES already picked the GPU
+    return StageModel.from_path(
+        spec.model_path, (spec.layer_start, spec.layer_stop), is_first=spec.index == 0,
+        is_last=spec.index == spec.n_stages - 1, max_rows=spec.max_rows, max_seq_len=spec.max_seq_len,
+        dtype=getattr(torch, spec.dtype), device=device)
+
+
+def _send(ring, msg, timeout_s: float) -> None:
+    from ringshm import messages as m
+
+    n = m.encoded_size(msg)
+    m.encode_into(ring.reserve(n, timeout_s), msg)
+    ring.commit(n)
+
+
+def serve(model, spec: StageSpec, rin, rout, status) -> None:
+    """The loop: peek → decode (zero-copy) → apply → encode into the output ring → release."""
+    from ringshm import messages as m
+
+    base = spec.index * N_SLOTS
+    while True:
+        view = rin.peek(timeout_s=None)  # no deadline: idle is fine; a dead upstream raises PeerDied
+        t0 = time.perf_counter()
+        msg = m.decode(view)
+        if msg.op == m.ERROR or msg.op == m.PING or msg.op == m.SHUTDOWN:
+            out = msg if msg.op != m.PING or spec.index < spec.n_stages - 1 else msg.reply([])
+        else:
+            try:
+                out = apply(model, msg, spec.index == spec.n_stages - 1)
+            except Exception as exc:
+                out = msg.error(exc, spec.index)
+        _send(rout, out, spec.ring_timeout_s)
+        stop = msg.op == m.SHUTDOWN
+        del msg, out, view  # drop tensors that view the input record before releasing it
+        rin.release()
+        status[base + SLOT_BUSY_S] += time.perf_counter() - t0
+        status[base + SLOT_OPS] += 1
+        if stop:
+            return
+
+
+def apply(model, msg, is_last: bool):
+    """Apply one op to ``model`` and build the message to send on (hidden states, or the reply).
+
+    Raises:
+        ValueError / KVRangeError: a malformed op or a bad row/position (sent back as an ERROR reply).
+    """
+    import torch
+
+    from ringshm import messages as m
+
+    if msg.op == m.RESET:
+        model.reset([r for r, _ in msg.rows])
+        return msg.reply([]) if is_last else msg
+    if msg.op not in (m.PREFILL, m.VERIFY, m.DECODE):
+        raise ValueError(f"unknown op code {msg.op}")
+    if len(msg.tensors) != 1:
+        raise ValueError(f"{m.OP_NAMES[msg.op]} op carries {len(msg.tensors)} tensors, expected 1")
+    x = msg.tensors[0]
+    if model.device.type != "cpu":
+        x = x.to(model.device)  # the one copy to the stage's device
+    want_logits = bool(msg.flags & m.WANT_LOGITS)
+    all_positions = msg.op == m.VERIFY
+    if msg.op == m.DECODE and len(msg.rows) > 1:  # lockstep batch: x [B, 1] ids or [B, 1, hidden]
+        rows = [r for r, _ in msg.rows]
+        starts = [s for _, s in msg.rows]
+        out = model.forward_batch(x, rows, starts, all_positions=False, return_logits=want_logits)
+    else:  # one row (a one-row decode is sent in solo shape): x [n] ids or [n, hidden]
+        out = model.forward(x, msg.row, msg.start, all_positions=all_positions, return_logits=want_logits)
+    if not is_last:
+        h = out if out.device.type == "cpu" else out.cpu()
+        return m.Message(msg.op, msg.job, msg.epoch, msg.seq, msg.row, msg.start, msg.n_tokens,
+                         msg.flags | m.HIDDEN, msg.aux, msg.rows, [h.contiguous()])
+    tensors = [out.token_ids.cpu().contiguous()]
+    if want_logits and out.logits is not None:
+        tensors.append(out.logits.float().cpu().contiguous())
+    return msg.reply(tensors)
