@@ -29,6 +29,11 @@ class Figures:
         self.extra[name] = extra
         benchmark.extra_info.update(extra, per_op_median_s=self.medians[name])
 
+    def record_value(self, name: str, seconds: float, **extra) -> None:
+        """Store a median the bench computed itself (e.g. the median TPOT over rounds), in seconds."""
+        self.medians[name] = seconds
+        self.extra[name] = extra
+
     def ratio(self, label: str, numerator: str, denominator: str, goal: str = "") -> None:
         """Ask for ``median(numerator) / median(denominator)`` in the end-of-session table."""
         self.ratios.append((label, numerator, denominator, goal))

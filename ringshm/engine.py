@@ -41,6 +41,9 @@ class GenerationResult:
     ``ttft_s``: time to first token, from the call to the first token committed (prefill included).
     ``tpot_s``: mean time per output token after the first; ``decode_tok_s`` = 1 / tpot_s.
     ``stage_busy_s``: seconds each stage spent applying this request's ops.
+    ``hop_overhead_us``: mean cost of one ring hop per decode op, i.e. decode wall time minus the stages'
+    busy time during decode, over (decode ops x (stages + 1) hops); a single stream's decode visits the
+    stages one after another, so everything that is not a stage computing is the ring and the coordinator.
     """
 
     token_ids: list[int]
@@ -52,6 +55,7 @@ class GenerationResult:
     n_prompt_tokens: int
     n_output_tokens: int
     stage_busy_s: list[float] = field(default_factory=list)
+    hop_overhead_us: float = 0.0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -226,6 +230,11 @@ class Engine:
         return [p.pid for p in self._procs]
 
     @property
+    def in_flight(self) -> int:
+        """Ops sent and not yet answered (0 between requests)."""
+        return self._link.in_flight
+
+    @property
     def segment_names(self) -> list[str]:
         """Names of the shared-memory segments this engine owns."""
         return [r.name for r in self._rings]
@@ -282,22 +291,30 @@ class Engine:
                       TextStream(tokenizer, stops), self.eos_ids)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=None,
-               chat: bool = False) -> Iterator[TokenEvent]:
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
+               prefill_depth: int | None = None) -> Iterator[TokenEvent]:
         """Generate, yielding a ``TokenEvent`` (token id and text delta) per committed token.
 
-        Arguments as ``generate``. Closing the generator early drains what is in flight, so the engine is
-        ready for the next request.
+        Arguments as ``generate``; bad input raises here, at the call, before anything is sent. Closing the
+        generator early drains what is in flight, so the engine is ready for the next request.
         """
         s = self._make_stream(0, 0, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
-        yield from self._run_solo(s)
+        return self._run_solo(s, self._depth(prefill_depth))
 
-    def _run_solo(self, s: Stream) -> Iterator[TokenEvent]:
+    def _depth(self, prefill_depth: int | None) -> int:
+        """The prefill depth of one request: the engine's unless overridden (A/B runs on one engine)."""
+        if prefill_depth is None:
+            return self.config.prefill_depth
+        if not isinstance(prefill_depth, int) or prefill_depth < 1:
+            raise ValueError(f"prefill_depth must be an int >= 1, got {prefill_depth!r}")
+        return prefill_depth
+
+    def _run_solo(self, s: Stream, depth: int) -> Iterator[TokenEvent]:
         if self._closed:
             raise RuntimeError("engine is closed")
         self._job += 1
         try:
-            for ev in prefill(self._link, [s], self.config.prefill_chunk, self.config.prefill_depth, self._job):
+            for ev in prefill(self._link, [s], self.config.prefill_chunk, depth, self._job):
                 yield ev
             yield from decode_solo(self._link, s, self._job)
         finally:
@@ -305,7 +322,8 @@ class Engine:
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
-                 on_token: Callable[[TokenEvent], None] | None = None) -> GenerationResult:
+                 on_token: Callable[[TokenEvent], None] | None = None,
+                 prefill_depth: int | None = None) -> GenerationResult:
         """Generate a continuation of ``prompt`` over the stage ring.
 
         Args:
@@ -315,6 +333,7 @@ class Engine:
             temperature, top_k, top_p, seed: sampling (temperature 0 = greedy; same seed, same tokens).
             stop: a string or strings that end the generation (the text is cut before them).
             on_token: called with each ``TokenEvent`` as it is committed (streaming).
+            prefill_depth: prefill ops in flight for this request (default: the engine's).
 
         Raises:
             ValueError: empty prompt, ids outside the vocabulary, prompt + max_new_tokens > max_seq_len,
@@ -323,11 +342,15 @@ class Engine:
             StageError / KVCacheOverflow: a stage failed an op; the engine stays usable.
         """
         s = self._make_stream(0, 0, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
+        depth = self._depth(prefill_depth)
         busy0 = self._busy()
-        for ev in self._run_solo(s):
+        busy_first = None
+        for ev in self._run_solo(s, depth):
+            if busy_first is None:
+                busy_first = self._busy()
             if on_token is not None:
                 on_token(ev)
-        return self._result(s, busy0)
+        return self._result(s, busy0, busy_first)
 
     def _busy(self) -> list[float]:
         return [self._status[i * N_SLOTS + SLOT_BUSY_S] for i in range(self.config.stages)]
@@ -336,13 +359,19 @@ class Engine:
         """Ops each stage has applied since startup."""
         return [int(self._status[i * N_SLOTS + SLOT_OPS]) for i in range(self.config.stages)]
 
-    def _result(self, s: Stream, busy0: list[float]) -> GenerationResult:
+    def _result(self, s: Stream, busy0: list[float], busy_first: list[float]) -> GenerationResult:
         times = s.token_times
         n = len(s.tokens)
         ttft = times[0] - s.t_start
         tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else 0.0
+        busy_end = self._busy()
+        hop_us = 0.0
+        if n > 1:
+            decode_busy = sum(busy_end) - sum(busy_first)
+            hops = (n - 1) * (self.config.stages + 1)
+            hop_us = ((times[-1] - times[0]) - decode_busy) / hops * 1e6
         return GenerationResult(
             token_ids=list(s.tokens), text=s.text.text, finish_reason=s.finish_reason or "length",
             ttft_s=ttft, tpot_s=tpot, decode_tok_s=1.0 / tpot if tpot > 0 else 0.0,
             n_prompt_tokens=len(s.prompt), n_output_tokens=n,
-            stage_busy_s=[b - b0 for b, b0 in zip(self._busy(), busy0)])
+            stage_busy_s=[b - b0 for b, b0 in zip(busy_end, busy0)], hop_overhead_us=hop_us)

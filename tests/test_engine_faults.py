@@ -1,0 +1,75 @@
+"""Faults of the ring engine (issue 4): a stage SIGKILLed mid-decode is named within 2 s; nothing outlives
+close(), a second close(), or an engine garbage-collected without close(); a stage that cannot load reports
+its own error."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ringshm.engine import Engine
+from ringshm.errors import StageDied, StageStartupError
+from ringshm.segment import list_segments, process_start_time
+
+KW = dict(prefill_chunk=64, max_rows=1, max_seq_len=256, progress=False)
+
+
+def _gone(pids: list[int], timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(process_start_time(p) is None for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_stage_killed_mid_decode_raises_stage_died_naming_it_within_2s(model_path):
+    engine = Engine(model_path, stages=3, **KW)
+    pids, names = engine.pids, engine.segment_names
+    try:
+        tokens = engine.stream("Tell me a long story about a lighthouse keeper.", max_new_tokens=200, chat=True)
+        next(tokens)
+        next(tokens)
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(StageDied) as info:
+            for _ in tokens:
+                pass
+        elapsed = time.monotonic() - t0
+        assert info.value.stage == 1 and "stage 1" in str(info.value)
+        assert elapsed < 2.0, f"StageDied after {elapsed:.2f} s"
+    finally:
+        engine.close()
+        engine.close()  # idempotent
+    assert _gone(pids)
+    assert not set(names) & set(list_segments())
+
+
+def test_engine_collected_without_close_leaves_no_process_and_no_segment(model_path):
+    engine = Engine(model_path, stages=2, **KW)
+    engine.generate("Hi", max_new_tokens=2)
+    pids, names = engine.pids, engine.segment_names
+    del engine
+    gc.collect()
+    assert _gone(pids)
+    assert not set(names) & set(list_segments())
+
+
+def test_stage_that_cannot_load_fails_startup_with_its_own_error(tmp_path):
+    # A tiny HF checkpoint whose config promises 2 layers but whose file holds only the embedding.
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, '
+        '"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, '
+        '"vocab_size": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256, '
+        '"tie_word_embeddings": true}')
+    save_file({"model.embed_tokens.weight": torch.zeros(128, 64)}, str(tmp_path / "model.safetensors"))
+    before = set(list_segments())
+    with pytest.raises(StageStartupError, match="MissingTensor|missing"):
+        Engine(tmp_path, stages=2, **KW)
+    assert set(list_segments()) <= before
