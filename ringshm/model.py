@@ -1,0 +1,306 @@
+"""``StageModel``: one contiguous layer range of a Llama-family decoder, with its own KV cache.
+
+The model knows its layer range and whether it is first (embeds token ids) or last (final norm + LM head);
+it knows nothing about processes or rings. Matmuls are ``torch.nn.functional.linear``; RoPE, KV-append and
+attention go through ``ringshm.kernels``.
+
+KV cache: per layer ``k_cache[l]``, ``v_cache[l]`` of ``[max_rows, n_kv_heads, max_seq_len, head_dim]`` fp32
+(the kernels' dtype, whatever the weights' dtype), allocated once. Each row has a written length ``length[r]``:
+
+    op at (row r, start s, n tokens)      condition                      effect
+    ------------------------------------  -----------------------------  -------------------------------
+    append / continue                     s == length[r]                 writes [s, s+n), length = s+n
+    overwrite (speculative rollback)      s <  length[r]                 writes [s, s+n), length = s+n
+    read past what was written            s >  length[r]                 KVRangeError, nothing changed
+    write past the cache                  s + n > max_seq_len            KVRangeError, nothing changed
+    reset(rows)                                                          length = 0 (no memory is cleared)
+
+Layer math (Llama; Qwen2 adds q/k/v biases), per layer on the residual stream ``x [T, hidden]``:
+    x += Wo · attention(rope(Wq · norm(x)), kv_append(rope(Wk · norm(x)), Wv · norm(x)))
+    x += Wdown · (silu(Wgate · norm(x)) * (Wup · norm(x)))
+Q, K and V are one fused matmul (``wqkv``), gate and up another (``w_gate_up``): fewer, larger GEMMs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ringshm import kernels
+from ringshm.config import ModelConfig
+from ringshm.errors import KVRangeError
+from ringshm.loader import Checkpoint, StageWeights, check_layer_range
+
+
+@dataclass
+class StageOutput:
+    """What the last stage returns for one op.
+
+    ``token_ids``: int64 argmax ids, ``[n]`` (all positions) or ``[1]`` (last only) for a single row;
+    ``[B, n]`` or ``[B, 1]`` for a batch. ``logits``: fp32 logits of the last position, ``[vocab]`` or
+    ``[B, vocab]``, only when asked for.
+    """
+
+    token_ids: torch.Tensor
+    logits: torch.Tensor | None = None
+
+
+class _Layer:
+    """One decoder layer's weights, fused for fewer GEMMs: ``wqkv [q_dim + 2*kv_dim, hidden]``,
+    ``w_gate_up [2*intermediate, hidden]``."""
+
+    def __init__(self, w) -> None:
+        self.attn_norm, self.ffn_norm = w.attn_norm, w.ffn_norm
+        self.wqkv = torch.cat([w.wq, w.wk, w.wv], dim=0)
+        self.bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
+        self.wo, self.w_down = w.wo, w.w_down
+        self.w_gate_up = torch.cat([w.w_gate, w.w_up], dim=0)
+
+
+class StageModel:
+    """Layers ``layer_range`` of a model, with the embedding when first and norm + LM head when last.
+
+    Args:
+        config: the whole model's shape.
+        layer_range: ``range(start, stop)`` or ``(start, stop)`` inside ``[0, config.n_layers)``.
+        is_first, is_last: whether this stage embeds token ids / applies final norm and LM head.
+        max_rows: KV cache rows (concurrent sequences). max_seq_len: positions per row (≤ config's).
+        dtype: weights and activations (fp32 default, bf16 option); the KV cache is always fp32.
+        weights: the stage's weights from ``ringshm.loader``; ``from_path`` loads them for you.
+
+    Raises:
+        LayerRangeError: the range is empty or outside the model.
+        ValueError: ``max_rows``/``max_seq_len`` not positive, or weights for a different range.
+    """
+
+    def __init__(self, config: ModelConfig, layer_range: range | tuple[int, int], is_first: bool,
+                 is_last: bool, max_rows: int, max_seq_len: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", weights: StageWeights | None = None) -> None:
+        self.config = config
+        self.layer_range = check_layer_range(layer_range, config.n_layers)
+        if max_rows <= 0 or max_seq_len <= 0:
+            raise ValueError(f"max_rows and max_seq_len must be positive, got {max_rows}, {max_seq_len}")
+        if weights is None or weights.layer_range != self.layer_range:
+            got = None if weights is None else weights.layer_range
+            raise ValueError(f"StageModel for layers {self.layer_range} needs their weights, got {got}; "
+                             f"use StageModel.from_path to load them")
+        if (is_first and weights.embed is None) or (is_last and (weights.norm is None or weights.lm_head is None)):
+            raise ValueError("weights lack the embedding (first stage) or final norm / LM head (last stage)")
+        self.is_first, self.is_last = is_first, is_last
+        self.max_rows, self.max_seq_len = max_rows, max_seq_len
+        self.dtype, self.device = dtype, torch.device(device)
+        self.embed = weights.embed if is_first else None
+        self.norm = weights.norm if is_last else None
+        self.lm_head = weights.lm_head if is_last else None
+        self.layers = [_Layer(w) for w in weights.layers]
+        n_kv, d = config.n_kv_heads, config.head_dim
+        shape = (max_rows, n_kv, max_seq_len, d)  # [R, Hkv, S_max, D]
+        self.k_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
+        self.length = [0] * max_rows  # positions written per row
+        self.cos, self.sin = kernels.rope_tables(d, max_seq_len, config.rope_theta, device=self.device)
+
+    @classmethod
+    def from_path(cls, path: str | Path, layer_range: range | tuple[int, int] | None = None,
+                  is_first: bool | None = None, is_last: bool | None = None, max_rows: int = 1,
+                  max_seq_len: int = 2048, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu", checkpoint: Checkpoint | None = None) -> StageModel:
+        """Load a stage from a ``.gguf`` file or HF directory, reading only its own tensors.
+
+        ``layer_range`` defaults to all layers; ``is_first``/``is_last`` default to whether the range
+        touches layer 0 / the last layer. ``max_seq_len`` is capped at the model's context length.
+        Pass an already opened ``checkpoint`` to skip re-parsing the file.
+
+        Raises:
+            the errors of ``Checkpoint.open`` and ``Checkpoint.load_stage``.
+        """
+        ckpt = checkpoint if checkpoint is not None else Checkpoint.open(path)
+        cfg = ckpt.config
+        r = check_layer_range(layer_range if layer_range is not None else (0, cfg.n_layers), cfg.n_layers)
+        first = r.start == 0 if is_first is None else is_first
+        last = r.stop == cfg.n_layers if is_last is None else is_last
+        weights = ckpt.load_stage(r, first, last, dtype=dtype, device=device)
+        return cls(cfg, r, first, last, max_rows, min(max_seq_len, cfg.max_seq_len), dtype, device, weights)
+
+    # ---- KV rows ---------------------------------------------------------------------------------
+
+    def reset(self, rows: int | Sequence[int] | None = None) -> None:
+        """Forget what rows ``rows`` (all when None) hold: their length becomes 0. Memory is not cleared."""
+        for r in range(self.max_rows) if rows is None else ([rows] if isinstance(rows, int) else rows):
+            self._check_row(r)
+            self.length[r] = 0
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_rows:
+            raise KVRangeError(f"row {row} outside the KV cache's rows [0, {self.max_rows})")
+
+    def _check_op(self, row: int, start: int, n: int) -> None:
+        self._check_row(row)
+        if start < 0 or start > self.length[row]:
+            raise KVRangeError(f"row {row}: start {start} is past the {self.length[row]} positions written "
+                               f"(an op may start at most at the row's length)")
+        if start + n > self.max_seq_len:
+            raise KVRangeError(f"row {row}: positions [{start}, {start + n}) run past max_seq_len "
+                               f"{self.max_seq_len}")
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, row: int, start: int, *, all_positions: bool = False,
+                return_logits: bool = False) -> torch.Tensor | StageOutput:
+        """Run a chunk of ``n ≥ 1`` positions of one row, starting at absolute position ``start``.
+
+        ``x``: int64 token ids ``[n]`` on the first stage, else hidden states ``[n, hidden]`` (``dtype``).
+        Returns hidden states ``[n, hidden]``, or on the last stage a ``StageOutput`` with argmax ids at all
+        ``n`` positions (``all_positions``, for verify) or the last one (prefill / decode), and the last
+        position's fp32 logits ``[vocab]`` when ``return_logits``. Writes KV at ``[start, start+n)`` of
+        ``row`` and sets its length to ``start + n``.
+
+        Raises:
+            KVRangeError: bad row, ``start`` past the row's length, or ``start + n > max_seq_len``.
+            ValueError: ``x`` of the wrong shape or dtype for this stage.
+        """
+        h = self._input(x, batched=False)  # [n, hidden]
+        n = h.shape[0]
+        self._check_op(row, start, n)
+        for li, layer in enumerate(self.layers):
+            h = self._layer(layer, li, h, lambda q, k, v, li=li: self._attend_row(li, q, k, v, row, start))
+        self.length[row] = start + n
+        if not self.is_last:
+            return h
+        return self._head(h.unsqueeze(0), all_positions, return_logits, squeeze=True)
+
+    def forward_batch(self, x: torch.Tensor, rows: Sequence[int], starts: Sequence[int], *,
+                      all_positions: bool = False, return_logits: bool = False) -> torch.Tensor | StageOutput:
+        """Run a lockstep batch: ``B`` distinct rows, each its own ``start``, all with the same ``n``.
+
+        ``x``: int64 token ids ``[B, n]`` on the first stage, else hidden states ``[B, n, hidden]``.
+        Returns ``[B, n, hidden]``, or on the last stage a ``StageOutput`` with ids ``[B, n]`` / ``[B, 1]``
+        and logits ``[B, vocab]``. Each row follows the rules of ``forward``; all are checked before any
+        is written.
+
+        Raises:
+            KVRangeError: as ``forward``, for any row. ValueError: repeated rows, or a shape mismatch.
+        """
+        h = self._input(x, batched=True)  # [B, n, hidden]
+        b, n = h.shape[0], h.shape[1]
+        rows, starts = [int(r) for r in rows], [int(s) for s in starts]
+        if len(rows) != b or len(starts) != b:
+            raise ValueError(f"batch of {b} needs {b} rows and starts, got {len(rows)} and {len(starts)}")
+        if len(set(rows)) != b:
+            raise ValueError(f"rows of a lockstep batch must be distinct, got {rows}")
+        for r, s in zip(rows, starts):
+            self._check_op(r, s, n)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        flat = h.reshape(b * n, -1)  # [B*n, hidden]
+        for li, layer in enumerate(self.layers):
+            flat = self._layer(layer, li, flat, lambda q, k, v, li=li: self._attend_batch(
+                li, q, k, v, rows, starts, rows_t, starts_t, b, n))
+        for r, s in zip(rows, starts):
+            self.length[r] = s + n
+        h = flat.reshape(b, n, -1)  # [B, n, hidden]
+        if not self.is_last:
+            return h
+        return self._head(h, all_positions, return_logits, squeeze=False)
+
+    __call__ = forward
+
+    def _input(self, x: torch.Tensor, batched: bool) -> torch.Tensor:
+        want = 2 if batched else 1
+        if self.is_first:
+            if x.dim() != want or x.dtype != torch.int64 or x.shape[-1] < 1:
+                raise ValueError(f"first stage takes int64 token ids of {'[B, n]' if batched else '[n]'}, "
+                                 f"n ≥ 1; got {x.dtype} {tuple(x.shape)}")
+            return F.embedding(x.to(self.device), self.embed)
+        hidden = self.config.hidden
+        if x.dim() != want + 1 or x.shape[-1] != hidden or x.shape[-2] < 1:
+            raise ValueError(f"stage takes hidden states of {'[B, n, ' if batched else '[n, '}{hidden}], "
+                             f"n ≥ 1; got {tuple(x.shape)}")
+        return x.to(device=self.device, dtype=self.dtype)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # HF LlamaRMSNorm: normalize in fp32, scale in the weights' dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
+        return weight * xf.to(self.dtype)
+
+    def _layer(self, layer: _Layer, li: int, x: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer on ``x [T, hidden]``; ``attend(q, k, v)`` maps ``[T, H*, D]`` to ``[T, Hq, D]``."""
+        cfg = self.config
+        t = x.shape[0]
+        qkv = F.linear(self._rms_norm(x, layer.attn_norm), layer.wqkv, layer.bqkv)  # [T, q_dim + 2*kv_dim]
+        q, k, v = qkv.float().split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+        q = q.reshape(t, cfg.n_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        a = attend(q, k, v).reshape(t, cfg.q_dim).to(self.dtype)  # [T, Hq*D]
+        x = x + F.linear(a, layer.wo)
+        gate, up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up).chunk(2, dim=-1)  # [T, I] x2
+        return x + F.linear(F.silu(gate) * up, layer.w_down)
+
+    def _attend_row(self, li: int, q, k, v, row: int, start: int) -> torch.Tensor:
+        kc, vc = self.k_cache[li][row], self.v_cache[li][row]  # [Hkv, S_max, D]
+        kernels.kv_append(kc, vc, k.contiguous(), v.contiguous(), start, self.cos, self.sin)
+        q = kernels.apply_rope(q.contiguous(), start, self.cos, self.sin)
+        return kernels.attention(q, kc, vc, start)  # [n, Hq, D]
+
+    def _attend_batch(self, li: int, q, k, v, rows, starts, rows_t, starts_t, b: int, n: int) -> torch.Tensor:
+        cfg = self.config
+        q = q.reshape(b, n, cfg.n_heads, cfg.head_dim)  # [B, n, Hq, D]
+        k = k.reshape(b, n, cfg.n_kv_heads, cfg.head_dim)  # [B, n, Hkv, D]
+        v = v.reshape(b, n, cfg.n_kv_heads, cfg.head_dim)
+        kc, vc = self.k_cache[li], self.v_cache[li]  # [R, Hkv, S_max, D]
+        qr = torch.empty_like(q)
+        for i, (r, s) in enumerate(zip(rows, starts)):
+            kernels.kv_append(kc[r], vc[r], k[i].contiguous(), v[i].contiguous(), s, self.cos, self.sin)
+            qr[i] = kernels.apply_rope(q[i].contiguous(), s, self.cos, self.sin)
+        return kernels.attention_batched(qr, kc, vc, rows_t, starts_t)  # [B, n, Hq, D]
+
+    def _head(self, h: torch.Tensor, all_positions: bool, return_logits: bool, squeeze: bool) -> StageOutput:
+        """Final norm + LM head on ``h [B, n, hidden]``, only at the positions asked for."""
+        sel = h if all_positions else h[:, -1:]  # [B, n or 1, hidden]
+        logits = F.linear(self._rms_norm(sel, self.norm), self.lm_head).float()  # [B, n or 1, vocab]
+        ids = logits.argmax(dim=-1)  # [B, n or 1]
+        last = logits[:, -1] if return_logits else None  # [B, vocab]
+        if squeeze:
+            return StageOutput(ids[0], None if last is None else last[0])
+        return StageOutput(ids, last)
+
+
+def run_stages(stages: Sequence[StageModel], x: torch.Tensor, row: int, start: int, *,
+               all_positions: bool = False, return_logits: bool = False) -> StageOutput:
+    """Run one op through consecutive stages in this process, handing hidden states over as tensors.
+
+    ``x``: int64 token ids ``[n]``; ``stages[0]`` must be first and ``stages[-1]`` last. A local reference
+    for what a pipeline of stage processes computes (same ops, same order, same bytes).
+    """
+    h = x
+    for s in stages[:-1]:
+        h = s.forward(h, row, start)
+    return stages[-1].forward(h, row, start, all_positions=all_positions, return_logits=return_logits)
+
+
+def greedy_generate(stages: Sequence[StageModel], prompt: torch.Tensor, max_new_tokens: int, row: int = 0,
+                    prefill_chunk: int | None = None) -> torch.Tensor:
+    """Greedy-decode ``max_new_tokens`` after ``prompt`` (int64 ``[T]``) on ``row``, starting from position 0.
+
+    The prompt is prefilled in chunks of ``prefill_chunk`` tokens (whole when None), then one token per
+    decode op. Does not stop at EOS. Returns the new token ids, int64 ``[max_new_tokens]``.
+
+    Raises:
+        KVRangeError: the prompt plus the new tokens do not fit in ``max_seq_len``.
+    """
+    n_prompt = prompt.shape[0]
+    chunk = prefill_chunk or n_prompt
+    out = None
+    for start in range(0, n_prompt, chunk):
+        out = run_stages(stages, prompt[start:start + chunk], row, start)
+    tokens = [out.token_ids[-1]]
+    for i in range(max_new_tokens - 1):
+        out = run_stages(stages, tokens[-1].reshape(1), row, n_prompt + i)
+        tokens.append(out.token_ids[-1])
+    return torch.stack(tokens)[:max_new_tokens]
