@@ -9,7 +9,7 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-MODULES = ["ring", "kernels"]  # csrc/<name>.h + csrc/<name>.c each
+MODULES = ["ring", "kernels", "dequant"]  # csrc/<name>.h + csrc/<name>.c each
 
 
 def _cdef_of(header: Path) -> str:

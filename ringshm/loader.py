@@ -2,8 +2,9 @@
 
 Two sources, one contract (``Checkpoint``):
 
-- a ``.gguf`` file, read with the ``gguf`` package (llama.cpp's own reader, memory-mapped): metadata keys
-  ``<arch>.*`` → ``ModelConfig``; tensors dequantized on the CPU (``ringshm.dequant``) to the compute dtype;
+- a ``.gguf`` file, parsed once with the ``gguf`` package (llama.cpp's own reader) into a cached index
+  (``ringshm.gguf_index``), its tensor bytes memory-mapped: metadata keys ``<arch>.*`` → ``ModelConfig``;
+  tensors dequantized on the CPU (``ringshm.dequant``) to the compute dtype;
 - a Hugging Face directory (``config.json`` + ``*.safetensors``), read lazily with ``safetensors.safe_open``.
 
 A stage reads only what it owns: its layers, plus the token embedding when it is first, and the final norm
@@ -32,6 +33,7 @@ from safetensors import safe_open
 from ringshm.config import ModelConfig
 from ringshm.dequant import dequantize
 from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitecture
+from ringshm.gguf_index import GGUFIndex
 
 # Architectures computed by ringshm.model, and whether their GGUF Q/K rows carry llama.cpp's reorder.
 GGUF_ARCHS = {"llama": True, "mistral": True, "qwen2": False}
@@ -139,26 +141,23 @@ class _Source(Protocol):
 
 
 class _GGUFSource:
-    """Tensors of a GGUF file, dequantized to fp32 on demand (the file is memory-mapped, read lazily)."""
+    """Tensors of a GGUF file, dequantized to fp32 on demand. The metadata and tensor table come from the
+    cached ``GGUFIndex`` (parsing a GGUF takes seconds); tensor bytes are memory-mapped and read lazily."""
 
     def __init__(self, path: Path) -> None:
-        from gguf import GGUFReader  # the reader pulls in numpy memmap machinery only when a GGUF is used
-
         self.path = path
-        self.reader = GGUFReader(str(path))
-        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.index = GGUFIndex.open(path)
 
     def meta(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        return self.index.meta.get(key, default)
 
     def has(self, name: str) -> bool:
-        return name in self.tensors
+        return name in self.index.tensors
 
     def get(self, name: str) -> torch.Tensor:
-        t = self.tensors[name]
-        shape = tuple(int(s) for s in reversed(t.shape))  # GGUF lists dims innermost first
-        return dequantize(np.asarray(t.data), t.tensor_type, shape, name=name)
+        t = self.index.tensors[name]
+        shape = tuple(reversed(t.shape))  # GGUF lists dims innermost first
+        return dequantize(self.index.raw(name), t.qtype, shape, name=name)
 
 
 class _HFSource:
@@ -292,8 +291,9 @@ def _gguf_config(src: _GGUFSource) -> ModelConfig:
     hidden = int(need("embedding_length"))
     vocab = src.meta(f"{arch}.vocab_size")
     if vocab is None:
-        tokens = src.reader.fields.get("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else int(src.tensors["token_embd.weight"].shape[1])
+        vocab = src.index.array_lengths.get("tokenizer.ggml.tokens")
+        if vocab is None:
+            vocab = int(src.index.tensors["token_embd.weight"].shape[1])
     eos = src.meta("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         arch=arch,
