@@ -84,6 +84,8 @@ class EngineConfig:
         dtype: weights and activations, "float32" or "bfloat16" (the KV cache stays fp32).
         op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.
+        link_latency_ms: simulated latency of every hop (0: none), standing in for the slow links the seed
+            project ran over; each receiver holds a record until its send time plus this.
 
     Raises:
         ValueError: a field out of range, with what to change.
@@ -100,6 +102,7 @@ class EngineConfig:
     dtype: str = "float32"
     op_timeout_s: float = 120.0
     startup_timeout_s: float = 600.0
+    link_latency_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("stages", "prefill_chunk", "prefill_depth", "max_seq_len", "max_rows"):
@@ -118,6 +121,8 @@ class EngineConfig:
             object.__setattr__(self, "layer_split", split)
         if not (self.op_timeout_s > 0 and self.startup_timeout_s > 0):
             raise ValueError("op_timeout_s and startup_timeout_s must be > 0")
+        if not 0 <= self.link_latency_ms <= 10_000:
+            raise ValueError(f"link_latency_ms must be in [0, 10000], got {self.link_latency_ms!r}")
 
     def layer_ranges(self, n_layers: int) -> list[range]:
         """Each stage's contiguous layer range for a model of ``n_layers``.

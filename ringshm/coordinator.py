@@ -38,10 +38,12 @@ class Link:
     ``POLL_S``, so a dead stage is reported within about that long. ``op_timeout_s`` bounds one wait.
     """
 
-    def __init__(self, to_first: Ring, from_last: Ring, check_stages: Callable[[], None], op_timeout_s: float):
+    def __init__(self, to_first: Ring, from_last: Ring, check_stages: Callable[[], None], op_timeout_s: float,
+                 link_latency_ms: float = 0.0):
         self.to_first, self.from_last = to_first, from_last
         self.check_stages = check_stages
         self.op_timeout_s = op_timeout_s
+        self.link_latency_ms = link_latency_ms
         self.pending: deque[_Pending] = deque()
         self._seq = 0
 
@@ -81,6 +83,7 @@ class Link:
         finally:
             del view
             self.from_last.release()
+        m.hold_until_delivered(reply, self.link_latency_ms)
         want = self.pending.popleft()
         if reply.seq != want.seq or reply.row != want.row or not reply.is_reply:
             raise ReplyMismatch(f"expected the reply to seq {want.seq} ({m.OP_NAMES.get(want.op)}, row "
@@ -131,7 +134,11 @@ def _remote_error(reply: m.Message) -> StageError:
 
 @dataclass
 class Stream:
-    """One request as the coordinator drives it: its KV row, prompt, sampler, stop rules and timings."""
+    """One request as the coordinator drives it: its KV row, prompt, sampler, stop rules and timings.
+
+    ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length" (max_new_tokens) or
+    "cancelled".
+    """
 
     index: int
     row: int
@@ -153,6 +160,11 @@ class Stream:
     def position(self) -> int:
         """Position of the next token to feed (the last committed one)."""
         return len(self.prompt) + len(self.tokens) - 1
+
+    def cancel(self) -> None:
+        """End the stream now (the caller stops sending its ops)."""
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
 
     def commit(self, token: int) -> str:
         """Append one generated token; set ``finish_reason`` on EOS, a stop string or the length limit.
@@ -178,9 +190,12 @@ class TokenEvent:
     text: str
 
 
-def _next_token(stream: Stream, reply: m.Message) -> int:
-    ids = reply.tensors[0].reshape(-1)
-    logits = reply.tensors[1].reshape(-1) if len(reply.tensors) > 1 else None
+def _next_token(stream: Stream, reply: m.Message, i: int) -> int:
+    """The token for entry ``i`` of a reply: ids ``[n]`` (one row; the last position counts) or ``[B, 1]``,
+    logits ``[vocab]`` or ``[B, vocab]``."""
+    ids, logits = reply.tensors[0], reply.tensors[1] if len(reply.tensors) > 1 else None
+    if ids.dim() == 2:
+        return stream.sampler(int(ids[i, -1]), None if logits is None else logits[i])
     return stream.sampler(int(ids[-1]), logits)
 
 
@@ -188,41 +203,106 @@ def _flags(stream: Stream) -> int:
     return 0 if stream.sampler.greedy else m.WANT_LOGITS
 
 
-def prefill(link: Link, streams: list[Stream], chunk: int, depth: int, job: int = 0) -> Iterator[TokenEvent]:
-    """Pipelined chunked prefill of every stream; yields each stream's first token as its last chunk lands.
+@dataclass(frozen=True)
+class PrefillTag:
+    """Tag of a prefill op in flight: its stream, and whether it carries the prompt's last chunk."""
 
-    Every (stream, chunk) pair is listed in order; up to ``depth`` prefill ops are kept in flight; replies
-    are drained in FIFO order and the next op is sent before any other work is done on a reply, so the
-    stages never idle on the coordinator. A stream whose first token is EOS, a stop or its only token is
-    finished right there. Token-identical to ``depth == 1`` because stages apply ops in arrival order.
+    stream: Stream
+    last: bool
+
+
+@dataclass(frozen=True)
+class DecodeTag:
+    """Tag of a decode op in flight: the streams of its rows, in row-table order."""
+
+    streams: tuple[Stream, ...]
+
+
+class PrefillPipeline:
+    """Pipelined chunked prefill, the one helper solo, batch and rows modes share.
+
+    Every (stream, chunk) pair is queued in order; up to ``depth`` prefill ops are kept in flight; replies are
+    taken in FIFO order, and on each one the next op is sent before any other work, so the stages never idle
+    on the coordinator. A stream is finalised when its last chunk's reply lands: its first token (and TTFT),
+    ending it right there on EOS, a stop string or ``max_new_tokens == 1``. Token-identical to ``depth == 1``
+    because stages apply ops in arrival order.
     """
-    pairs = deque((s, start) for s in streams for start in range(0, len(s.prompt), chunk))
 
-    def send_next() -> None:
-        s, start = pairs.popleft()
-        toks = s.prompt[start : start + chunk]
-        last = start + len(toks) >= len(s.prompt)
-        link.send(m.Message(m.PREFILL, job=job, row=s.row, start=start, n_tokens=len(toks),
-                            flags=_flags(s) if last else 0, rows=[(s.row, start)],
-                            tensors=[torch.tensor(toks, dtype=torch.int64)]), tag=(s, last))
+    def __init__(self, link: Link, chunk: int, depth: int, job: int = 0):
+        self.link, self.chunk, self.depth, self.job = link, chunk, depth, job
+        self.queue: deque[tuple[Stream, int]] = deque()
+        self.in_flight = 0
 
-    while pairs and link.in_flight < depth:
-        send_next()
-    while link.in_flight:
-        reply, (s, last) = link.recv()
-        if pairs:
-            send_next()
-        if last:
-            token = _next_token(s, reply)
-            yield TokenEvent(s.index, token, s.commit(token))
+    @property
+    def idle(self) -> bool:
+        return not self.queue and self.in_flight == 0
+
+    def add(self, stream: Stream) -> None:
+        """Queue every chunk of ``stream``'s prompt and fill the window."""
+        self.queue.extend((stream, start) for start in range(0, len(stream.prompt), self.chunk))
+        self.fill()
+
+    def drop(self, stream: Stream) -> None:
+        """Forget the chunks of ``stream`` not yet sent (a cancelled request)."""
+        self.queue = deque(p for p in self.queue if p[0] is not stream)
+
+    def fill(self) -> None:
+        while self.queue and self.in_flight < self.depth:
+            s, start = self.queue.popleft()
+            toks = s.prompt[start : start + self.chunk]
+            last = start + len(toks) >= len(s.prompt)
+            self.link.send(m.Message(m.PREFILL, job=self.job, row=s.row, start=start, n_tokens=len(toks),
+                                     flags=_flags(s) if last else 0, rows=[(s.row, start)],
+                                     tensors=[torch.tensor(toks, dtype=torch.int64)]), tag=PrefillTag(s, last))
+            self.in_flight += 1
+
+    def on_reply(self, reply: m.Message, tag: PrefillTag) -> TokenEvent | None:
+        """Handle the reply to one of our ops: send the next op first, then finalise the stream if this was
+        its last chunk (returns its first token) — unless the stream was cancelled meanwhile."""
+        self.in_flight -= 1
+        self.fill()
+        s = tag.stream
+        if not tag.last or s.done:
+            return None
+        token = _next_token(s, reply, 0)
+        return TokenEvent(s.index, token, s.commit(token))
+
+
+def prefill(link: Link, streams: list[Stream], chunk: int, depth: int, job: int = 0) -> Iterator[TokenEvent]:
+    """Run a ``PrefillPipeline`` over ``streams`` alone; yields each stream's first token as it lands."""
+    pipe = PrefillPipeline(link, chunk, depth, job)
+    for s in streams:
+        pipe.add(s)
+    while not pipe.idle:
+        reply, tag = link.recv()
+        ev = pipe.on_reply(reply, tag)
+        if ev is not None:
+            yield ev
+
+
+def decode_op(streams: list[Stream], job: int = 0) -> m.Message:
+    """One DECODE op for ``streams`` in lockstep: solo shape (ids ``[1]``) for one stream, else ids ``[B, 1]``
+    with each row at its own position."""
+    rows = [(s.row, s.position) for s in streams]
+    flags = m.WANT_LOGITS if any(not s.sampler.greedy for s in streams) else 0
+    ids = torch.tensor([s.tokens[-1] for s in streams], dtype=torch.int64)
+    return m.Message(m.DECODE, job=job, row=rows[0][0], start=rows[0][1], n_tokens=1, flags=flags, rows=rows,
+                     tensors=[ids if len(streams) == 1 else ids.view(-1, 1)])
+
+
+def commit_decode(reply: m.Message, tag: DecodeTag) -> list[TokenEvent]:
+    """Sample and commit one token per stream of a decode reply (cancelled streams are skipped)."""
+    events = []
+    for i, s in enumerate(tag.streams):
+        if not s.done:
+            token = _next_token(s, reply, i)
+            events.append(TokenEvent(s.index, token, s.commit(token)))
+    return events
 
 
 def decode_solo(link: Link, stream: Stream, job: int = 0) -> Iterator[TokenEvent]:
     """Decode one stream after its prefill: one single-row DECODE op per token until it finishes."""
     while not stream.done:
-        link.send(m.Message(m.DECODE, job=job, row=stream.row, start=stream.position, n_tokens=1,
-                            flags=_flags(stream), rows=[(stream.row, stream.position)],
-                            tensors=[torch.tensor([stream.tokens[-1]], dtype=torch.int64)]), tag=stream)
-        reply, _ = link.recv()
-        token = _next_token(stream, reply)
-        yield TokenEvent(stream.index, token, stream.commit(token))
+        link.send(decode_op([stream], job), tag=DecodeTag((stream,)))
+        reply, tag = link.recv()
+        yield from commit_decode(reply, tag)

@@ -20,45 +20,17 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from ringshm import messages as m
 from ringshm.config import EngineConfig
 from ringshm.coordinator import Link, Stream, TokenEvent, decode_solo, prefill
+from ringshm.results import BatchResult, GenerationResult, result_of
+from ringshm.scheduler import RowsRun, run_batch
 from ringshm.errors import RingTimeout, StageDied, StageError, StageStartupError
 from ringshm.ring import Ring
 from ringshm.sampling import Sampler, TextStream
 from ringshm.segment import sweep_stale
 from ringshm.stage import LOADED, N_SLOTS, SLOT_BUSY_S, SLOT_OPS, SLOT_STATE, StageSpec, stage_main
-
-
-@dataclass
-class GenerationResult:
-    """One request's output and timings.
-
-    ``token_ids``: generated tokens only (the prompt excluded); ``text``: their text, cut before a stop
-    string; ``finish_reason``: "stop" (EOS or a stop string) or "length" (max_new_tokens).
-    ``ttft_s``: time to first token, from the call to the first token committed (prefill included).
-    ``tpot_s``: mean time per output token after the first; ``decode_tok_s`` = 1 / tpot_s.
-    ``stage_busy_s``: seconds each stage spent applying this request's ops.
-    ``hop_overhead_us``: mean cost of one ring hop per decode op, i.e. decode wall time minus the stages'
-    busy time during decode, over (decode ops x (stages + 1) hops); a single stream's decode visits the
-    stages one after another, so everything that is not a stage computing is the ring and the coordinator.
-    """
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    ttft_s: float
-    tpot_s: float
-    decode_tok_s: float
-    n_prompt_tokens: int
-    n_output_tokens: int
-    stage_busy_s: list[float] = field(default_factory=list)
-    hop_overhead_us: float = 0.0
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 def _ring_capacity(cfg: EngineConfig, hidden: int, vocab: int) -> int:
@@ -151,7 +123,7 @@ class Engine:
                                  layer_stop=layers.stop, max_rows=cfg.max_rows, max_seq_len=self.max_seq_len,
                                  dtype=cfg.dtype, device=cfg.device, in_ring=self._rings[i].name,
                                  out_ring=self._rings[i + 1].name, n_threads=max(1, cores // n),
-                                 ring_timeout_s=cfg.op_timeout_s)
+                                 ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms)
                 with _visible_device(i % n_gpus if n_gpus else None):
                     p = ctx.Process(target=stage_main, args=(spec, self._status), daemon=True,
                                     name=f"ringshm-stage-{i}")
@@ -159,7 +131,8 @@ class Engine:
                 self._procs.append(p)
             self._rings[0].claim("producer")
             self._rings[n].claim("consumer")
-            self._link = Link(self._rings[0], self._rings[n], self._check_stages, cfg.op_timeout_s)
+            self._link = Link(self._rings[0], self._rings[n], self._check_stages, cfg.op_timeout_s,
+                              cfg.link_latency_ms)
             self._wait_ready(progress)
         except BaseException:
             self.close()
@@ -360,18 +333,98 @@ class Engine:
         return [int(self._status[i * N_SLOTS + SLOT_OPS]) for i in range(self.config.stages)]
 
     def _result(self, s: Stream, busy0: list[float], busy_first: list[float]) -> GenerationResult:
-        times = s.token_times
-        n = len(s.tokens)
-        ttft = times[0] - s.t_start
-        tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else 0.0
-        busy_end = self._busy()
-        hop_us = 0.0
-        if n > 1:
-            decode_busy = sum(busy_end) - sum(busy_first)
-            hops = (n - 1) * (self.config.stages + 1)
-            hop_us = ((times[-1] - times[0]) - decode_busy) / hops * 1e6
-        return GenerationResult(
-            token_ids=list(s.tokens), text=s.text.text, finish_reason=s.finish_reason or "length",
-            ttft_s=ttft, tpot_s=tpot, decode_tok_s=1.0 / tpot if tpot > 0 else 0.0,
-            n_prompt_tokens=len(s.prompt), n_output_tokens=n,
-            stage_busy_s=[b - b0 for b, b0 in zip(busy_end, busy0)], hop_overhead_us=hop_us)
+        return result_of(s, busy0, busy_first, self._busy(), self.config.stages)
+
+    # ------------------------------------------------------------------------------------- many streams
+    def stream_batch(self, prompts: list, mode: str = "rows", max_new_tokens: int = 128, *,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                     stop=None, chat: bool = False, prefill_depth: int | None = None,
+                     decode_depth: int = 1) -> "BatchStream":
+        """Serve many prompts at once; iterate the returned ``BatchStream`` for ``TokenEvent``s (``.stream``
+        is the prompt's index) as tokens are committed. Arguments as ``generate_batch``; bad input raises
+        here, before anything is sent."""
+        if mode not in ("rows", "batch"):
+            raise ValueError(f"mode must be 'rows' or 'batch', got {mode!r}")
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+        if mode == "batch" and len(prompts) > self.config.max_rows:
+            raise ValueError(f"batch mode needs one KV row per prompt: {len(prompts)} prompts > max_rows "
+                             f"{self.config.max_rows}; use mode='rows' (it queues) or a larger max_rows")
+        if not isinstance(decode_depth, int) or decode_depth < 1:
+            raise ValueError(f"decode_depth must be an int >= 1, got {decode_depth!r}")
+        depth = self._depth(prefill_depth)
+        streams = [self._make_stream(i, i if mode == "batch" else -1, p, max_new_tokens, temperature, top_k,
+                                     top_p, None if seed is None else seed + i, stop, chat)
+                   for i, p in enumerate(prompts)]
+        return BatchStream(self, streams, mode, depth, decode_depth)
+
+    def generate_batch(self, prompts: list, mode: str = "rows", max_new_tokens: int = 128, *,
+                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                       stop=None, chat: bool = False, prefill_depth: int | None = None, decode_depth: int = 1,
+                       on_token: Callable[[TokenEvent], None] | None = None) -> BatchResult:
+        """Generate for every prompt over the same stages; one result per prompt, in input order.
+
+        Args:
+            prompts: strings or token-id lists (as ``generate``).
+            mode: "rows" (de-lockstep: each stream its own ops; more prompts than max_rows queue for a free
+                row) or "batch" (lockstep decode; at most max_rows prompts).
+            decode_depth: batch mode only: lockstep micro-batches in flight (see ``ringshm.scheduler``).
+            seed: stream i samples with ``seed + i``.
+            Others: as ``generate``.
+
+        Raises:
+            ValueError: bad input (any prompt), before anything is sent. StageDied, StageError: as generate.
+        """
+        run = self.stream_batch(prompts, mode, max_new_tokens, temperature=temperature, top_k=top_k,
+                                top_p=top_p, seed=seed, stop=stop, chat=chat, prefill_depth=prefill_depth,
+                                decode_depth=decode_depth)
+        for ev in run:
+            if on_token is not None:
+                on_token(ev)
+        return run.result()
+
+
+class BatchStream:
+    """An iterable run of many streams (``Engine.stream_batch``): yields ``TokenEvent``s; ``cancel(i)`` ends
+    stream ``i`` and leaves the others running; ``result()`` after the run gives the ``BatchResult``.
+    Abandoning the iteration early drains what is in flight."""
+
+    def __init__(self, engine: Engine, streams: list[Stream], mode: str, depth: int, decode_depth: int):
+        self.engine, self.streams, self.mode = engine, streams, mode
+        self.depth, self.decode_depth = depth, decode_depth
+        self._rows: RowsRun | None = None
+        self._t0 = self._t1 = 0.0
+        self._busy0: list[float] = []
+        self._busy1: list[float] = []
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        eng = self.engine
+        if eng._closed:
+            raise RuntimeError("engine is closed")
+        eng._job += 1
+        cfg = eng.config
+        self._t0, self._busy0 = time.perf_counter(), eng._busy()
+        try:
+            if self.mode == "rows":
+                self._rows = RowsRun(eng._link, self.streams, cfg.max_rows, cfg.prefill_chunk, self.depth, eng._job)
+                yield from self._rows
+            else:
+                yield from run_batch(eng._link, self.streams, cfg.prefill_chunk, self.depth, self.decode_depth,
+                                     eng._job)
+        finally:
+            eng._link.drain()
+            self._t1, self._busy1 = time.perf_counter(), eng._busy()
+
+    def cancel(self, index: int) -> None:
+        """End stream ``index`` (finish_reason "cancelled"); the others go on."""
+        if self._rows is not None:
+            self._rows.cancel(index)
+        else:
+            self.streams[index].cancel()
+
+    def result(self) -> BatchResult:
+        """Per-stream results (input order), wall time and aggregate output tok/s of the finished run."""
+        results = [result_of(s) for s in self.streams]
+        wall = max(self._t1 - self._t0, 1e-9)
+        return BatchResult(results, self.mode, wall, sum(r.n_output_tokens for r in results) / wall,
+                           [b - b0 for b, b0 in zip(self._busy1, self._busy0)])

@@ -4,9 +4,10 @@ descriptors, then raw tensor bytes written straight into the ring record and rea
 Record layout (little-endian, every section 8-byte aligned):
 
     +--------------------------------------------------------------------------------------------+
-    | header (HEADER.size = 48 bytes)                                                            |
+    | header (HEADER.size = 56 bytes)                                                            |
     |   magic u16 | version u8 | op u8 | flags u16 | n_tensors u8 | pad u8                       |
     |   job u32 | epoch u32 | seq u64 | row i32 | start i32 | n_tokens i32 | n_rows i32 | aux i64 |
+    |   sent_ns u64 (CLOCK_MONOTONIC when the sender encoded it; drives simulated link latency)  |
     +--------------------------------------------------------------------------------------------+
     | row table: n_rows x (row i32, start i32)   (lockstep batch ops; one entry for single-row)  |
     +--------------------------------------------------------------------------------------------+
@@ -22,6 +23,7 @@ has ``op = ERROR`` and one uint8 tensor holding ``"<ExceptionName>: <message>"``
 from __future__ import annotations
 
 import struct
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -47,7 +49,7 @@ HIDDEN = 1 << 3  # the tensor is hidden states (between stages), not token ids
 
 MAGIC = 0x5352  # "RS"
 VERSION = 1
-HEADER = struct.Struct("<HBBHBxIIQiiiiq")
+HEADER = struct.Struct("<HBBHBxIIQiiiiqQ")
 ROW_ENTRY = struct.Struct("<ii")
 TENSOR_DESC = struct.Struct("<BBxx4iQ")
 TENSOR_ALIGN = 64
@@ -85,9 +87,10 @@ class Message:
     start: int = 0
     n_tokens: int = 0
     flags: int = 0
-    aux: int = 0  # op-specific integer (e.g. the sampling seed, or the stage index of an error)
+    aux: int = 0  # op-specific integer (e.g. the stage index of an error)
     rows: list[tuple[int, int]] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
+    sent_ns: int = 0  # set by encode_into; read back by decode
 
     @property
     def is_reply(self) -> bool:
@@ -141,7 +144,7 @@ def encode_into(buf: memoryview, msg: Message) -> int:
     if len(buf) < total:
         raise ValueError(f"buffer of {len(buf)} bytes cannot hold a {total}-byte record")
     HEADER.pack_into(buf, 0, MAGIC, VERSION, msg.op, msg.flags, len(msg.tensors), msg.job, msg.epoch,
-                     msg.seq, msg.row, msg.start, msg.n_tokens, len(msg.rows), msg.aux)
+                     msg.seq, msg.row, msg.start, msg.n_tokens, len(msg.rows), msg.aux, time.monotonic_ns())
     off = HEADER.size
     for r, s in msg.rows:
         ROW_ENTRY.pack_into(buf, off, r, s)
@@ -179,8 +182,8 @@ def decode(buf: memoryview) -> Message:
     """
     if len(buf) < HEADER.size:
         raise ProtocolError(f"record of {len(buf)} bytes is shorter than the {HEADER.size}-byte header")
-    (magic, version, op, flags, n_tensors, job, epoch, seq, row, start, n_tokens, n_rows,
-     aux) = HEADER.unpack_from(buf, 0)
+    (magic, version, op, flags, n_tensors, job, epoch, seq, row, start, n_tokens, n_rows, aux,
+     sent_ns) = HEADER.unpack_from(buf, 0)
     if magic != MAGIC or version != VERSION:
         raise ProtocolError(f"record magic/version {magic:#x}/{version}, expected {MAGIC:#x}/{VERSION}")
     if n_rows < 0 or n_tensors > MAX_TENSORS:
@@ -206,4 +209,14 @@ def decode(buf: memoryview) -> Message:
         t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off) if numel else torch.empty(0, dtype=dtype)
         tensors.append(t.view(shape))
         off += nbytes
-    return Message(op, job, epoch, seq, row, start, n_tokens, flags, aux, rows, tensors)
+    return Message(op, job, epoch, seq, row, start, n_tokens, flags, aux, rows, tensors, sent_ns)
+
+
+def hold_until_delivered(msg: Message, link_latency_ms: float) -> None:
+    """Simulated link latency: sleep until ``msg.sent_ns + link_latency_ms``. The receiver of each hop calls
+    this before applying a record, so the delay of a record overlaps whatever the receiver was still doing
+    (a link of that latency and unbounded bandwidth), and never blocks the sender."""
+    if link_latency_ms > 0:
+        wait_s = (msg.sent_ns + link_latency_ms * 1e6 - time.monotonic_ns()) / 1e9
+        if wait_s > 0:
+            time.sleep(wait_s)

@@ -40,6 +40,7 @@ class StageSpec:
     out_ring: str
     n_threads: int
     ring_timeout_s: float
+    link_latency_ms: float = 0.0
 
 
 def stage_main(spec: StageSpec, status) -> None:
@@ -100,8 +101,9 @@ def serve(model, spec: StageSpec, rin, rout, status) -> None:
     base = spec.index * N_SLOTS
     while True:
         view = rin.peek(timeout_s=None)  # no deadline: idle is fine; a dead upstream raises PeerDied
-        t0 = time.perf_counter()
         msg = m.decode(view)
+        m.hold_until_delivered(msg, spec.link_latency_ms)
+        t0 = time.perf_counter()
         if msg.op == m.ERROR or msg.op == m.PING or msg.op == m.SHUTDOWN:
             out = msg if msg.op != m.PING or spec.index < spec.n_stages - 1 else msg.reply([])
         else:

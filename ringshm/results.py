@@ -1,0 +1,80 @@
+"""What a request returns: ``GenerationResult`` for one stream, ``BatchResult`` for many, and how a finished
+``Stream`` becomes one."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ringshm.coordinator import Stream
+
+
+@dataclass
+class GenerationResult:
+    """One request's output and timings.
+
+    ``token_ids``: generated tokens only (the prompt excluded); ``text``: their text, cut before a stop
+    string; ``finish_reason``: "stop" (EOS or a stop string) or "length" (max_new_tokens).
+    ``ttft_s``: time to first token, from the call to the first token committed (prefill included).
+    ``tpot_s``: mean time per output token after the first; ``decode_tok_s`` = 1 / tpot_s.
+    ``stage_busy_s``: seconds each stage spent applying this request's ops.
+    ``hop_overhead_us``: mean cost of one ring hop per decode op, i.e. decode wall time minus the stages'
+    busy time during decode, over (decode ops x (stages + 1) hops); a single stream's decode visits the
+    stages one after another, so everything that is not a stage computing is the ring and the coordinator.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    ttft_s: float
+    tpot_s: float
+    decode_tok_s: float
+    n_prompt_tokens: int
+    n_output_tokens: int
+    stage_busy_s: list[float] = field(default_factory=list)
+    hop_overhead_us: float = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class BatchResult:
+    """Results of ``Engine.generate_batch``: one ``GenerationResult`` per prompt, in input order.
+
+    ``wall_s``: from the call to the last token; ``output_tok_s``: every stream's output tokens over wall_s
+    (the aggregate throughput); ``stage_busy_s``: each stage's busy seconds over the whole batch (per-stream
+    results leave theirs empty: lockstep and interleaved ops serve several streams at once).
+    """
+
+    results: list[GenerationResult]
+    mode: str
+    wall_s: float
+    output_tok_s: float
+    stage_busy_s: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __getitem__(self, i: int) -> GenerationResult:
+        return self.results[i]
+
+
+def result_of(s: Stream, busy0: list[float] | None = None, busy_first: list[float] | None = None,
+              busy_end: list[float] | None = None, n_stages: int = 0) -> GenerationResult:
+    """The ``GenerationResult`` of a finished stream. With the stages' busy seconds at the start, at the first
+    token and at the end (solo runs), it also fills ``stage_busy_s`` and ``hop_overhead_us``."""
+    times = s.token_times
+    n = len(s.tokens)
+    ttft = times[0] - s.t_start if times else 0.0
+    tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else 0.0
+    busy, hop_us = [], 0.0
+    if busy0 is not None and busy_end is not None:
+        busy = [b - b0 for b, b0 in zip(busy_end, busy0)]
+        if n > 1 and busy_first is not None:
+            decode_busy = sum(busy_end) - sum(busy_first)
+            hops = (n - 1) * (n_stages + 1)
+            hop_us = ((times[-1] - times[0]) - decode_busy) / hops * 1e6
+    return GenerationResult(
+        token_ids=list(s.tokens), text=s.text.text, finish_reason=s.finish_reason or "length", ttft_s=ttft,
+        tpot_s=tpot, decode_tok_s=1.0 / tpot if tpot > 0 else 0.0, n_prompt_tokens=len(s.prompt),
+        n_output_tokens=n, stage_busy_s=busy, hop_overhead_us=hop_us)

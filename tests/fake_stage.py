@@ -1,0 +1,152 @@
+"""A fake-ring harness: the real rings, protocol, stage loop (``ringshm.stage.serve``) and coordinator, with a
+model that answers like an oracle, so losslessness is an exact equality and a run takes milliseconds.
+
+``OracleModel`` holds scripted sequences T (keyed by their first token). A row's KV "content" is the tokens
+written to it; the answer at position p is T[p + 1] when the row's tokens 0..p equal T's, else ``WRONG``.
+So any op applied to the wrong row, out of order, or over positions never written shows up as a wrong token.
+Reading past what a row holds raises ``KVRangeError`` (an ERROR reply), exactly as ``StageModel`` does.
+Every frame the stage sees is recorded as (op, row, start, n_tokens, rows).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from ringshm import messages as m
+from ringshm.coordinator import Link, Stream
+from ringshm.errors import KVRangeError, PeerDied
+from ringshm.model import StageOutput
+from ringshm.ring import Ring
+from ringshm.sampling import Sampler, TextStream
+from ringshm.stage import N_SLOTS, StageSpec, serve
+
+WRONG = 0  # the token an oracle gives for a context that is not a prefix of its script
+EOS = 2
+
+
+class OracleModel:
+    """Single-stage fake of ``StageModel`` (first and last): see the module docstring."""
+
+    def __init__(self, scripts: list[list[int]], max_rows: int, max_seq_len: int = 4096):
+        self.scripts = {t[0]: t for t in scripts}
+        assert len(self.scripts) == len(scripts), "scripts need distinct first tokens"
+        self.max_rows, self.max_seq_len = max_rows, max_seq_len
+        self.content: list[list[int]] = [[] for _ in range(max_rows)]
+        self.frames: list[tuple] = []
+        self.device = torch.device("cpu")
+        self.is_first = self.is_last = True
+
+    def _answer(self, ctx: list[int]) -> int:
+        t = self.scripts.get(ctx[0])
+        if t is not None and len(ctx) < len(t) and t[: len(ctx)] == ctx:
+            return t[len(ctx)]
+        return WRONG
+
+    def reset(self, rows) -> None:
+        for r in rows:
+            self.content[r] = []
+
+    def forward(self, x, row, start, *, all_positions=False, return_logits=False):
+        ids = [int(t) for t in x.reshape(-1)]
+        if not 0 <= row < self.max_rows:
+            raise KVRangeError(f"row {row} outside [0, {self.max_rows})")
+        if start > len(self.content[row]):
+            raise KVRangeError(f"row {row}: start {start} reads KV positions never written "
+                               f"({len(self.content[row])} held)")
+        if start + len(ids) > self.max_seq_len:
+            raise KVRangeError(f"row {row}: positions past max_seq_len {self.max_seq_len}")
+        self.content[row] = self.content[row][:start] + ids
+        answers = [self._answer(self.content[row][: start + i + 1]) for i in range(len(ids))]
+        out = answers if all_positions else answers[-1:]
+        return StageOutput(torch.tensor(out, dtype=torch.int64))
+
+    def forward_batch(self, x, rows, starts, *, all_positions=False, return_logits=False):
+        outs = [self.forward(x[i], r, s).token_ids for i, (r, s) in enumerate(zip(rows, starts))]
+        return StageOutput(torch.stack(outs))  # [B, 1]
+
+
+class RecordingModel(OracleModel):
+    def forward(self, x, row, start, **kw):
+        self.frames.append(("one", row, start, int(x.numel())))
+        return super().forward(x, row, start, **kw)
+
+    def forward_batch(self, x, rows, starts, **kw):
+        self.frames.append(("batch", tuple(rows), tuple(starts)))
+        return OracleModel.forward_batch(self, x, rows, starts, **kw)
+
+
+class SwappingRing:
+    """Wraps the stage's output ring: holds back reply ``swap_at`` and sends it after the next one."""
+
+    def __init__(self, ring: Ring, swap_at: int):
+        self.ring, self.swap_at, self.count, self.held = ring, swap_at, 0, None
+
+    def reserve(self, n, timeout_s=None):
+        self._buf = bytearray(n)
+        return memoryview(self._buf)
+
+    def commit(self, n=None):
+        data, self.count = bytes(self._buf), self.count + 1
+        if self.count == self.swap_at:
+            self.held = data
+            return
+        self.ring.send(data, timeout_s=5)
+        if self.held is not None:
+            self.ring.send(self.held, timeout_s=5)
+            self.held = None
+
+    def close(self):
+        self.ring.close()
+
+
+@dataclass
+class FakeRing:
+    """A coordinator ``Link`` wired to one fake stage running ``serve`` in a thread."""
+
+    link: Link
+    model: OracleModel
+    thread: threading.Thread
+    rings: tuple[Ring, Ring]
+
+    def close(self) -> None:
+        try:
+            self.link.send(m.Message(m.SHUTDOWN))
+            self.link.recv(timeout_s=5)
+        except Exception:
+            pass
+        self.thread.join(timeout=5)
+        for r in self.rings:
+            r.close()
+            r.unlink()
+
+
+def start_fake_ring(model: OracleModel, swap_at: int | None = None) -> FakeRing:
+    to_stage, from_stage = Ring.create(1 << 20), Ring.create(1 << 20)
+    spec = StageSpec(index=0, n_stages=1, model_path="", layer_start=0, layer_stop=1, max_rows=model.max_rows,
+                     max_seq_len=model.max_seq_len, dtype="float32", device="cpu", in_ring=to_stage.name,
+                     out_ring=from_stage.name, n_threads=1, ring_timeout_s=5)
+    status = [0.0] * N_SLOTS
+    out = from_stage if swap_at is None else SwappingRing(from_stage, swap_at)
+
+    def run():
+        try:
+            serve(model, spec, to_stage, out, status)
+        except PeerDied:
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+
+    def check_stages():
+        if not thread.is_alive():
+            raise PeerDied("the fake stage thread ended")
+
+    return FakeRing(Link(to_stage, from_stage, check_stages, op_timeout_s=10), model, thread,
+                    (to_stage, from_stage))
+
+
+def make_stream(index: int, script: list[int], prompt_len: int, max_new_tokens: int, row: int = -1) -> Stream:
+    return Stream(index, row, script[:prompt_len], max_new_tokens, Sampler(), TextStream(None), frozenset({EOS}))
