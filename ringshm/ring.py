@@ -4,8 +4,8 @@ One process is the producer and one the consumer (the same process may be both, 
 claimed on first use (or up front with ``role=``); a second live process that tries to take a claimed side
 gets ``RoleTaken``. Blocking calls take ``timeout_s`` (None: no deadline) and re-check the peer at least
 every ``LIVENESS_PERIOD_S``; they raise ``PeerDied`` when the peer process is gone or has closed its side,
-and ``RingTimeout`` when the deadline passes with the peer alive. A ``Ring`` is not thread-safe: one thread
-per side.
+and ``RingTimeout`` when the deadline passes with the peer alive. One thread may drive the producer side while
+another drives the consumer side of the same ``Ring``; two threads on one side need a lock of their own.
 """
 
 from __future__ import annotations
@@ -60,17 +60,14 @@ class Ring:
         self.capacity_bytes = int(self._h.capacity)
         self.max_record_bytes = int(lib.ringshm_ring_max_record(self._h.capacity))
         self.max_spin = spin
-        self._spin = spin
-        self._parks = 0
         self._data = memoryview(segment.buf)[HEADER_BYTES : HEADER_BYTES + self.capacity_bytes]
         self._data_ptr = self._h.data
-        self._off = ffi.new("uint64_t *")
-        self._len = ffi.new("uint64_t *")
+        # Per-side scratch and wait state: one thread may produce while another consumes the same Ring.
+        self._w, self._r = _Side(spin), _Side(spin)
         self._roles: set[int] = set()
         # One slot per side: a process holding both sides must not lose its reservation to a release.
         self._write_view: memoryview | None = None  # the view of the open reservation
         self._read_view: memoryview | None = None  # the view of the peeked record
-        self._last_peer_check = 0.0
         # A creator that forgets close() still removes the name when the object is collected or at exit.
         self._finalizer = weakref.finalize(self, segment.unlink) if segment.owner else None
         if role is not None:
@@ -163,12 +160,12 @@ class Ring:
             RingCorrupt: the shared indices are out of bounds.
         """
         h = self._producer()
-        st = lib.ringshm_ring_try_reserve(h, n, self._off)
+        st = lib.ringshm_ring_try_reserve(h, n, self._w.off)
         if st:
             if st < 0:
                 check_status(st, f"reserve {n} bytes on {self.name}")
             return None
-        off = self._off[0]
+        off = self._w.off[0]
         self._write_view = view = self._data[off : off + n]
         return view
 
@@ -185,14 +182,14 @@ class Ring:
             return view
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            st = lib.ringshm_ring_wait_writable(self._h, n, self._slice_ns(deadline), self._spin)
+            st = lib.ringshm_ring_wait_writable(self._h, n, self._slice_ns(deadline), self._w.spin)
             if st < 0:
                 self._raise_wait_error(st, CONSUMER)
-            self._adapt_spin(st)
+            self._w.adapt_spin(st, self.max_spin)
             view = self.try_reserve(n)
             if view is not None:
                 return view
-            self._check_blocked(deadline, CONSUMER, f"no room for {n} bytes")
+            self._check_blocked(self._w, deadline, CONSUMER, f"no room for {n} bytes")
 
     def commit(self, n: int | None = None) -> None:
         """Publish the first ``n`` bytes (default: all) of the open reservation.
@@ -213,12 +210,12 @@ class Ring:
         src = memoryview(buf)
         n = src.nbytes
         h = self._producer()
-        st = lib.ringshm_ring_try_reserve(h, n, self._off)
+        st = lib.ringshm_ring_try_reserve(h, n, self._w.off)
         if st:
             if st < 0:
                 check_status(st, f"send {n} bytes on {self.name}")
             return False
-        ffi.memmove(self._data_ptr + self._off[0], src, n)
+        ffi.memmove(self._data_ptr + self._w.off[0], src, n)
         lib.ringshm_ring_commit(h, n)
         return True
 
@@ -232,7 +229,7 @@ class Ring:
             return
         n = memoryview(buf).nbytes
         self.reserve(n, timeout_s)
-        ffi.memmove(self._data_ptr + self._off[0], buf, n)
+        ffi.memmove(self._data_ptr + self._w.off[0], buf, n)
         self.commit(n)
 
     # -------------------------------------------------------------------------------------- consumer side
@@ -248,14 +245,14 @@ class Ring:
             RingStateError: the ring is closed.
         """
         h = self._consumer()
-        st = lib.ringshm_ring_try_peek(h, self._off, self._len)
+        st = lib.ringshm_ring_try_peek(h, self._r.off, self._r.len)
         if st:
             if st < 0:
                 check_status(st, f"peek on {self.name}")
             return None
-        off = self._off[0]
+        off = self._r.off[0]
         self._read_view = _released(self._read_view)
-        self._read_view = view = self._data[off : off + self._len[0]].toreadonly()
+        self._read_view = view = self._data[off : off + self._r.len[0]].toreadonly()
         return view
 
     def peek(self, timeout_s: float | None = None) -> memoryview:
@@ -271,14 +268,14 @@ class Ring:
             return view
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
-            st = lib.ringshm_ring_wait_readable(self._h, self._slice_ns(deadline), self._spin)
+            st = lib.ringshm_ring_wait_readable(self._h, self._slice_ns(deadline), self._r.spin)
             if st < 0:
                 self._raise_wait_error(st, PRODUCER)
-            self._adapt_spin(st)
+            self._r.adapt_spin(st, self.max_spin)
             view = self.try_peek()
             if view is not None:
                 return view
-            self._check_blocked(deadline, PRODUCER, "no record")
+            self._check_blocked(self._r, deadline, PRODUCER, "no record")
 
     def release(self) -> None:
         """Free the peeked record (and invalidate its view).
@@ -366,15 +363,6 @@ class Ring:
         check_status(lib.ringshm_ring_peer(self._live(), role, pid, start, closed))
         return pid[0], start[0], bool(closed[0])
 
-    def _adapt_spin(self, status: int) -> None:
-        """Double the spin after a wait the spin caught; halve it after one that parked (see class doc)."""
-        if status == 0:  # RINGSHM_OK: ready while spinning
-            self._parks = 0
-            self._spin = min(self.max_spin, max(2 * self._spin, 64))
-        else:
-            self._parks += 1
-            self._spin = self.max_spin if self._parks % PROBE_EVERY == 0 else self._spin // 2
-
     @staticmethod
     def _slice_ns(deadline: float | None) -> int:
         """Nanoseconds to sleep in one futex wait: the time left, capped at the liveness period."""
@@ -388,18 +376,18 @@ class Ring:
             raise PeerDied(f"the {side} of ring {self.name} closed it")
         check_status(status, f"wait on {self.name}")
 
-    def _check_blocked(self, deadline: float | None, peer_role: int, what: str) -> None:
+    def _check_blocked(self, side: "_Side", deadline: float | None, peer_role: int, what: str) -> None:
         """Between waits: raise PeerDied if the peer is gone (checked at most every LIVENESS_PERIOD_S),
         RingTimeout if the deadline passed."""
         now = time.monotonic()
-        if now - self._last_peer_check >= LIVENESS_PERIOD_S:
-            self._last_peer_check = now
+        if now - side.last_peer_check >= LIVENESS_PERIOD_S:
+            side.last_peer_check = now
             pid, start, closed = self._peer(peer_role)
             side = "producer" if peer_role == PRODUCER else "consumer"
             gone = closed or (pid and not is_alive(pid, start))
             if gone and peer_role == PRODUCER and self.used_bytes():
                 # Published just before the producer left (after our last empty check): deliver it first.
-                self._last_peer_check = 0.0
+                side.last_peer_check = 0.0
                 return
             if closed:
                 raise PeerDied(f"the {side} of ring {self.name} closed it")
@@ -407,6 +395,28 @@ class Ring:
                 raise PeerDied(f"the {side} of ring {self.name} (pid {pid}) is gone")
         if deadline is not None and now >= deadline:
             raise RingTimeout(f"{what} on ring {self.name} after the timeout")
+
+
+class _Side:
+    """One side's scratch (C out-parameters) and wait state, so two threads can each drive one side."""
+
+    __slots__ = ("off", "len", "spin", "parks", "last_peer_check")
+
+    def __init__(self, spin: int):
+        self.off = ffi.new("uint64_t *")
+        self.len = ffi.new("uint64_t *")
+        self.spin = spin
+        self.parks = 0
+        self.last_peer_check = 0.0
+
+    def adapt_spin(self, status: int, max_spin: int) -> None:
+        """Double the spin after a wait the spin caught; halve it after one that parked (see Ring)."""
+        if status == 0:  # RINGSHM_OK: ready while spinning
+            self.parks = 0
+            self.spin = min(max_spin, max(2 * self.spin, 64))
+        else:
+            self.parks += 1
+            self.spin = max_spin if self.parks % PROBE_EVERY == 0 else self.spin // 2
 
 
 def _released(view: memoryview | None) -> None:
