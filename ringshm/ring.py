@@ -383,16 +383,16 @@ class Ring:
         if now - side.last_peer_check >= LIVENESS_PERIOD_S:
             side.last_peer_check = now
             pid, start, closed = self._peer(peer_role)
-            side = "producer" if peer_role == PRODUCER else "consumer"
+            peer = "producer" if peer_role == PRODUCER else "consumer"
             gone = closed or (pid and not is_alive(pid, start))
             if gone and peer_role == PRODUCER and self.used_bytes():
                 # Published just before the producer left (after our last empty check): deliver it first.
                 side.last_peer_check = 0.0
                 return
             if closed:
-                raise PeerDied(f"the {side} of ring {self.name} closed it")
+                raise PeerDied(f"the {peer} of ring {self.name} closed it")
             if gone:
-                raise PeerDied(f"the {side} of ring {self.name} (pid {pid}) is gone")
+                raise PeerDied(f"the {peer} of ring {self.name} (pid {pid}) is gone")
         if deadline is not None and now >= deadline:
             raise RingTimeout(f"{what} on ring {self.name} after the timeout")
 
