@@ -4,20 +4,25 @@
  *
  *   for each kv head h:
  *     the n * G query rows that read h (G = Hq / Hkv), in order (j, g), are cut into tiles of <= TILE_ROWS
- *     for each tile: for each block of BLOCK_KEYS keys (a K block and a V block stay in L1d):
- *       for each row of the tile that sees any key of the block:
- *         s      = q . k / sqrt(D) for the keys it sees        16 dot products at a time, one tree reduction
- *         m_new  = max(m, max s);  p = exp(s - m_new)          vector exp (Cephes polynomial)
- *         l      = l * exp(m - m_new) + sum p
- *         acc    = acc * exp(m - m_new) + sum p v
+ *     for each tile, for each block of BLOCK_KEYS keys:
+ *       scores  for each 16-key group (read from L2 once, then L1), for each row that sees it:
+ *                 s = q . k / sqrt(D): 16 dot products, one tree reduction (reduce16)
+ *       softmax for each row: m_new = max(m, max s); p = exp(s - m_new)    vector exp (Cephes polynomial)
+ *                 l = l * exp(m - m_new) + sum p
+ *       values  for groups of rows sharing each V load (accumulators in registers):
+ *                 acc = acc * exp(m - m_new) + sum p v
  *     out = acc / l
  *
- * Blocks start at absolute key multiples of BLOCK_KEYS and a row only visits keys it sees, so a row's
- * arithmetic (and therefore its bits) depends only on its query, its position and the cache.
+ * Blocks start at absolute key multiples of BLOCK_KEYS, a row only visits keys it sees, and its sums run in
+ * an order fixed by its own key count: a row's bits depend only on its query, its position and the cache,
+ * never on n, on the other rows of the chunk or on the batch (decode of position p == verify row at p).
  *
  * Vectors are GCC/Clang vector extensions of 16 floats: one zmm on AVX-512, two ymm on AVX2, four q-registers
- * on NEON; -O3 -march=native picks the instructions. No intrinsics, no allocation: per-call state is on the stack
- * (TILE_ROWS * RINGSHM_ATTN_MAX_HEAD_DIM floats for the accumulators, 32 KiB).
+ * on NEON; -O3 -march=native picks the instructions. No intrinsics, no allocation: per-call state is on the
+ * stack (accumulators TILE_ROWS * RINGSHM_ATTN_MAX_HEAD_DIM floats = 32 KiB, scores 16 KiB).
+ *
+ * Measured on this project's 2-core AVX-512 machine (bench/bench_kernels.py): decode and verify run near the
+ * limit of this scheme (FMA and shuffle ports at mid contexts, L3 bandwidth at 4096 keys for decode).
  */
 #include "kernels.h"
 
@@ -25,9 +30,9 @@
 #include <stddef.h>
 #include <string.h>
 
-#define VW 16         /* floats per vector */
+#define VW 16          /* floats per vector */
 #define BLOCK_KEYS 128 /* keys per block: a V block of D = 64 is 32 KiB, within L1d (48 KiB here) */
-#define TILE_ROWS 32  /* query rows per tile: verify (n = 8) of SmolLM2 (G = 3) is one tile per kv head */
+#define TILE_ROWS 32   /* query rows per tile: verify (n = 8) of SmolLM2 (G = 3) is one tile per kv head */
 #define MAX_VECS (RINGSHM_ATTN_MAX_HEAD_DIM / VW)
 
 _Static_assert(RINGSHM_ATTN_MAX_HEAD_DIM % VW == 0, "max head_dim must be a whole number of vectors");
@@ -67,20 +72,22 @@ static inline float hmax16(vf16 a) {
 /* Key order that makes reduce16's tree come out in lane order: slot s holds key BITREV4[s] (an involution). */
 static const int BITREV4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
-/* Sixteen horizontal sums at once: lane i of the result is hsum16(a[BITREV4[i]]) (15 adds, 30 shuffles). */
+/* Sixteen horizontal sums at once: lane i of the result is hsum16(a[BITREV4[i]]) (15 adds, 15 shuffles, 15
+ * blends). Each level pairs vectors u, v: lanes with bit w clear keep u's pair sums (l, l + w), lanes with bit w
+ * set keep v's; the blend and the one shuffle feed both halves of the same add. */
 static inline vf16 reduce16(const vf16 a[16]) {
     vf16 b[8], c[4], d[2];
     for (int k = 0; k < 8; k++)
-        b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+        b[k] = __builtin_shufflevector(a[2 * k], a[2 * k + 1], 0, 1, 2, 3, 4, 5, 6, 7, 24, 25, 26, 27, 28, 29, 30, 31) +
+               __builtin_shufflevector(a[2 * k], a[2 * k + 1], 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23);
     for (int k = 0; k < 4; k++)
-        c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-               __builtin_shufflevector(b[2 * k], b[2 * k + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+        c[k] = __builtin_shufflevector(b[2 * k], b[2 * k + 1], 0, 1, 2, 3, 20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31) +
+               __builtin_shufflevector(b[2 * k], b[2 * k + 1], 4, 5, 6, 7, 16, 17, 18, 19, 12, 13, 14, 15, 24, 25, 26, 27);
     for (int k = 0; k < 2; k++)
-        d[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-               __builtin_shufflevector(c[2 * k], c[2 * k + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-    return __builtin_shufflevector(d[0], d[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-           __builtin_shufflevector(d[0], d[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+        d[k] = __builtin_shufflevector(c[2 * k], c[2 * k + 1], 0, 1, 18, 19, 4, 5, 22, 23, 8, 9, 26, 27, 12, 13, 30, 31) +
+               __builtin_shufflevector(c[2 * k], c[2 * k + 1], 2, 3, 16, 17, 6, 7, 20, 21, 10, 11, 24, 25, 14, 15, 28, 29);
+    return __builtin_shufflevector(d[0], d[1], 0, 17, 2, 19, 4, 21, 6, 23, 8, 25, 10, 27, 12, 29, 14, 31) +
+           __builtin_shufflevector(d[0], d[1], 1, 16, 3, 18, 5, 20, 7, 22, 9, 24, 11, 26, 13, 28, 15, 30);
 }
 
 /* exp(x) for x <= 0 (softmax arguments), relative error ~1e-7; x below ln(FLT_MIN) (and -inf) gives 0.
@@ -228,16 +235,21 @@ INLINE void attn_row(float *out, const float *q, const float *k_cache, const flo
                         }
                     }
                 for (int r = r_first; r < rt; r++) corr[r] = softmax_step(s[r], valid[r], &m[r], &l[r]);
-                int r = r_first;
-                for (; r + group <= rt; r += group) {
-                    switch (group) {
-                    case 8: rows_pv(Vb, d, 8, valid + r, s + r, corr + r, acc + (size_t)r * d); break;
-                    case 4: rows_pv(Vb, d, 4, valid + r, s + r, corr + r, acc + (size_t)r * d); break;
-                    case 2: rows_pv(Vb, d, 2, valid + r, s + r, corr + r, acc + (size_t)r * d); break;
-                    default: rows_pv(Vb, d, 1, valid + r, s + r, corr + r, acc + (size_t)r * d); break;
+                for (int r = r_first; r < rt; r += group) {
+                    const int rows = rt - r < group ? rt - r : group;
+#define PV(R) rows_pv(Vb, d, R, valid + r, s + r, corr + r, acc + (size_t)r * d)
+                    switch (rows) { /* R a constant in each copy, so the R x D / 16 accumulators are registers */
+                    case 8: PV(8); break;
+                    case 7: PV(7); break;
+                    case 6: PV(6); break;
+                    case 5: PV(5); break;
+                    case 4: PV(4); break;
+                    case 3: PV(3); break;
+                    case 2: PV(2); break;
+                    default: PV(1); break;
                     }
+#undef PV
                 }
-                for (; r < rt; r++) rows_pv(Vb, d, 1, valid + r, s + r, corr + r, acc + (size_t)r * d);
             }
             for (int r = 0; r < rt; r++) {
                 const int i = (r0 + r) / g, head = h * g + (r0 + r) % g;

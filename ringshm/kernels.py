@@ -46,8 +46,11 @@ def _f32p(t: torch.Tensor):
 
 
 def _c_path(*ts: torch.Tensor) -> bool:
-    """The one dispatch rule: every tensor on CPU in fp32 (contiguity is checked by the caller)."""
-    return all(t.dtype is torch.float32 and t.device.type == "cpu" for t in ts)
+    """The one dispatch rule: every tensor on CPU in fp32 runs the C kernel (contiguity is checked by callers)."""
+    for t in ts:
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return False
+    return True
 
 
 def _attn_c_ok(head_dim: int) -> bool:
@@ -92,7 +95,7 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device="cpu") -> 
     return freqs.cos().contiguous().to(device), freqs.sin().contiguous().to(device)
 
 
-def _check_tables(what: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, end: int, device) -> None:
+def _check_tables(what: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, device) -> None:
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != head_dim // 2:
         raise ValueError(
             f"{what}: cos and sin must both be [max_seq_len, {head_dim // 2}] (from rope_tables(head_dim={head_dim}, ...)),"
@@ -102,9 +105,6 @@ def _check_tables(what: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int
         raise ValueError(f"{what}: cos and sin must be fp32 (rope_tables makes them so), got {cos.dtype}, {sin.dtype}")
     if cos.device != device or sin.device != device:
         raise ValueError(f"{what}: cos and sin are on {cos.device}, expected {device} like the tensors they rotate")
-    if end > cos.shape[0]:
-        raise KVRangeError(f"{what}: positions up to {end - 1} but the RoPE tables cover only {cos.shape[0]}; "
-                           "build them with a larger max_seq_len")
     _need_contiguous(what, cos=cos, sin=sin)
 
 
@@ -140,13 +140,20 @@ def apply_rope(x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor
     n, h, d = x.shape
     if start < 0:
         raise ValueError(f"apply_rope: start must be >= 0, got {start}")
-    _check_tables("apply_rope", cos, sin, d, start + n, x.device)
+    if not (cos.dim() == 2 and cos.shape == sin.shape and 2 * cos.shape[1] == d and _c_path(x, cos, sin)
+            and cos.is_contiguous() and sin.is_contiguous()):
+        _check_tables("apply_rope", cos, sin, d, x.device)  # raises with the details, or passes a torch-path call
+    if start + n > cos.shape[0]:
+        raise KVRangeError(f"apply_rope: positions up to {start + n - 1} but the RoPE tables cover only "
+                           f"{cos.shape[0]}; build them with a larger max_seq_len")
     if not _c_path(x) or n == 0:
         return apply_rope_reference(x, start, cos, sin)
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    if not x.is_contiguous():
+        x = x.contiguous()
+    out = torch.empty((n, h, d), dtype=torch.float32)
     status = lib.ringshm_rope_apply(_f32p(out), _f32p(x), _f32p(cos), _f32p(sin), n, h, d, start, cos.shape[0])
-    _check(status, "apply_rope")
+    if status:
+        _check(status, "apply_rope")
     return out
 
 
@@ -178,10 +185,47 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: 
         ValueError: shapes, dtypes or devices that do not match, a non-contiguous cache row, start < 0.
         KVRangeError (a ValueError): start + n > S_max, or beyond the RoPE tables. Nothing is written.
     """
+    if not _kv_append_fast_ok(k_cache, v_cache, k, v, cos, sin):
+        _check_kv_append(k_cache, v_cache, k, v, cos, sin)  # raises with the details, or passes a torch-path call
+    hkv, smax, d = k_cache.shape
+    n = k.shape[0]
+    if start < 0:
+        raise ValueError(f"kv_append: start must be >= 0, got {start}")
+    if start + n > smax:
+        raise KVRangeError(f"kv_append: writing positions [{start}, {start + n}) overflows the cache row "
+                           f"(S_max = {smax}); nothing was written")
+    if start + n > cos.shape[0]:
+        raise KVRangeError(f"kv_append: positions up to {start + n - 1} but the RoPE tables cover only "
+                           f"{cos.shape[0]}; build them with a larger max_seq_len")
+    if n == 0:
+        return
+    if not _c_path(k_cache):
+        kv_append_reference(k_cache, v_cache, k, v, start, cos, sin)
+        return
+    if not (k.is_contiguous() and v.is_contiguous()):
+        k, v = k.contiguous(), v.contiguous()
+    status = lib.ringshm_kv_append(_f32p(k_cache), _f32p(v_cache), _f32p(k), _f32p(v), _f32p(cos), _f32p(sin),
+                                   n, hkv, smax, d, start, cos.shape[0])
+    if status:
+        _check(status, "kv_append")
+
+
+def _kv_append_fast_ok(k_cache, v_cache, k, v, cos, sin) -> bool:
+    """All of _check_kv_append's conditions for the C path, as cheap comparisons (runs once per layer per op)."""
+    if k_cache.dim() != 3 or k.dim() != 3 or cos.dim() != 2:
+        return False
+    hkv, _, d = k_cache.shape
+    ks = k.shape
+    return (v_cache.shape == k_cache.shape and v.shape == ks and ks[1] == hkv and ks[2] == d and d % 2 == 0
+            and cos.shape == sin.shape and 2 * cos.shape[1] == d and _c_path(k_cache, v_cache, k, v, cos, sin)
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and cos.is_contiguous() and sin.is_contiguous())
+
+
+def _check_kv_append(k_cache, v_cache, k, v, cos, sin) -> None:
     if k_cache.dim() != 3 or v_cache.shape != k_cache.shape:
         raise ValueError(f"kv_append: k_cache and v_cache must both be one cache row [Hkv, S_max, D] (cache[row]), "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    hkv, smax, d = k_cache.shape
+    hkv, _, d = k_cache.shape
     if k.dim() != 3 or k.shape != v.shape or k.shape[1:] != (hkv, d):
         raise ValueError(f"kv_append: k and v must both be [n, {hkv}, {d}] to match the cache row, "
                          f"got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -189,22 +233,7 @@ def kv_append(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: 
         raise ValueError(f"kv_append: head_dim must be even for RoPE, got {d}")
     _same_placement("kv_append", k_cache, v_cache=v_cache, k=k, v=v)
     _need_contiguous("kv_append", k_cache=k_cache, v_cache=v_cache)
-    n = k.shape[0]
-    if start < 0:
-        raise ValueError(f"kv_append: start must be >= 0, got {start}")
-    if start + n > smax:
-        raise KVRangeError(f"kv_append: writing positions [{start}, {start + n}) overflows the cache row "
-                           f"(S_max = {smax}); nothing was written")
-    _check_tables("kv_append", cos, sin, d, start + n, k.device)
-    if n == 0:
-        return
-    if not _c_path(k_cache):
-        kv_append_reference(k_cache, v_cache, k, v, start, cos, sin)
-        return
-    k, v = k.contiguous(), v.contiguous()
-    status = lib.ringshm_kv_append(_f32p(k_cache), _f32p(v_cache), _f32p(k), _f32p(v), _f32p(cos), _f32p(sin),
-                                   n, hkv, smax, d, start, cos.shape[0])
-    _check(status, "kv_append")
+    _check_tables("kv_append", cos, sin, d, k.device)
 
 
 # --- attention --------------------------------------------------------------------------------------------------
@@ -281,17 +310,26 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
             a non-contiguous cache row, start < 0.
         KVRangeError (a ValueError): start + n > S_max.
     """
-    n, hq, hkv, smax, d = _check_attention_shapes("attention", q, k_cache, v_cache, cache_dims=3)
+    if q.dim() != 3 or k_cache.dim() != 3:
+        _check_attention_shapes("attention", q, k_cache, v_cache, cache_dims=3)  # raises with the details
+    n, hq, d = q.shape
+    hkv, smax, d_cache = k_cache.shape
+    # the hot path (decode, verify) comes through here once per layer: cheap checks first, messages on failure
+    if (v_cache.shape != k_cache.shape or d != d_cache or hq % hkv or not _c_path(q, k_cache, v_cache)
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())):
+        _check_attention_shapes("attention", q, k_cache, v_cache, cache_dims=3)
     if start < 0:
         raise ValueError(f"attention: start must be >= 0, got {start}")
     if start + n > smax:
         raise KVRangeError(f"attention: positions [{start}, {start + n}) run past the cache row (S_max = {smax})")
     if n == 0 or not (_c_path(q) and _attn_c_ok(d)):
         return attention_reference(q, k_cache, v_cache, start)
-    q = q.contiguous()
-    out = torch.empty_like(q)
+    if not q.is_contiguous():
+        q = q.contiguous()
+    out = torch.empty((n, hq, d), dtype=torch.float32)
     status = lib.ringshm_attn_forward(_f32p(out), _f32p(q), _f32p(k_cache), _f32p(v_cache), n, hq, hkv, smax, d, start)
-    _check(status, "attention")
+    if status:
+        _check(status, "attention")
     return out
 
 
