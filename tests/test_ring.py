@@ -779,7 +779,7 @@ RingAgainstModel.TestCase.settings = settings(
     database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-test_ring_indices_match_a_deque_model_under_random_two_phase_calls = RingAgainstModel.TestCase
+test_ring_indices_match_a_deque_model_under_random_two_phase_calls = pytest.mark.slow(RingAgainstModel.TestCase)
 
 
 def test_every_ring_error_is_a_ringshm_error_and_its_builtin():
