@@ -223,7 +223,9 @@ class StageModel:
         return x.to(device=self.device, dtype=self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # HF LlamaRMSNorm: normalize in fp32, scale in the weights' dtype.
+        # HF LlamaRMSNorm: normalize in fp32, scale in the weights' dtype (one fused op when fp32).
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, self.config.rms_eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
         return weight * xf.to(self.dtype)
@@ -238,9 +240,9 @@ class StageModel:
         k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         a = attend(q, k, v).reshape(t, cfg.q_dim).to(self.dtype)  # [T, Hq*D]
-        x = x + F.linear(a, layer.wo)
+        x = torch.addmm(x, a, layer.wo.t())  # x + a · Woᵀ, residual add fused into the GEMM
         gate, up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up).chunk(2, dim=-1)  # [T, I] x2
-        return x + F.linear(F.silu(gate) * up, layer.w_down)
+        return torch.addmm(x, F.silu(gate).mul_(up), layer.w_down.t())
 
     def _attend_row(self, li: int, q, k, v, row: int, start: int) -> torch.Tensor:
         kc, vc = self.k_cache[li][row], self.v_cache[li][row]  # [Hkv, S_max, D]
