@@ -116,7 +116,7 @@ def oracle_greedy(oracle):
                 top2 = logits.topk(2).values
                 tokens.append(int(logits.argmax()))
                 margins.append(float(top2[0] - top2[1]))
-                out = oracle(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+                out = oracle(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
             cache[key] = OracleGreedy(torch.tensor(tokens), torch.tensor(margins))
         return cache[key]
 

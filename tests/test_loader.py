@@ -259,3 +259,27 @@ def test_a_quantized_tiny_gguf_loads_the_dequantized_weights(tmp_path):
     assert torch.equal(w.layers[0].w_up, ref)
     assert (w.layers[1].wv - model.model.layers[1].self_attn.v_proj.weight).abs().max() < 1e-2
     assert w.layers[2].w_down.shape == (64, 96)
+
+
+# ---- tokenizer ------------------------------------------------------------------------------------------
+
+
+def test_the_gguf_tokenizer_is_cached_and_carries_the_chat_template(model_path, tokenizer):
+    from ringshm.tokenizer import DEFAULT_CACHE_DIR, load_tokenizer, tokenizer_cache_key
+
+    entry = DEFAULT_CACHE_DIR / "tokenizers" / tokenizer_cache_key(model_path)
+    assert (entry / "tokenizer.json").is_file()  # the session fixture converted or reused it
+    again = load_tokenizer(model_path)  # from the cache: fast, and the same tokenizer
+    text = "Shared memory rings: head, tail, <|im_start|> and all."
+    assert again(text)["input_ids"] == tokenizer(text)["input_ids"]
+    chat = again.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                     add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert (again.bos_token_id, again.eos_token_id) == (1, 2)
+
+
+def test_a_tokenizer_for_a_path_that_is_no_model_is_refused(tmp_path):
+    from ringshm.tokenizer import load_tokenizer
+
+    with pytest.raises(FileNotFoundError, match="neither"):
+        load_tokenizer(tmp_path / "nothing.bin")

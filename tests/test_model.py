@@ -1,0 +1,199 @@
+"""StageModel on SmolLM2: split and chunk invariance, the KV row rules, lockstep batches, bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringshm.errors import KVRangeError
+from ringshm.model import StageModel, greedy_generate, run_stages
+
+N_GREEDY = 16
+
+
+def _stages(cfg, weights, bounds, max_rows=1, max_seq_len=256):
+    """Consecutive StageModels over ``bounds`` (e.g. [0, 10, 20, 30]) sharing the session's weights."""
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        first, last = a == 0, b == cfg.n_layers
+        out.append(StageModel(cfg, (a, b), first, last, max_rows, max_seq_len,
+                              weights=weights.select((a, b), first, last)))
+    return out
+
+
+@pytest.mark.parametrize("bounds", [
+    [0, 15, 30], [0, 10, 20, 30], [0, 6, 12, 18, 24, 30], [0, 1, 29, 30],
+], ids=["2_stages", "3_stages", "5_stages", "3_uneven_stages"])
+@torch.inference_mode()
+def test_layers_split_into_consecutive_stages_give_bitwise_identical_logits(full_stage, full_weights, prompts,
+                                                                            bounds):
+    stages = _stages(full_stage.config, full_weights, bounds)
+    prompt = prompts[1]
+    one = full_stage.forward(prompt, 0, 0, all_positions=True, return_logits=True)
+    split = run_stages(stages, prompt, 0, 0, all_positions=True, return_logits=True)
+    assert torch.equal(one.logits, split.logits) and torch.equal(one.token_ids, split.token_ids)
+    for step in range(3):  # decode reads the KV each stage wrote
+        pos, tok = len(prompt) + step, one.token_ids[-1:]
+        one = full_stage.forward(tok, 0, pos, return_logits=True)
+        split = run_stages(stages, tok, 0, pos, return_logits=True)
+        assert torch.equal(one.logits, split.logits), f"decode step {step}"
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, None], ids=["chunk_1", "chunk_7", "chunk_64", "whole"])
+@torch.inference_mode()
+def test_prefill_in_chunks_gives_the_oracle_greedy_tokens(full_stage, prompts, oracle_greedy,
+                                                          assert_greedy_matches, chunk):
+    prompt = prompts[3]
+    assert len(prompt) > 64
+    ours = greedy_generate([full_stage], prompt, N_GREEDY, row=1, prefill_chunk=chunk)
+    assert assert_greedy_matches(ours, oracle_greedy(prompt, N_GREEDY), f"prefill chunk {chunk}") > 0
+
+
+@torch.inference_mode()
+def test_chunked_prefill_logits_are_close_to_whole_prefill(full_stage, prompts):
+    prompt = prompts[3]
+    whole = full_stage.forward(prompt, 0, 0, return_logits=True).logits
+    for start in range(0, len(prompt), 7):
+        out = full_stage.forward(prompt[start:start + 7], 1, start, return_logits=True)
+    assert (out.logits - whole).abs().max().item() < 1e-4
+
+
+# ---- KV row rules (a 2-layer stage over the real weights keeps these fast) ----------------------------
+
+
+@pytest.fixture
+def small(checkpoint, full_weights):
+    cfg = checkpoint.config
+    return StageModel(cfg, (0, 2), True, True, max_rows=3, max_seq_len=16,
+                      weights=full_weights.select((0, 2), True, True))
+
+
+def _snapshot(stage):
+    return [k.clone() for k in stage.k_cache] + [v.clone() for v in stage.v_cache], list(stage.length)
+
+
+def _same(stage, snap) -> bool:
+    tensors, length = snap
+    now = stage.k_cache + stage.v_cache
+    return length == stage.length and all(torch.equal(a, b) for a, b in zip(tensors, now))
+
+
+@torch.inference_mode()
+def test_writing_below_the_length_overwrites_and_truncates_the_row(small):
+    a, b = torch.arange(100, 110), torch.arange(200, 203)
+    small.forward(a[:5], 0, 0)
+    ref = small.forward(b, 0, 5, all_positions=True, return_logits=True)  # row 0: a[:5] + b
+    small.forward(a, 1, 0)  # row 1: 10 positions of a, then roll back to 5 and write b
+    assert small.length[1] == 10
+    out = small.forward(b, 1, 5, all_positions=True, return_logits=True)
+    assert small.length[1] == 8
+    assert torch.equal(out.token_ids, ref.token_ids)
+    assert (out.logits - ref.logits).abs().max().item() < 1e-4
+    with pytest.raises(KVRangeError, match="past the 8 positions"):
+        small.forward(a[:1], 1, 9)
+
+
+@torch.inference_mode()
+def test_reading_past_what_was_written_raises_and_changes_nothing(small):
+    small.forward(torch.arange(4), 0, 0)
+    snap = _snapshot(small)
+    with pytest.raises(KVRangeError, match="row 0: start 5"):
+        small.forward(torch.arange(2), 0, 5)
+    with pytest.raises(KVRangeError):
+        small.forward(torch.arange(1), 2, 1)  # a fresh row has nothing to read
+    assert _same(small, snap)
+    small.forward(torch.arange(2), 0, 4)  # exactly at the length is a plain append
+    assert small.length[0] == 6
+
+
+@torch.inference_mode()
+def test_writing_past_max_seq_len_raises_and_changes_nothing(small):
+    small.forward(torch.arange(10), 0, 0)
+    snap = _snapshot(small)
+    with pytest.raises(KVRangeError, match="max_seq_len 16"):
+        small.forward(torch.arange(7), 0, 10)
+    with pytest.raises(KVRangeError, match="max_seq_len 16"):
+        small.forward_batch(torch.zeros(2, 7, dtype=torch.int64), [1, 0], [0, 10])
+    assert _same(small, snap)
+    small.forward(torch.arange(6), 0, 10)  # up to the last position is fine
+    assert small.length[0] == 16
+
+
+@torch.inference_mode()
+def test_a_row_outside_the_cache_or_repeated_in_a_batch_is_refused(small):
+    with pytest.raises(KVRangeError, match="row 3"):
+        small.forward(torch.arange(2), 3, 0)
+    with pytest.raises(ValueError, match="distinct"):
+        small.forward_batch(torch.zeros(2, 1, dtype=torch.int64), [0, 0], [0, 0])
+
+
+@torch.inference_mode()
+def test_reset_forgets_a_row_and_keeps_the_others(small):
+    small.forward(torch.arange(4), 0, 0)
+    small.forward(torch.arange(3), 1, 0)
+    small.reset([0])
+    assert small.length[:2] == [0, 3]
+    with pytest.raises(KVRangeError):
+        small.forward(torch.arange(1), 0, 4)
+    small.reset()
+    assert small.length == [0, 0, 0]
+
+
+@torch.inference_mode()
+def test_inputs_of_the_wrong_kind_for_the_stage_are_refused(checkpoint, full_weights, small):
+    with pytest.raises(ValueError, match="int64 token ids"):
+        small.forward(torch.zeros(3, 576), 0, 0)
+    cfg = checkpoint.config
+    mid = StageModel(cfg, (2, 4), False, False, 1, 16, weights=full_weights.select((2, 4), False, False))
+    with pytest.raises(ValueError, match="hidden states"):
+        mid.forward(torch.arange(3), 0, 0)
+    assert mid.forward(torch.randn(3, 576), 0, 0).shape == (3, 576)
+
+
+@pytest.mark.parametrize("n", [1, 4], ids=["decode", "verify_4"])
+@torch.inference_mode()
+def test_a_lockstep_batch_equals_each_row_run_alone(full_stage, prompts, n):
+    rows = [0, 2, 3]
+    gen = torch.Generator().manual_seed(n)
+    chunks = torch.randint(0, full_stage.config.vocab, (len(rows), n), generator=gen)
+    starts, alone = [], []
+    for i, row in enumerate(rows):
+        full_stage.forward(prompts[i], row, 0)
+        starts.append(len(prompts[i]))
+        alone.append(full_stage.forward(chunks[i], row, starts[-1], all_positions=True, return_logits=True))
+    # overwrite the same positions as one lockstep batch (rows listed out of order on purpose)
+    order = [2, 0, 1]
+    batch = full_stage.forward_batch(chunks[order], [rows[i] for i in order], [starts[i] for i in order],
+                                     all_positions=True, return_logits=True)
+    assert batch.token_ids.shape == (3, n) and batch.logits.shape == (3, full_stage.config.vocab)
+    for j, i in enumerate(order):
+        assert (batch.logits[j] - alone[i].logits).abs().max().item() < 1e-4
+        assert torch.equal(batch.token_ids[j], alone[i].token_ids)
+        assert full_stage.length[rows[i]] == starts[i] + n
+
+
+@torch.inference_mode()
+def test_a_lockstep_batch_through_split_stages_equals_one_stage(full_stage, full_weights, prompts):
+    stages = _stages(full_stage.config, full_weights, [0, 12, 30], max_rows=2)
+    rows, starts = [0, 1], [len(prompts[0]), len(prompts[1])]
+    for r in rows:
+        full_stage.forward(prompts[r], r, 0)
+        run_stages(stages, prompts[r], r, 0)
+    x = torch.tensor([[17], [42]])
+    one = full_stage.forward_batch(x, rows, starts, return_logits=True)
+    h = stages[0].forward_batch(x, rows, starts)
+    assert h.shape == (2, 1, 576)
+    two = stages[1].forward_batch(h, rows, starts, return_logits=True)
+    assert torch.equal(one.logits, two.logits) and one.token_ids.shape == (2, 1)
+
+
+@torch.inference_mode()
+def test_a_bf16_stage_agrees_with_fp32_on_the_next_token(checkpoint, prompts, full_stage):
+    bf = StageModel.from_path(checkpoint.path, max_rows=1, max_seq_len=128, dtype=torch.bfloat16,
+                              checkpoint=checkpoint)
+    assert bf.layers[0].wqkv.dtype == torch.bfloat16 and bf.k_cache[0].dtype == torch.float32
+    ref = full_stage.forward(prompts[0], 0, 0, return_logits=True)
+    out = bf.forward(prompts[0], 0, 0, return_logits=True)
+    assert out.logits.dtype == torch.float32
+    assert torch.equal(out.token_ids, ref.token_ids)
+    assert (out.logits - ref.logits).abs().max().item() < 1.0  # bf16 weights: a loose bound
