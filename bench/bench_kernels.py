@@ -14,6 +14,7 @@ Figures only: nothing here asserts on time.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -80,8 +81,10 @@ def _median_us(fn, calls: int) -> float:
 
 def ratio_table(rounds: int = 9, budget_s: float = 0.01) -> str:
     """Markdown table: median µs per call of each, and ours / SDPA; the three are measured interleaved."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [
-        f"attention, fp32 CPU, Hq={HQ} Hkv={HKV} D={D}; ours single-threaded; torch default threads = {DEFAULT_THREADS}",
+        f"attention, fp32 CPU, Hq={HQ} Hkv={HKV} D={D}; ours single-threaded; torch default threads = {DEFAULT_THREADS};"
+        f" {os.cpu_count()} CPUs, load average before the run {load} (other work inflates the 2-thread column most)",
         "",
         f"| n | ctx | ours µs | SDPA ({DEFAULT_THREADS} thr) µs | ours / SDPA | SDPA (1 thr) µs | ours / SDPA |",
         "|---:|---:|---:|---:|---:|---:|---:|",

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from _ring_workers import pipe_echo, queue_echo, ring_echo, ring_sink
+from ring_bench_workers import pipe_echo, queue_echo, ring_echo, ring_sink
 from ringshm import Ring
 from ringshm._C import ffi
 

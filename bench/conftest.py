@@ -22,6 +22,7 @@ class Figures:
         self.medians: dict[str, float] = {}
         self.extra: dict[str, dict] = {}
         self.ratios: list[tuple[str, str, str, str]] = []  # (label, numerator, denominator, goal)
+        self.plots: list = []  # callables (figures, results_dir, stamp) -> path of a PNG, run at the end
 
     def record(self, name: str, benchmark, per: int = 1, **extra) -> None:
         """Store the benchmark's median (seconds) divided by ``per`` operations per round."""
@@ -70,6 +71,7 @@ def pytest_sessionfinish(session, exitstatus):
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = RESULTS_DIR / f"ratios-{stamp}.json"
     out.write_text(json.dumps({"medians_s": _FIGURES.medians, "extra": _FIGURES.extra, "ratios": rows}, indent=2))
+    plots = [plot(_FIGURES, RESULTS_DIR, stamp) for plot in _FIGURES.plots]
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep("=", "ratios (medians from this run)")
@@ -77,3 +79,5 @@ def pytest_sessionfinish(session, exitstatus):
             goal = f"  goal {r['goal']}" if r["goal"] else ""
             reporter.write_line(f"{r['ratio']:<58} {r['value']:8.3f}{goal}")
         reporter.write_line(f"saved {out}")
+        for path in plots:
+            reporter.write_line(f"saved {path}")

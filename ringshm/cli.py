@@ -2,9 +2,12 @@
 
     ringshm generate [--model PATH] [--stages N] [--prefill-chunk N] [--prefill-depth N]
                      [--max-new-tokens N] [--temperature T --seed S] [--chat] [--json] PROMPT
+    ringshm generate --batch-file prompts.txt [--mode rows|batch] [...]
 
 Text streams to stdout as it is generated; a one-line summary (TTFT, decode tok/s, stages) follows on
-stderr. With ``--json``, stdout holds exactly one JSON object: the result's fields.
+stderr. With ``--json``, stdout holds exactly one JSON object: the result's fields. With ``--batch-file``
+(one prompt per line), every prompt is served at once; each answer is printed when the run ends as
+``[i] text``, and ``--json`` gives ``{"mode", "wall_s", "output_tok_s", "results": [...]}``.
 """
 
 from __future__ import annotations
@@ -45,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a continuation of PROMPT")
     _engine_args(gen)
-    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("prompt", nargs="?", help="the prompt text (or use --batch-file)")
+    gen.add_argument("--batch-file", default=None, help="a file with one prompt per line, served at once")
+    gen.add_argument("--mode", default="rows", choices=["rows", "batch"],
+                     help="with --batch-file: rows (de-lockstep, default) or batch (lockstep)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
@@ -57,17 +63,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sampling(a: argparse.Namespace) -> dict:
+    return dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop, chat=a.chat)
+
+
+def _generate_batch(a: argparse.Namespace) -> int:
+    from ringshm.engine import Engine
+
+    try:
+        with open(a.batch_file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as exc:
+        raise ValueError(f"cannot read --batch-file: {exc}") from None
+    if not prompts:
+        raise ValueError(f"--batch-file {a.batch_file} holds no prompt (one per line)")
+    with Engine(progress=not a.json, **_engine_kwargs(a)) as engine:
+        out = engine.generate_batch(prompts, a.mode, a.max_new_tokens, **_sampling(a))
+    if a.json:
+        print(json.dumps({"mode": out.mode, "wall_s": out.wall_s, "output_tok_s": out.output_tok_s,
+                          "stage_busy_s": out.stage_busy_s, "results": [r.to_dict() for r in out.results]}))
+        return 0
+    for i, r in enumerate(out.results):
+        print(f"[{i}] {r.text}")
+    ttfts = ", ".join(f"{r.ttft_s * 1e3:.0f}" for r in out.results)
+    print(f"[{len(prompts)} streams, mode {out.mode} | {out.output_tok_s:.1f} tok/s aggregate | "
+          f"TTFT ms: {ttfts}]", file=sys.stderr)
+    return 0
+
+
 def _generate(a: argparse.Namespace) -> int:
     from ringshm.engine import Engine
+
+    if a.batch_file:
+        return _generate_batch(a)
+    if a.prompt is None:
+        raise ValueError("give a PROMPT or --batch-file")
 
     def show(ev) -> None:
         sys.stdout.write(ev.text)
         sys.stdout.flush()
 
     with Engine(progress=not a.json, **_engine_kwargs(a)) as engine:
-        result = engine.generate(a.prompt, a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                                 top_p=a.top_p, seed=a.seed, stop=a.stop, chat=a.chat,
-                                 on_token=None if a.json else show)
+        result = engine.generate(a.prompt, a.max_new_tokens, on_token=None if a.json else show, **_sampling(a))
         stages = engine.config.stages
     if a.json:
         print(json.dumps(dict(result.to_dict(), stages=stages)))
