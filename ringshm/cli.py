@@ -59,12 +59,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    gen.add_argument("--spec", default=None, choices=["ngram"],
+                     help="lossless speculative decoding with prompt-lookup (n-gram) drafts (greedy only)")
+    gen.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op (default 4)")
+    gen.add_argument("--spec-depth", type=int, default=1, help="verify ops in flight per stream (default 1)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result, nothing else")
     return parser
 
 
 def _sampling(a: argparse.Namespace) -> dict:
-    return dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop, chat=a.chat)
+    return dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, seed=a.seed, stop=a.stop or (),
+                chat=a.chat, spec=a.spec, spec_k=a.spec_k, spec_depth=a.spec_depth)
 
 
 def _generate_batch(a: argparse.Namespace) -> int:
@@ -112,7 +117,8 @@ def _generate(a: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         print(f"[ttft {result.ttft_s * 1e3:.0f} ms | decode {result.decode_tok_s:.1f} tok/s | "
               f"{result.n_prompt_tokens} prompt + {result.n_output_tokens} output tokens | {stages} stages | "
-              f"finish: {result.finish_reason}]", file=sys.stderr)
+              f"finish: {result.finish_reason}" + (f" | acceptance {result.acceptance_rate:.2f}, "
+              f"{result.mean_accepted_length:.2f} tokens/verify" if a.spec else "") + "]", file=sys.stderr)
     return 0
 
 

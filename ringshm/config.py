@@ -145,3 +145,61 @@ class EngineConfig:
             ranges.append(range(start, start + n))
             start += n
         return ranges
+
+
+SPEC_METHODS = (None, "ngram")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """How to generate for one request (``Engine.generate`` and friends take these as keyword arguments).
+
+    Args:
+        max_new_tokens: most tokens to generate (>= 1).
+        temperature: 0 = greedy (default); > 0 samples, with ``top_k`` (0: no cut) and ``top_p`` (nucleus).
+        seed: sampling seed (same seed, same tokens); in a batch, stream i uses ``seed + i``.
+        stop: strings that end the generation (the text is cut before them).
+        chat: apply the model's chat template to a string prompt.
+        prefill_depth: prefill ops in flight for this request (default: the engine's).
+        spec: None, or "ngram" for lossless speculative decoding with prompt-lookup drafts (greedy only).
+        spec_k: most draft tokens per verify op. spec_depth: verify ops in flight per stream.
+        spec_ngram: longest suffix n-gram the drafter matches.
+
+    Raises:
+        ValueError: a field out of range, saying what to change.
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = False
+    prefill_depth: int | None = None
+    spec: str | None = None
+    spec_k: int = 4
+    spec_depth: int = 1
+    spec_ngram: int = 3
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = no cut), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.prefill_depth is not None and (not isinstance(self.prefill_depth, int) or self.prefill_depth < 1):
+            raise ValueError(f"prefill_depth must be an int >= 1, got {self.prefill_depth!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        if self.spec not in SPEC_METHODS:
+            raise ValueError(f"spec must be one of {SPEC_METHODS}, got {self.spec!r}")
+        if self.spec is not None and self.temperature > 0:
+            raise ValueError("speculative decoding here is greedy-only (lossless): use temperature=0 or spec=None")
+        for name in ("spec_k", "spec_depth", "spec_ngram"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")

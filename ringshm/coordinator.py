@@ -151,6 +151,7 @@ class Stream:
     tokens: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    spec: object = None  # a SpecDecoder when the stream decodes speculatively (ringshm.spec_decode)
 
     @property
     def done(self) -> bool:
@@ -210,12 +211,18 @@ class PrefillTag:
     stream: Stream
     last: bool
 
+    def has(self, s: Stream) -> bool:
+        return self.stream is s
+
 
 @dataclass(frozen=True)
 class DecodeTag:
     """Tag of a decode op in flight: the streams of its rows, in row-table order."""
 
     streams: tuple[Stream, ...]
+
+    def has(self, s: Stream) -> bool:
+        return s in self.streams
 
 
 class PrefillPipeline:

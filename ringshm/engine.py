@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from ringshm import messages as m
-from ringshm.config import EngineConfig
+from ringshm.config import EngineConfig, GenerationParams
 from ringshm.coordinator import Link, Stream, TokenEvent, decode_solo, prefill
 from ringshm.results import BatchResult, GenerationResult, result_of
 from ringshm.scheduler import RowsRun, run_batch
@@ -30,6 +30,8 @@ from ringshm.errors import RingTimeout, StageDied, StageError, StageStartupError
 from ringshm.ring import Ring
 from ringshm.sampling import Sampler, TextStream
 from ringshm.segment import sweep_stale
+from ringshm.spec import NGramDrafter, SpecStats
+from ringshm.spec_decode import SpecDecoder, decode_solo_spec
 from ringshm.stage import LOADED, N_SLOTS, SLOT_BUSY_S, SLOT_OPS, SLOT_STATE, StageSpec, stage_main
 
 
@@ -249,76 +251,69 @@ class Engine:
         return ids
 
     # ---------------------------------------------------------------------------------------- requests
-    def _make_stream(self, index: int, row: int, prompt, max_new_tokens: int, temperature: float, top_k: int,
-                     top_p: float, seed: int | None, stop, chat: bool) -> Stream:
-        ids = self.encode(prompt, chat)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if len(ids) + max_new_tokens > self.max_seq_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = "
-                             f"{len(ids) + max_new_tokens} exceeds max_seq_len {self.max_seq_len}: shorten the "
+    def _make_stream(self, index: int, row: int, prompt, p: GenerationParams) -> Stream:
+        ids = self.encode(prompt, p.chat)
+        if len(ids) + p.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) = "
+                             f"{len(ids) + p.max_new_tokens} exceeds max_seq_len {self.max_seq_len}: shorten the "
                              f"prompt, lower max_new_tokens, or start the engine with a larger max_seq_len")
-        stops = [stop] if isinstance(stop, str) else list(stop or [])
-        tokenizer = self.tokenizer
-        return Stream(index, row, ids, max_new_tokens, Sampler(temperature, top_k, top_p, seed),
-                      TextStream(tokenizer, stops), self.eos_ids)
+        seed = None if p.seed is None else p.seed + index
+        s = Stream(index, row, ids, p.max_new_tokens, Sampler(p.temperature, p.top_k, p.top_p, seed),
+                   TextStream(self.tokenizer, p.stop), self.eos_ids)
+        if p.spec == "ngram":
+            s.spec = SpecDecoder(s, NGramDrafter(p.spec_k, p.spec_ngram), p.spec_depth)
+        return s
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
-               prefill_depth: int | None = None) -> Iterator[TokenEvent]:
+    def _depth(self, p: GenerationParams) -> int:
+        """The prefill depth of one request: the engine's unless overridden (A/B runs on one engine)."""
+        return self.config.prefill_depth if p.prefill_depth is None else p.prefill_depth
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> Iterator[TokenEvent]:
         """Generate, yielding a ``TokenEvent`` (token id and text delta) per committed token.
 
         Arguments as ``generate``; bad input raises here, at the call, before anything is sent. Closing the
         generator early drains what is in flight, so the engine is ready for the next request.
         """
-        s = self._make_stream(0, 0, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
-        return self._run_solo(s, self._depth(prefill_depth))
-
-    def _depth(self, prefill_depth: int | None) -> int:
-        """The prefill depth of one request: the engine's unless overridden (A/B runs on one engine)."""
-        if prefill_depth is None:
-            return self.config.prefill_depth
-        if not isinstance(prefill_depth, int) or prefill_depth < 1:
-            raise ValueError(f"prefill_depth must be an int >= 1, got {prefill_depth!r}")
-        return prefill_depth
+        p = GenerationParams(max_new_tokens=max_new_tokens, **params)
+        return self._run_solo(self._make_stream(0, 0, prompt, p), self._depth(p))
 
     def _run_solo(self, s: Stream, depth: int) -> Iterator[TokenEvent]:
         if self._closed:
             raise RuntimeError("engine is closed")
         self._job += 1
         try:
-            for ev in prefill(self._link, [s], self.config.prefill_chunk, depth, self._job):
-                yield ev
-            yield from decode_solo(self._link, s, self._job)
+            yield from prefill(self._link, [s], self.config.prefill_chunk, depth, self._job)
+            if s.spec is not None:
+                s.spec.job = self._job
+                yield from decode_solo_spec(self._link, s.spec)
+            else:
+                yield from decode_solo(self._link, s, self._job)
         finally:
             self._link.drain()
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, *, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None, stop=None, chat: bool = False,
-                 on_token: Callable[[TokenEvent], None] | None = None,
-                 prefill_depth: int | None = None) -> GenerationResult:
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, *,
+                 on_token: Callable[[TokenEvent], None] | None = None, **params) -> GenerationResult:
         """Generate a continuation of ``prompt`` over the stage ring.
 
         Args:
-            prompt: a string (tokenised; ``chat`` applies the chat template) or a list of token ids (taken
-                as is, no special tokens added).
+            prompt: a string (tokenised; ``chat=True`` applies the chat template) or a list of token ids
+                (taken as is, no special tokens added).
             max_new_tokens: most tokens to generate (>= 1).
-            temperature, top_k, top_p, seed: sampling (temperature 0 = greedy; same seed, same tokens).
-            stop: a string or strings that end the generation (the text is cut before them).
             on_token: called with each ``TokenEvent`` as it is committed (streaming).
-            prefill_depth: prefill ops in flight for this request (default: the engine's).
+            **params: the other fields of ``ringshm.config.GenerationParams``: temperature, top_k, top_p,
+                seed, stop, chat, prefill_depth, spec ("ngram"), spec_k, spec_depth, spec_ngram.
 
         Raises:
             ValueError: empty prompt, ids outside the vocabulary, prompt + max_new_tokens > max_seq_len,
-                bad sampling parameters — all before anything is sent.
+                bad parameters — all before anything is sent. TypeError: an unknown parameter.
             StageDied: a stage process died (named, within ~0.1 s of its death).
             StageError / KVCacheOverflow: a stage failed an op; the engine stays usable.
         """
-        s = self._make_stream(0, 0, prompt, max_new_tokens, temperature, top_k, top_p, seed, stop, chat)
-        depth = self._depth(prefill_depth)
+        p = GenerationParams(max_new_tokens=max_new_tokens, **params)
+        s = self._make_stream(0, 0, prompt, p)
         busy0 = self._busy()
         busy_first = None
-        for ev in self._run_solo(s, depth):
+        for ev in self._run_solo(s, self._depth(p)):
             if busy_first is None:
                 busy_first = self._busy()
             if on_token is not None:
@@ -337,9 +332,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------- many streams
     def stream_batch(self, prompts: list, mode: str = "rows", max_new_tokens: int = 128, *,
-                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                     stop=None, chat: bool = False, prefill_depth: int | None = None,
-                     decode_depth: int = 1) -> "BatchStream":
+                     decode_depth: int = 1, **params) -> "BatchStream":
         """Serve many prompts at once; iterate the returned ``BatchStream`` for ``TokenEvent``s (``.stream``
         is the prompt's index) as tokens are committed. Arguments as ``generate_batch``; bad input raises
         here, before anything is sent."""
@@ -352,32 +345,28 @@ class Engine:
                              f"{self.config.max_rows}; use mode='rows' (it queues) or a larger max_rows")
         if not isinstance(decode_depth, int) or decode_depth < 1:
             raise ValueError(f"decode_depth must be an int >= 1, got {decode_depth!r}")
-        depth = self._depth(prefill_depth)
-        streams = [self._make_stream(i, i if mode == "batch" else -1, p, max_new_tokens, temperature, top_k,
-                                     top_p, None if seed is None else seed + i, stop, chat)
-                   for i, p in enumerate(prompts)]
-        return BatchStream(self, streams, mode, depth, decode_depth)
+        p = GenerationParams(max_new_tokens=max_new_tokens, **params)
+        if mode == "batch" and p.spec is not None:
+            raise ValueError("batch mode decodes in lockstep without speculation: use mode='rows' with spec")
+        streams = [self._make_stream(i, i if mode == "batch" else -1, prompt, p) for i, prompt in enumerate(prompts)]
+        return BatchStream(self, streams, mode, self._depth(p), decode_depth)
 
     def generate_batch(self, prompts: list, mode: str = "rows", max_new_tokens: int = 128, *,
-                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                       stop=None, chat: bool = False, prefill_depth: int | None = None, decode_depth: int = 1,
-                       on_token: Callable[[TokenEvent], None] | None = None) -> BatchResult:
+                       decode_depth: int = 1, on_token: Callable[[TokenEvent], None] | None = None,
+                       **params) -> BatchResult:
         """Generate for every prompt over the same stages; one result per prompt, in input order.
 
         Args:
             prompts: strings or token-id lists (as ``generate``).
             mode: "rows" (de-lockstep: each stream its own ops; more prompts than max_rows queue for a free
-                row) or "batch" (lockstep decode; at most max_rows prompts).
+                row; speculation allowed) or "batch" (lockstep decode; at most max_rows prompts).
             decode_depth: batch mode only: lockstep micro-batches in flight (see ``ringshm.scheduler``).
-            seed: stream i samples with ``seed + i``.
-            Others: as ``generate``.
+            **params: as ``generate`` (stream i samples with ``seed + i``).
 
         Raises:
             ValueError: bad input (any prompt), before anything is sent. StageDied, StageError: as generate.
         """
-        run = self.stream_batch(prompts, mode, max_new_tokens, temperature=temperature, top_k=top_k,
-                                top_p=top_p, seed=seed, stop=stop, chat=chat, prefill_depth=prefill_depth,
-                                decode_depth=decode_depth)
+        run = self.stream_batch(prompts, mode, max_new_tokens, decode_depth=decode_depth, **params)
         for ev in run:
             if on_token is not None:
                 on_token(ev)
@@ -402,6 +391,9 @@ class BatchStream:
         if eng._closed:
             raise RuntimeError("engine is closed")
         eng._job += 1
+        for s in self.streams:
+            if s.spec is not None:
+                s.spec.job = eng._job
         cfg = eng.config
         self._t0, self._busy0 = time.perf_counter(), eng._busy()
         try:
@@ -426,5 +418,9 @@ class BatchStream:
         """Per-stream results (input order), wall time and aggregate output tok/s of the finished run."""
         results = [result_of(s) for s in self.streams]
         wall = max(self._t1 - self._t0, 1e-9)
+        spec = SpecStats()
+        for s in self.streams:
+            if s.spec is not None:
+                spec.add(s.spec.stats)
         return BatchResult(results, self.mode, wall, sum(r.n_output_tokens for r in results) / wall,
-                           [b - b0 for b, b0 in zip(self._busy1, self._busy0)])
+                           [b - b0 for b, b0 in zip(self._busy1, self._busy0)], spec)

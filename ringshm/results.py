@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ringshm.coordinator import Stream
+from ringshm.spec import SpecStats
 
 
 @dataclass
@@ -32,6 +33,10 @@ class GenerationResult:
     n_output_tokens: int
     stage_busy_s: list[float] = field(default_factory=list)
     hop_overhead_us: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0
+    mean_accepted_length: float = 0.0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -43,7 +48,8 @@ class BatchResult:
 
     ``wall_s``: from the call to the last token; ``output_tok_s``: every stream's output tokens over wall_s
     (the aggregate throughput); ``stage_busy_s``: each stage's busy seconds over the whole batch (per-stream
-    results leave theirs empty: lockstep and interleaved ops serve several streams at once).
+    results leave theirs empty: lockstep and interleaved ops serve several streams at once); ``spec``: the
+    speculation counters summed over the streams.
     """
 
     results: list[GenerationResult]
@@ -51,6 +57,7 @@ class BatchResult:
     wall_s: float
     output_tok_s: float
     stage_busy_s: list[float] = field(default_factory=list)
+    spec: SpecStats = field(default_factory=SpecStats)  # summed over the streams that speculated
 
     def __len__(self) -> int:
         return len(self.results)
@@ -68,13 +75,16 @@ def result_of(s: Stream, busy0: list[float] | None = None, busy_first: list[floa
     ttft = times[0] - s.t_start if times else 0.0
     tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else 0.0
     busy, hop_us = [], 0.0
+    spec = s.spec.stats if s.spec is not None else SpecStats()
     if busy0 is not None and busy_end is not None:
         busy = [b - b0 for b, b0 in zip(busy_end, busy0)]
-        if n > 1 and busy_first is not None:
+        decode_ops = spec.verify_steps if s.spec is not None else n - 1
+        if decode_ops > 0 and busy_first is not None:
             decode_busy = sum(busy_end) - sum(busy_first)
-            hops = (n - 1) * (n_stages + 1)
-            hop_us = ((times[-1] - times[0]) - decode_busy) / hops * 1e6
+            hop_us = ((times[-1] - times[0]) - decode_busy) / (decode_ops * (n_stages + 1)) * 1e6
     return GenerationResult(
         token_ids=list(s.tokens), text=s.text.text, finish_reason=s.finish_reason or "length", ttft_s=ttft,
         tpot_s=tpot, decode_tok_s=1.0 / tpot if tpot > 0 else 0.0, n_prompt_tokens=len(s.prompt),
-        n_output_tokens=n, stage_busy_s=busy, hop_overhead_us=hop_us)
+        n_output_tokens=n, stage_busy_s=busy, hop_overhead_us=hop_us, draft_tokens=spec.draft_tokens,
+        accepted_tokens=spec.accepted_tokens, acceptance_rate=spec.acceptance_rate,
+        mean_accepted_length=spec.mean_accepted_length)

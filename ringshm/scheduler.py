@@ -3,11 +3,12 @@ the one ``PrefillPipeline``.
 
 batch: after every prompt is prefilled, one DECODE op per step carries every live row, each at its own
     position; finished rows leave the batch. Rule for ``decode_depth`` (steps in flight): a row's next input is
-    its previous output, so a row can never have two decode ops in flight. The live rows are split into
+    its previous output, so a row can never have two decode ops in flight. Batch mode decodes without
+    speculation. The live rows are split into
     ``decode_depth`` groups (round-robin) and each group keeps one lockstep op in flight: micro-batches that
     pipeline through the stages. ``decode_depth = 1`` is plain lockstep.
 rows: each stream sends its own solo-shaped ops tagged with its KV row, so streams interleave on the ring and
-    advance independently. A stream's first decode op goes out as soon as its prefill ends (other streams may
+    advance independently (speculatively too: each stream with its own drafter, epoch and verify chain). A stream's first decode op goes out as soon as its prefill ends (other streams may
     still be prefilling); its next op as soon as its previous reply arrived (one op in flight per stream). A
     finished or cancelled stream frees its row, and a waiting request takes it (continuous batching).
 
@@ -22,6 +23,7 @@ from collections.abc import Iterator
 
 from ringshm.coordinator import (DecodeTag, Link, PrefillPipeline, PrefillTag, Stream, TokenEvent, commit_decode,
                                  decode_op)
+from ringshm.spec_decode import VerifyTag
 
 
 def run_batch(link: Link, streams: list[Stream], chunk: int, depth: int, decode_depth: int = 1,
@@ -95,6 +97,9 @@ class RowsRun:
                 events = [ev] if (ev := self.pipe.on_reply(reply, tag)) is not None else []
                 if tag.last:
                     self._next(s)
+            elif isinstance(tag, VerifyTag):
+                s = tag.decoder.stream
+                events = tag.decoder.on_reply(reply, tag, self.link)  # sends the stream's next ops
             else:
                 (s,) = tag.streams
                 events = commit_decode(reply, tag)
@@ -113,16 +118,18 @@ class RowsRun:
             self.pipe.add(s)
 
     def _next(self, s: Stream) -> None:
-        if not s.done:
+        if s.done:
+            return
+        if s.spec is not None:
+            s.spec.fill(self.link)
+        else:
             self.link.send(decode_op([s], self.job), tag=DecodeTag((s,)))
 
     def _maybe_free(self, s: Stream) -> None:
         """Free the row of a finished stream once no op of it is in flight."""
         if self.busy.get(s.row) is not s:
             return
-        for p in self.link.pending:
-            tag = p.tag
-            if (tag.stream is s) if isinstance(tag, PrefillTag) else (s in tag.streams):
-                return
+        if any(p.tag.has(s) for p in self.link.pending):
+            return
         del self.busy[s.row]
         self.free_rows.append(s.row)

@@ -1,0 +1,123 @@
+"""Speculative decode of one stream over the ring: a chain of up to ``spec_depth`` verify ops in flight.
+
+The first op of a chain feeds ``[last committed token, drafts...]`` at the stream's position. Each further op
+is built on the previous one's drafts as if they were all accepted: its first token is the drafter's guess
+of the previous op's bonus token, and it starts where the previous op's tokens end. When a reply shows a
+rejection (or a bonus other than the guess), the stream's epoch goes up: every op still in flight was built
+on the rejected tail and carries the old epoch, so its reply is recognised as stale and dropped, never
+committed. The next op starts at the first uncommitted position; the KV cache is indexed by position, so it
+simply overwrites what rejected or stale ops wrote there, and stages apply ops in order, so nothing reads
+those positions before it. Solo and rows modes use this; each stream has its own drafter and epoch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ringshm import messages as m
+from ringshm.coordinator import Link, Stream, TokenEvent
+from ringshm.spec import NGramDrafter, SpecStats, accept
+
+
+@dataclass(frozen=True, eq=False)
+class VerifyTag:
+    """Tag of one speculative op in flight: the stream's decoder, the epoch it was built in, its first
+    position and the tokens it feeds (``inputs[0]`` then the drafts)."""
+
+    decoder: "SpecDecoder"
+    epoch: int
+    start: int
+    inputs: tuple[int, ...]
+
+    def has(self, s: Stream) -> bool:
+        return self.decoder.stream is s
+
+
+@dataclass(eq=False)
+class SpecDecoder:
+    """Drives one stream's decode with n-gram drafts: ``fill`` sends ops, ``on_reply`` commits tokens.
+
+    ``depth``: verify ops of the current epoch kept in flight (1: no pipelining).
+    """
+
+    stream: Stream
+    drafter: NGramDrafter
+    depth: int = 1
+    job: int = 0
+    epoch: int = 0
+    stats: SpecStats = field(default_factory=SpecStats)
+    in_flight: deque = field(default_factory=deque)  # VerifyTags, oldest first, stale ones included
+
+    def _sync(self) -> None:
+        """Feed the drafter what was committed since it last looked (the prefill's first token, say)."""
+        s, known = self.stream, len(self.drafter.tokens)
+        committed = len(s.prompt) + len(s.tokens)
+        if known < committed:
+            self.drafter.extend((s.prompt + s.tokens)[known:committed])
+
+    def fill(self, link: Link) -> None:
+        """Send ops until ``depth`` ops of the current epoch are in flight or nothing can be drafted."""
+        s = self.stream
+        self._sync()
+        chain = [t for t in self.in_flight if t.epoch == self.epoch]
+        while not s.done and len(chain) < self.depth:
+            if chain:  # build on the tail of the chain, as if every draft in it were accepted
+                tail = list(chain[0].inputs[1:]) + [t for op in chain[1:] for t in op.inputs]
+                guess = self.drafter.propose(tail)
+                if not guess:
+                    break
+                first, start = guess[0], chain[-1].start + len(chain[-1].inputs)
+                tail.append(first)
+            else:
+                first, start, tail = s.tokens[-1], s.position, []
+            budget = s.max_new_tokens - len(s.tokens) - len(tail)  # tokens this op may still commit
+            if budget <= 0:
+                break
+            drafts = self.drafter.propose(tail)[: budget - 1]
+            inputs = (first, *drafts)
+            op = m.VERIFY if drafts else m.DECODE
+            tag = VerifyTag(self, self.epoch, start, inputs)
+            link.send(m.Message(op, job=self.job, epoch=self.epoch, row=s.row, start=start, n_tokens=len(inputs),
+                                rows=[(s.row, start)], tensors=[torch.tensor(inputs, dtype=torch.int64)]), tag=tag)
+            self.in_flight.append(tag)
+            chain.append(tag)
+            if not drafts and not chain[:-1]:
+                break  # a plain decode step: the next input is its output
+
+    def on_reply(self, reply: m.Message, tag: VerifyTag, link: Link) -> list[TokenEvent]:
+        """Commit what a current-epoch reply accepts, drop a stale one, then send the next ops."""
+        oldest = self.in_flight.popleft()
+        assert oldest is tag, "verify replies of one stream come back in send order"
+        s = self.stream
+        if tag.epoch != self.epoch or s.done or reply.epoch != tag.epoch:
+            return []  # built on a rejected tail (or the stream ended): never committed
+        drafts = list(tag.inputs[1:])
+        committed = accept(drafts, reply.tensors[0].reshape(-1).tolist())
+        self.stats.draft_tokens += len(drafts)
+        self.stats.accepted_tokens += len(committed) - 1
+        self.stats.verify_steps += 1
+        events = []
+        for t in committed:
+            if s.done:
+                break
+            events.append(TokenEvent(s.index, t, s.commit(t)))
+            self.stats.committed_tokens += 1
+        nxt = next((t for t in self.in_flight if t.epoch == self.epoch), None)
+        if nxt is not None and (s.done or nxt.start != s.position or nxt.inputs[0] != s.tokens[-1]):
+            self.epoch += 1  # the chain was built on a tail the model rejected
+        if not s.done:
+            self.fill(link)
+        return events
+
+
+def decode_solo_spec(link: Link, decoder: SpecDecoder) -> Iterator[TokenEvent]:
+    """Decode one stream (after its prefill) speculatively until it finishes and nothing is in flight."""
+    decoder.fill(link)
+    while decoder.in_flight:
+        reply, tag = link.recv()
+        yield from decoder.on_reply(reply, tag, link)
+
