@@ -91,23 +91,40 @@ class RowsRun:
     def __iter__(self) -> Iterator[TokenEvent]:
         self._admit()
         while self.link.in_flight:
-            reply, tag = self.link.recv()
-            if isinstance(tag, PrefillTag):
-                s = tag.stream
-                events = [ev] if (ev := self.pipe.on_reply(reply, tag)) is not None else []
-                if tag.last:
-                    self._next(s)
-            elif isinstance(tag, VerifyTag):
-                s = tag.decoder.stream
-                events = tag.decoder.on_reply(reply, tag, self.link)  # sends the stream's next ops
-            else:
-                (s,) = tag.streams
-                events = commit_decode(reply, tag)
+            yield from self.step()
+
+    def step(self, timeout_s: float | None = None) -> list[TokenEvent]:
+        """Take the next reply (waiting at most ``timeout_s``, default the link's op timeout), send what it
+        makes possible (the stream's next op, waiting requests into freed rows), then return its tokens.
+        For a dispatcher that interleaves ``submit``/``cancel`` with replies (``ringshm.serving``).
+
+        Raises:
+            RingTimeout: no reply within timeout_s (nothing is lost: call again). StageDied, StageError,
+            ReplyMismatch: as ``Link.recv``.
+        """
+        self._admit()
+        reply, tag = self.link.recv(timeout_s)
+        if isinstance(tag, PrefillTag):
+            s = tag.stream
+            events = [ev] if (ev := self.pipe.on_reply(reply, tag)) is not None else []
+            if tag.last:
                 self._next(s)
-            if s.done:
-                self._maybe_free(s)
-            self._admit()  # next ops out before the caller sees the tokens
-            yield from events
+        elif isinstance(tag, VerifyTag):
+            s = tag.decoder.stream
+            events = tag.decoder.on_reply(reply, tag, self.link)  # sends the stream's next ops
+        else:
+            (s,) = tag.streams
+            events = commit_decode(reply, tag)
+            self._next(s)
+        if s.done:
+            self._maybe_free(s)
+        self._admit()  # next ops out before the caller sees the tokens
+        return events
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and nobody waiting."""
+        return not self.link.in_flight and not self.waiting
 
     # ----------------------------------------------------------------------------------------- private
     def _admit(self) -> None:
