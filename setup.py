@@ -20,6 +20,9 @@ setup(
         "safetensors>=0.4",
         "tokenizers>=0.19",
         "transformers>=4.45",
+        "fastapi>=0.110",  # ringshm serve: the OpenAI-compatible server
+        "uvicorn>=0.29",
+        "prometheus_client>=0.20",
     ],
     extras_require={
         "test": [
@@ -28,6 +31,8 @@ setup(
             "hypothesis>=6",
             "accelerate>=0.30",  # transformers' GGUF loading (the oracle)
             "matplotlib>=3.7",  # bench plots
+            "openai>=1.30",  # the official client drives the server in tests
+            "httpx>=0.27",
         ],
     },
     entry_points={"console_scripts": ["ringshm=ringshm.cli:main"]},
