@@ -159,15 +159,20 @@ class Ring:
             RingStateError: a reservation is already open, or the ring is closed.
             RingCorrupt: the shared indices are out of bounds.
         """
-        h = self._producer()
-        st = lib.ringshm_ring_try_reserve(h, n, self._w.off)
-        if st:
-            if st < 0:
-                check_status(st, f"reserve {n} bytes on {self.name}")
+        off = self._try_reserve_offset(n, "reserve")
+        if off is None:
             return None
-        off = self._w.off[0]
         self._write_view = view = self._data[off : off + n]
         return view
+
+    def _try_reserve_offset(self, n: int, what: str) -> int | None:
+        """The C reserve: the payload's offset in the data area, or None when the ring is too full now."""
+        st = lib.ringshm_ring_try_reserve(self._producer(), n, self._w.off)
+        if st:
+            if st < 0:
+                check_status(st, f"{what} {n} bytes on {self.name}")
+            return None
+        return self._w.off[0]
 
     def reserve(self, n: int, timeout_s: float | None = None) -> memoryview:
         """Blocking ``try_reserve``: wait for room until ``timeout_s`` (None: no deadline).
@@ -209,14 +214,11 @@ class Ring:
         """Copy ``buf`` (any C-contiguous buffer) into one record and publish it; False when full now."""
         src = memoryview(buf)
         n = src.nbytes
-        h = self._producer()
-        st = lib.ringshm_ring_try_reserve(h, n, self._w.off)
-        if st:
-            if st < 0:
-                check_status(st, f"send {n} bytes on {self.name}")
+        off = self._try_reserve_offset(n, "send")
+        if off is None:
             return False
-        ffi.memmove(self._data_ptr + self._w.off[0], src, n)
-        lib.ringshm_ring_commit(h, n)
+        ffi.memmove(self._data_ptr + off, src, n)
+        lib.ringshm_ring_commit(self._h, n)
         return True
 
     def send(self, buf, timeout_s: float | None = None) -> None:

@@ -22,21 +22,14 @@ from collections import deque
 from collections.abc import Iterator
 
 from ringshm.coordinator import (DecodeTag, Link, PrefillPipeline, PrefillTag, Stream, TokenEvent, commit_decode,
-                                 decode_op)
+                                 decode_op, prefill)
 from ringshm.spec_decode import VerifyTag
 
 
 def run_batch(link: Link, streams: list[Stream], chunk: int, depth: int, decode_depth: int = 1,
               job: int = 0) -> Iterator[TokenEvent]:
     """Lockstep mode; ``streams`` already hold distinct rows. Yields tokens as they are committed."""
-    pipe = PrefillPipeline(link, chunk, depth, job)
-    for s in streams:
-        pipe.add(s)
-    while not pipe.idle:
-        reply, tag = link.recv()
-        ev = pipe.on_reply(reply, tag)
-        if ev is not None:
-            yield ev
+    yield from prefill(link, streams, chunk, depth, job)
     live = [s for s in streams if not s.done]
     groups = [live[g::decode_depth] for g in range(decode_depth)]
     for group in groups:
