@@ -28,6 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-depth", type=int, default=8, help="prefill ops in flight")
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--max-rows", type=int, default=8)
+    p.add_argument("--link-latency-ms", type=float, default=0.0,
+                   help="simulated latency of every ring hop (stands in for slow links; default 0)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -39,7 +41,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
             raise SystemExit(f"--layer-split must be comma-separated integers, got {a.layer_split!r}") from None
     return dict(model=a.model, stages=a.stages, layer_split=split, device=a.device, dtype=a.dtype,
                 prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, max_seq_len=a.max_seq_len,
-                max_rows=a.max_rows)
+                max_rows=a.max_rows, link_latency_ms=a.link_latency_ms)
 
 
 def build_parser() -> argparse.ArgumentParser:
