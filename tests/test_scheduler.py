@@ -186,3 +186,16 @@ def test_an_op_reading_kv_never_written_comes_back_as_a_stage_error(fake):
     with pytest.raises(StageError, match="never written"):
         ring.link.recv()
     assert run_solo(ring, s) and s.tokens == t[5:8]  # the ring is still usable
+
+
+def test_reset_clears_a_row_so_an_op_continuing_it_reads_kv_never_written(fake):
+    (t,) = scripts(1, seed=12)
+    ring = fake(OracleModel([t], max_rows=2))
+    s = make_stream(0, t, 6, 2, row=0)
+    run_solo(ring, s)
+    ring.link.send(m.Message(m.RESET, rows=[(0, 0)]))
+    reply, _ = ring.link.recv()
+    assert reply.op == m.RESET and reply.is_reply
+    ring.link.send(m.Message(m.PREFILL, row=0, start=6, n_tokens=1, rows=[(0, 6)], tensors=[torch.tensor(t[6:7])]))
+    with pytest.raises(StageError, match="never written"):
+        ring.link.recv()
