@@ -1,0 +1,419 @@
+"""``AsyncEngine``: an asyncio API over one ``Engine``, with a dispatcher thread that owns the ring.
+
+    task ─stream()─▶ validate (GenerationParams, Engine._make_stream) ─▶ inbox ─▶ dispatcher thread
+    task ◀─ asyncio.Queue ◀─ loop.call_soon_threadsafe ◀─ Chunks ◀─ RowsRun.step() ◀─ ring
+
+The ring calls block, so one background thread owns the ring exclusively and runs one ``RowsRun`` (rows mode,
+``ringshm.scheduler``) for the engine's whole life: between replies it admits submitted requests (they take a
+free KV row, or wait for one: continuous batching up to ``max_rows``) and applies cancellations; while
+something is in flight it takes one reply per ``step``, otherwise it sleeps on the inbox. Each committed token
+goes to its request's ``asyncio.Queue`` on the loop that made the request, so any number of tasks (on any
+number of loops) may call ``stream`` / ``complete`` at once. Rows mode gives every stream exactly the tokens
+``Engine.generate`` gives it alone, whatever else runs beside it.
+
+Failures: bad input raises ``ValueError`` in the caller, before anything is queued. More than ``max_rows +
+max_waiting`` open requests raise ``QueueFull``. A dead stage fails every open request with ``StageDied``, and
+every later request fails at the call with it. A stage error (or a reply mismatch) fails the open requests
+with ``RequestFailed`` and the dispatcher starts a fresh run; the engine stays usable.
+
+While an ``AsyncEngine`` owns an engine, do not call the engine's own request methods; after ``close()`` the
+engine is closed too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ringshm.config import GenerationParams
+from ringshm.coordinator import Stream
+from ringshm.errors import PeerDied, RingshmError, RingTimeout, StageDied
+from ringshm.results import GenerationResult, result_of
+from ringshm.sampling import TextStream
+from ringshm.scheduler import RowsRun
+
+STEP_TIMEOUT_S = 0.05  # the longest the dispatcher waits on the ring before it looks at its inbox again
+
+
+class QueueFull(RingshmError, RuntimeError):
+    """``max_rows`` requests run and ``max_waiting`` more wait for a KV row: try again later (HTTP 429)."""
+
+
+class EngineClosed(RingshmError, RuntimeError):
+    """The ``AsyncEngine`` is shutting down or closed: no new request, and open ones end with this."""
+
+
+class RequestFailed(RingshmError, RuntimeError):
+    """A stage failed an op (or a reply did not match) while this request was open; ``__cause__`` is the
+    original error. The engine stays usable."""
+
+
+@dataclass
+class Chunk:
+    """One committed token of a request: its id and the text it adds (may be empty while held back).
+
+    The last chunk of a request also carries ``finish_reason`` ("stop" or "length") and ``result`` (the
+    request's ``GenerationResult``: token ids, text, TTFT, TPOT, speculation counters). ``time_s`` is
+    ``time.perf_counter()`` when the dispatcher committed the token.
+    """
+
+    token_id: int
+    text: str
+    time_s: float
+    finish_reason: str | None = None
+    result: GenerationResult | None = None
+
+    @property
+    def usage(self) -> dict | None:
+        """OpenAI-style token counts, on the last chunk only."""
+        if self.result is None:
+            return None
+        r = self.result
+        return {"prompt_tokens": r.n_prompt_tokens, "completion_tokens": r.n_output_tokens,
+                "total_tokens": r.n_prompt_tokens + r.n_output_tokens}
+
+
+@dataclass(eq=False)
+class _Request:
+    id: int
+    stream: Stream
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+def _put_all(q: asyncio.Queue, items: list) -> None:
+    for item in items:
+        q.put_nowait(item)
+
+
+def _copy_error(exc: BaseException) -> BaseException:
+    """A fresh exception per request (one instance raised in many tasks would share a traceback)."""
+    if isinstance(exc, StageDied):
+        return StageDied(str(exc), exc.stage, exc.exitcode)
+    if isinstance(exc, EngineClosed):
+        return EngineClosed(str(exc))
+    err = RequestFailed(f"request failed: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+class RequestStream:
+    """The chunks of one request, as an async iterator (``AsyncEngine.stream`` returns one).
+
+    Leaving it early — ``break``, ``aclose()``, ``async with`` exit, cancelling the task that awaits it, or
+    dropping it — cancels this request only. Raises, from ``__anext__``: ``StageDied``, ``RequestFailed``,
+    ``EngineClosed``.
+    """
+
+    def __init__(self, engine: "AsyncEngine", req: _Request):
+        self._engine, self._req = engine, req
+        self._finished = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The request's prompt as token ids."""
+        return self._req.stream.prompt
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> Chunk:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._req.queue.get()
+        except BaseException:  # the consuming task was cancelled
+            self.cancel()
+            raise
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        if item.finish_reason is not None:
+            self._finished = True
+        return item
+
+    def cancel(self) -> None:
+        """Cancel the request (no-op once it finished). Safe from any thread and from ``__del__``."""
+        if not self._finished:
+            self._finished = True
+            self._engine._inbox.put(("cancel", self._req))
+
+    async def aclose(self) -> None:
+        self.cancel()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        try:
+            self.cancel()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+class AsyncEngine:
+    """Serve many concurrent asyncio requests on one ``Engine`` with continuous batching.
+
+    Args:
+        engine: a started ``Engine``; the ``AsyncEngine`` owns its ring from now on and closes it.
+        max_waiting: requests that may wait for a KV row beyond the ``max_rows`` running ones.
+        on_step: called from the dispatcher thread after every reply with the number of running requests
+            (a metrics hook; keep it cheap).
+
+    Raises:
+        ValueError: ``max_waiting < 0``.
+    """
+
+    def __init__(self, engine, max_waiting: int = 64, on_step: Callable[[int], None] | None = None):
+        from ringshm.tokenizer import load_tokenizer
+
+        if not isinstance(max_waiting, int) or max_waiting < 0:
+            raise ValueError(f"max_waiting must be an int >= 0, got {max_waiting!r}")
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.on_step = on_step
+        engine.tokenizer  # noqa: B018 -- load it here, not on the first request
+        # The dispatcher decodes with its own tokenizer instance: the callers' threads encode with the
+        # engine's, and one HF tokenizer used from two threads at once can fail ("Already borrowed").
+        self._decode_tokenizer = load_tokenizer(engine.model_path)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._n_open = 0  # submitted and not yet finished (caller increments, dispatcher decrements)
+        self._n_running = 0  # holding a KV row (dispatcher writes)
+        self._closing = False
+        self._dead: StageDied | None = None
+        self._active: dict[int, _Request] = {}  # dispatcher thread only
+        self._thread = threading.Thread(target=self._dispatch, name="ringshm-dispatcher", daemon=True)
+        self._thread.start()
+
+    # --------------------------------------------------------------------------------------- public API
+    @property
+    def n_running(self) -> int:
+        """Requests holding a KV row."""
+        return self._n_running
+
+    @property
+    def n_waiting(self) -> int:
+        """Requests accepted and waiting for a KV row."""
+        return max(0, self._n_open - self._n_running)
+
+    @property
+    def dead(self) -> StageDied | None:
+        """The ``StageDied`` that stopped the dispatcher, if a stage died."""
+        return self._dead
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.engine.max_seq_len
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> RequestStream:
+        """Start a request; iterate the returned ``RequestStream`` (``async for``) for its ``Chunk``s.
+
+        Call from a coroutine (the chunks arrive on its running loop). Arguments as ``Engine.generate``
+        (``prefill_depth`` is the engine's for every request).
+
+        Raises, at the call: ValueError (bad input, prompt + max_new_tokens over max_seq_len), TypeError (an
+        unknown parameter), QueueFull, StageDied (a stage is dead), EngineClosed.
+        """
+        loop = asyncio.get_running_loop()
+        if self._closing:
+            raise EngineClosed("the engine is shutting down: no new requests")
+        p = GenerationParams(max_new_tokens=max_new_tokens, **params)
+        s = self.engine._make_stream(0, -1, prompt, p)  # validates; seed applies as is (index 0)
+        s.text = TextStream(self._decode_tokenizer, p.stop)
+        self._check_alive()
+        s.index = next(self._ids)
+        req = _Request(s.index, s, loop)
+        with self._lock:  # the check and the put under one lock: no submit can follow close()'s "stop"
+            if self._closing:
+                raise EngineClosed("the engine is shutting down: no new requests")
+            if self._n_open >= self.engine.config.max_rows + self.max_waiting:
+                raise QueueFull(f"{self._n_open} requests open (max_rows {self.engine.config.max_rows} running "
+                                f"+ max_waiting {self.max_waiting} waiting): retry later")
+            self._n_open += 1
+            self._inbox.put(("submit", req))
+        return RequestStream(self, req)
+
+    async def complete(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> GenerationResult:
+        """Generate to the end and return the ``GenerationResult``. Raises as ``stream`` and its chunks."""
+        last = None
+        async with self.stream(prompt, max_new_tokens, **params) as chunks:
+            async for last in chunks:
+                pass
+        return last.result
+
+    def check_stages(self) -> None:
+        """Raise ``StageDied`` naming a dead stage (the health check)."""
+        self._check_alive()
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop accepting; let open requests finish for up to ``wait_s``, cancel the rest (they raise
+        ``EngineClosed``); join the dispatcher; close the engine (stages reaped, segments unlinked).
+        Idempotent."""
+        with self._lock:
+            self._closing = True
+            self._inbox.put(("stop", time.monotonic() + wait_s))
+        self._thread.join()
+        self.engine.close()
+
+    async def aclose(self, wait_s: float = 0.0) -> None:
+        """``close`` without blocking the event loop."""
+        await asyncio.to_thread(self.close, wait_s)
+
+    async def __aenter__(self) -> "AsyncEngine":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ----------------------------------------------------------------------------------------- private
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise _copy_error(self._dead)
+        try:
+            self.engine._check_stages()
+        except StageDied as exc:
+            self._dead = self._dead or exc
+            raise
+
+    def _new_run(self) -> RowsRun:
+        eng = self.engine
+        eng._job += 1
+        cfg = eng.config
+        return RowsRun(eng._link, [], cfg.max_rows, cfg.prefill_chunk, cfg.prefill_depth, eng._job)
+
+    def _dispatch(self) -> None:
+        """The dispatcher thread: the only code that touches the ring while the AsyncEngine lives."""
+        link, op_timeout_s = self.engine._link, self.engine.config.op_timeout_s
+        run = self._new_run()
+        stop_at = None
+        last_reply = time.monotonic()
+        while True:
+            try:
+                stop_at = self._drain_inbox(run, not link.in_flight and stop_at is None, stop_at)
+                self._n_running = sum(1 for r in self._active.values() if r.stream.row >= 0)
+                if stop_at is not None and (not self._active or time.monotonic() >= stop_at):
+                    break
+                if self._dead is not None or not link.in_flight:
+                    if stop_at is not None:
+                        time.sleep(0.01)
+                    last_reply = time.monotonic()
+                    continue
+                try:
+                    events = run.step(timeout_s=STEP_TIMEOUT_S)
+                except RingTimeout:
+                    if time.monotonic() - last_reply > op_timeout_s:
+                        raise RingTimeout(f"no reply within op_timeout_s={op_timeout_s} with ops in flight")
+                    continue
+                last_reply = time.monotonic()
+                self._deliver(run, events)
+                self._n_running = sum(1 for r in self._active.values() if r.stream.row >= 0)
+                if self.on_step is not None:
+                    self.on_step(self._n_running)
+            except PeerDied as exc:  # StageDied, or a ring closed by a stage that is exiting
+                self._dead = self._dead or self._stage_died(exc)
+                self._fail_all(run, self._dead)
+                link.drain()  # returns at once: nothing more will come
+            except Exception as exc:  # a stage error, a reply mismatch, a stall: fail what is open, start afresh
+                self._fail_all(run, exc)
+                link.drain()
+                run = self._new_run()
+        self._fail_all(run, EngineClosed("the engine shut down before this request finished"))
+        link.drain()
+
+    def _stage_died(self, exc: PeerDied) -> StageDied:
+        """The ``StageDied`` behind ``exc``: a stage closes its rings as it exits, so the ring can report a
+        gone peer a moment before the process is reaped; wait up to a second for it to be named."""
+        deadline = time.monotonic() + 1.0
+        while not isinstance(exc, StageDied) and time.monotonic() < deadline:
+            try:
+                self.engine._check_stages()
+                time.sleep(0.02)
+            except StageDied as died:
+                exc = died
+        return exc if isinstance(exc, StageDied) else StageDied(f"a stage is gone: {exc}")
+
+    def _drain_inbox(self, run: RowsRun, block: bool, stop_at: float | None) -> float | None:
+        """Apply every queued command (waiting for one when ``block``); returns the stop deadline, if any."""
+        try:
+            cmd = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return stop_at
+        while True:
+            what, arg = cmd
+            if what == "submit":
+                self._submit(run, arg)
+            elif what == "cancel":
+                self._cancel(run, arg)
+            else:
+                stop_at = arg if stop_at is None else min(stop_at, arg)
+            try:
+                cmd = self._inbox.get_nowait()
+            except queue.Empty:
+                return stop_at
+
+    def _submit(self, run: RowsRun, req: _Request) -> None:
+        if self._dead is not None:
+            self._finish(run, req, [_copy_error(self._dead)])
+            return
+        self._active[req.id] = req
+        if req.stream.spec is not None:
+            req.stream.spec.job = run.job
+        run.submit(req.stream)
+
+    def _cancel(self, run: RowsRun, req: _Request) -> None:
+        if self._active.get(req.id) is req:
+            if self._dead is None:
+                run.cancel(req.id)  # frees its row once nothing of it is in flight
+            self._finish(run, req, [])
+
+    def _finish(self, run: RowsRun, req: _Request, items: list) -> None:
+        """Forget a finished, cancelled or failed request and post its last items."""
+        self._active.pop(req.id, None)
+        run.streams.pop(req.id, None)  # RowsRun keeps every stream it saw; a server runs forever
+        with self._lock:
+            self._n_open -= 1
+        if items:
+            self._post(run, req, items)
+
+    def _post(self, run: RowsRun, req: _Request, items: list) -> None:
+        try:
+            req.loop.call_soon_threadsafe(_put_all, req.queue, items)
+        except RuntimeError:  # the request's event loop is closed: nobody will read it
+            if self._active.get(req.id) is req:
+                self._cancel(run, req)
+
+    def _deliver(self, run: RowsRun, events: list) -> None:
+        now = time.perf_counter()
+        chunks: dict[int, list[Chunk]] = {}
+        for ev in events:
+            if ev.stream in self._active:
+                chunks.setdefault(ev.stream, []).append(Chunk(ev.token_id, ev.text, now))
+        for rid, items in chunks.items():
+            req = self._active[rid]
+            s = req.stream
+            if s.done:
+                items[-1].finish_reason = s.finish_reason
+                items[-1].result = result_of(s)
+                self._finish(run, req, items)
+            else:
+                self._post(run, req, items)
+
+    def _fail_all(self, run: RowsRun, exc: BaseException) -> None:
+        for req in list(self._active.values()):
+            if self._dead is None and not req.stream.done:
+                try:
+                    run.cancel(req.id)
+                except Exception:
+                    pass
+            self._finish(run, req, [_copy_error(exc)])
+        self._n_running = 0
