@@ -3,11 +3,13 @@
     ringshm generate [--model PATH] [--stages N] [--prefill-chunk N] [--prefill-depth N]
                      [--max-new-tokens N] [--temperature T --seed S] [--chat] [--json] PROMPT
     ringshm generate --batch-file prompts.txt [--mode rows|batch] [...]
+    ringshm serve [--host 127.0.0.1] [--port 8000] [--max-waiting 64] [engine options]
 
 Text streams to stdout as it is generated; a one-line summary (TTFT, decode tok/s, stages) follows on
 stderr. With ``--json``, stdout holds exactly one JSON object: the result's fields. With ``--batch-file``
 (one prompt per line), every prompt is served at once; each answer is printed when the run ends as
-``[i] text``, and ``--json`` gives ``{"mode", "wall_s", "output_tok_s", "results": [...]}``.
+``[i] text``, and ``--json`` gives ``{"mode", "wall_s", "output_tok_s", "results": [...]}``. ``serve`` runs
+the OpenAI-compatible server (``ringshm.server``) until SIGTERM or Ctrl-C, then exits 0.
 """
 
 from __future__ import annotations
@@ -66,6 +68,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op (default 4)")
     gen.add_argument("--spec-depth", type=int, default=1, help="verify ops in flight per stream (default 1)")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result, nothing else")
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    _engine_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--max-waiting", type=int, default=64,
+                     help="requests that may wait for a KV row beyond --max-rows; more get 429 (default 64)")
+    srv.add_argument("--graceful-timeout", type=float, default=30.0,
+                     help="seconds open responses get to finish on SIGTERM before they are cancelled")
+    srv.add_argument("--served-model-name", default=None, help="the model id (default: the checkpoint's stem)")
+    srv.add_argument("--spec", default=None, choices=["ngram"],
+                     help="decode greedy requests speculatively with n-gram drafts (lossless)")
+    srv.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op (default 4)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
 
@@ -124,12 +139,22 @@ def _generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(a: argparse.Namespace) -> int:
+    from ringshm.server import serve
+
+    return serve(a.host, a.port, max_waiting=a.max_waiting, graceful_s=a.graceful_timeout,
+                 model_name=a.served_model_name, spec=a.spec, spec_k=a.spec_k, log_level=a.log_level,
+                 **_engine_kwargs(a))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ringshm`` console script. Bad arguments exit with status 2 and a message."""
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
     except ValueError as exc:  # bad input: a clear message, no traceback
         print(f"ringshm: error: {exc}", file=sys.stderr)
         return 2

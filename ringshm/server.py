@@ -1,0 +1,436 @@
+"""An OpenAI-compatible HTTP server over an ``AsyncEngine`` (FastAPI + uvicorn, pydantic request models).
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent events ending with
+``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health`` (200 only while every stage is alive;
+503 naming the dead one), ``GET /metrics`` (Prometheus text format).
+
+Request fields (OpenAI's): ``model``, ``messages`` / ``prompt``, ``max_tokens`` (``max_completion_tokens``),
+``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``, ``seed``, ``stop`` (a string or a list),
+``n`` (1 only), ``stream``, ``stream_options.include_usage``; extension: ``top_k``. ``max_tokens`` defaults
+to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Unknown fields are
+ignored; ``logprobs``, ``echo``, tools and penalties other than 0 are refused (400).
+
+Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on its last choice chunk
+(the one with ``finish_reason``); with ``stream_options: {"include_usage": true}`` an extra chunk with empty
+``choices`` and the usage follows it, as OpenAI sends it.
+
+Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, never a stack trace: malformed
+JSON or fields, ``n > 1``, prompt + max_tokens over the context: 400; unknown model: 404; queue full: 429; a
+stage died: 503. An error after a stream has started is sent as one ``data: {"error": ...}`` event.
+
+A client that disconnects mid-stream cancels its own request only (Starlette cancels the response's body
+iterator, and cancelling the iterator cancels the request's row in the dispatcher). SIGTERM / Ctrl-C: uvicorn
+stops accepting, lets open responses finish for up to ``graceful_s``, then the lifespan shutdown closes the
+``AsyncEngine`` (and with it the engine: stages reaped, segments unlinked); ``serve`` returns 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ringshm.errors import StageDied
+from ringshm.segment import is_alive
+from ringshm.serving import AsyncEngine, Chunk, EngineClosed, QueueFull, RequestFailed
+
+log = logging.getLogger("ringshm.server")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+
+
+# ------------------------------------------------------------------------------------------ request models
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: dict | None = None
+    logprobs: bool | int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[dict] | None = None
+
+
+class ChatRequest(_Body):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list | None = None
+
+
+class CompletionRequest(_Body):
+    prompt: str | list[int] | list[str]
+    echo: bool = False
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error body with ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def _engine_error(exc: BaseException) -> ApiError:
+    """The HTTP error of an exception raised by the ``AsyncEngine``."""
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), "rate_limit_error", None, "queue_full")
+    if isinstance(exc, StageDied):
+        return ApiError(503, str(exc), "service_unavailable", None, "stage_died")
+    if isinstance(exc, EngineClosed):
+        return ApiError(503, str(exc), "service_unavailable", None, "shutting_down")
+    if isinstance(exc, (ValueError, TypeError)):
+        return _bad(str(exc))
+    if isinstance(exc, RequestFailed):
+        return ApiError(500, str(exc), "server_error", None, "request_failed")
+    return ApiError(500, "internal server error", "server_error")
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+class Metrics:
+    """The server's Prometheus metrics, in their own registry (several apps may live in one process)."""
+
+    def __init__(self, aengine: AsyncEngine, spec: bool):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("ringshm_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.finished = Counter("ringshm_request_finished", "Generation requests that ended, by finish reason",
+                                ["finish_reason"], registry=r)
+        self.ttft = Histogram("ringshm_time_to_first_token_seconds", "Request arrival to first token", registry=r,
+                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
+        self.itl = Histogram("ringshm_inter_token_latency_seconds", "Time between consecutive tokens of a "
+                             "request", registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2))
+        self.prompt_tokens = Counter("ringshm_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
+        self.generation_tokens = Counter("ringshm_generation_tokens", "Tokens generated", registry=r)
+        self.step_running = Histogram("ringshm_step_running_requests", "Requests holding a KV row at each reply "
+                                      "the dispatcher takes (continuous batching)", registry=r,
+                                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+        Gauge("ringshm_requests_running", "Requests holding a KV row", registry=r).set_function(
+            lambda: aengine.n_running)
+        Gauge("ringshm_requests_waiting", "Requests waiting for a KV row", registry=r).set_function(
+            lambda: aengine.n_waiting)
+        self.spec = spec
+        if spec:
+            self.draft_tokens = Counter("ringshm_spec_draft_tokens", "Draft tokens sent for verification",
+                                        registry=r)
+            self.accepted_tokens = Counter("ringshm_spec_accepted_tokens", "Draft tokens accepted", registry=r)
+        aengine.on_step = self.step_running.observe
+
+    def on_chunk(self, chunk: Chunk, previous_s: float | None) -> None:
+        if previous_s is not None:
+            self.itl.observe(chunk.time_s - previous_s)
+        self.generation_tokens.inc()
+        if chunk.result is not None:
+            self.ttft.observe(chunk.result.ttft_s)
+            self.finished.labels(chunk.finish_reason).inc()
+            if self.spec:
+                self.draft_tokens.inc(chunk.result.draft_tokens)
+                self.accepted_tokens.inc(chunk.result.accepted_tokens)
+
+
+class _CountRequests:
+    """ASGI middleware counting responses by endpoint and status (streaming-safe, unlike BaseHTTPMiddleware)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = path if path in ENDPOINTS else "other"
+
+        async def counting_send(message):
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+# ----------------------------------------------------------------------------------------------- the app
+def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, spec_k: int = 4,
+               graceful_s: float = 0.0) -> FastAPI:
+    """The FastAPI app serving ``aengine`` as ``model_id``. Its lifespan shutdown closes ``aengine``
+    (open requests get ``graceful_s`` more to finish). ``spec="ngram"`` decodes greedy requests
+    speculatively with ``spec_k`` drafts per verify op."""
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await aengine.aclose(wait_s=graceful_s)
+
+    app = FastAPI(title="ringshm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    metrics = Metrics(aengine, spec is not None)
+    app.state.metrics = metrics
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        else:
+            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
+            param = loc[0] if loc else None
+        return JSONResponse(_bad(message, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(ApiError(500, "internal server error", "server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        stages = [{"stage": i, "pid": pid, "alive": is_alive(pid)} for i, pid in enumerate(aengine.engine.pids)]
+        try:
+            aengine.check_stages()
+        except StageDied as exc:
+            return JSONResponse({"status": "unhealthy", "message": str(exc), "dead_stage": exc.stage,
+                                 "stages": stages}, status_code=503)
+        return {"status": "ok", "stages": stages, "running": aengine.n_running, "waiting": aengine.n_waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
+                                            "owned_by": "ringshm", "max_model_len": aengine.max_seq_len}]}
+
+    def start(body: _Body, ids: list[int], max_tokens: int | None, default_max: int):
+        """Check what the engine does not, then submit: returns the request's chunk stream."""
+        if body.model is not None and body.model != model_id:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_id!r}",
+                           "not_found_error", "model", "model_not_found")
+        if body.n != 1:
+            raise _bad(f"n must be 1 (one choice per request), got {body.n}", "n")
+        if body.logprobs:
+            raise _bad("logprobs are not supported", "logprobs")
+        if body.presence_penalty or body.frequency_penalty:
+            raise _bad("presence_penalty and frequency_penalty are not supported (use 0)", "presence_penalty")
+        limit = aengine.max_seq_len
+        n_max = max_tokens if max_tokens is not None else max(1, min(default_max, limit - len(ids)))
+        if len(ids) + n_max > limit:
+            raise _bad(f"this model's maximum context length is {limit} tokens; you requested "
+                       f"{len(ids) + n_max} tokens ({len(ids)} in the prompt, {n_max} for max_tokens): shorten "
+                       f"the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+        params = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                      stop=stop)
+        if spec is not None and body.temperature == 0:
+            params.update(spec=spec, spec_k=spec_k)
+        try:
+            chunks = aengine.stream(ids, n_max, **params)
+        except Exception as exc:
+            raise _engine_error(exc) from None
+        metrics.prompt_tokens.inc(len(ids))
+        return chunks
+
+    async def respond(request: Request, body: _Body, chunks, kind: str):
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        created = int(time.time())
+        obj = "chat.completion" if kind == "chat" else "text_completion"
+        if body.stream:
+            return StreamingResponse(_sse(chunks, metrics, rid, created, model_id, kind, body),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, last, prev = [], None, None
+        try:
+            async for last in chunks:
+                metrics.on_chunk(last, prev)
+                prev = last.time_s
+                text.append(last.text)
+                if await request.is_disconnected():
+                    chunks.cancel()
+                    metrics.finished.labels("cancelled").inc()
+                    return PlainTextResponse("", status_code=499)
+        except Exception as exc:
+            raise _engine_error(exc) from None
+        finally:
+            chunks.cancel()
+        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+        if kind == "chat":
+            choice["message"] = {"role": "assistant", "content": "".join(text)}
+        else:
+            choice["text"] = "".join(text)
+        return {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice],
+                "usage": last.usage}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest):
+        if body.tools:
+            raise _bad("tools are not supported", "tools")
+        messages = []
+        for m in body.messages:
+            content = m.content
+            if isinstance(content, list):  # content parts: text only
+                if any(p.get("type") != "text" for p in content):
+                    raise _bad("only text content parts are supported", "messages")
+                content = "".join(str(p.get("text", "")) for p in content)
+            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        try:
+            ids = aengine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False)
+        except Exception as exc:
+            raise _bad(f"messages do not fit the model's chat template: {exc}", "messages") from None
+        ids = [int(t) for t in ids]
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        return await respond(request, body, start(body, ids, max_tokens, aengine.max_seq_len), "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        if body.echo:
+            raise _bad("echo is not supported", "echo")
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
+                raise _bad(f"one prompt per request, got {len(prompt)} (n=1 only)", "prompt")
+            prompt = prompt[0]
+        try:
+            ids = aengine.engine.encode(prompt)
+        except ValueError as exc:
+            raise _bad(str(exc), "prompt") from None
+        return await respond(request, body, start(body, ids, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS),
+                             "completion")
+
+    return app
+
+
+def _event(obj) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+async def _sse(chunks, metrics: Metrics, rid: str, created: int, model_id: str, kind: str, body: _Body):
+    """The body of a streaming response: one event per chunk; usage on the last; then ``[DONE]``."""
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    head = {"id": rid, "object": obj, "created": created, "model": model_id}
+
+    def choice(text: str, finish: str | None) -> dict:
+        if kind == "chat":
+            return {"index": 0, "delta": {"content": text} if text or finish is None else {},
+                    "finish_reason": finish, "logprobs": None}
+        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+
+    prev = None
+    try:
+        if kind == "chat":
+            yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                               "finish_reason": None, "logprobs": None}]})
+        async for c in chunks:
+            metrics.on_chunk(c, prev)
+            prev = c.time_s
+            event = {**head, "choices": [choice(c.text, c.finish_reason)]}
+            if c.finish_reason is not None:
+                event["usage"] = c.usage
+            if c.text or c.finish_reason is not None:
+                yield _event(event)
+            if c.finish_reason is not None and (body.stream_options or {}).get("include_usage"):
+                yield _event({**head, "choices": [], "usage": c.usage})
+    except Exception as exc:  # after the headers: report in the stream
+        yield _event(_engine_error(exc).body())
+    except BaseException:  # the client went away (Starlette cancels this generator): cancel our request only
+        chunks.cancel()
+        metrics.finished.labels("cancelled").inc()
+        raise
+    finally:
+        chunks.cancel()
+    yield b"data: [DONE]\n\n"
+
+
+def model_id_of(model_path: str) -> str:
+    """The served model's id: the checkpoint's file stem (or directory name)."""
+    return Path(model_path).stem if Path(model_path).suffix == ".gguf" else Path(model_path).name
+
+
+def serve(host: str = "127.0.0.1", port: int = 8000, *, max_waiting: int = 64, graceful_s: float = 30.0,
+          model_name: str | None = None, spec: str | None = None, spec_k: int = 4, log_level: str = "info",
+          **engine_kwargs) -> int:
+    """Start the stages, then serve until SIGTERM / SIGINT; returns 0 after a clean shutdown.
+
+    ``engine_kwargs`` are ``Engine``'s. A SIGTERM / SIGINT while the stages load closes the engine as soon as
+    they are up. uvicorn re-raises the signal it shut down on once it is done; ``serve`` treats that signal as
+    the request for a clean exit, so the process exits 0.
+    """
+    import uvicorn
+
+    from ringshm.engine import Engine
+
+    # The stages inherit ignored dispositions across spawn's exec (the mask they do not): a SIGINT / SIGTERM
+    # sent to the whole process group (Ctrl-C, systemd) must reach only this process, which shuts the stages
+    # down once the open responses end. Blocked meanwhile, one that arrives while the stages load stays
+    # pending and is delivered after: the engine then closes again at once.
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    received: list[int] = []
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
+    try:
+        engine = Engine(**engine_kwargs)
+    except BaseException:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+        raise
+    for sig in stop_signals:  # also what uvicorn re-raises after its graceful shutdown: exit 0 then
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+    if received:
+        engine.close()
+        return 0
+    try:
+        aengine = AsyncEngine(engine, max_waiting=max_waiting)
+    except BaseException:
+        engine.close()
+        raise
+    app = create_app(aengine, model_name or model_id_of(engine.model_path), spec=spec, spec_k=spec_k,
+                     graceful_s=graceful_s)
+    try:
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=graceful_s)
+        uvicorn.Server(config).run()
+    finally:
+        aengine.close()  # idempotent; covers a failed bind, where the lifespan never ran
+    return 0
