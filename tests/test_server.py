@@ -1,0 +1,399 @@
+"""The OpenAI-compatible server (issue 7), driven over loopback with the official ``openai`` client.
+
+One main server (3 stages, max_rows 8) runs for the module in a subprocess (``python -m ringshm.cli serve``),
+as a user would start it; a second small one (2 stages, one KV row, one waiting slot) serves the 429 and
+dead-stage cases. Expected answers come from ``Engine.generate`` in this process (rows mode gives every stream
+exactly its solo tokens, so concurrent answers must equal them exactly). The last test SIGTERMs the main
+server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import CHATS
+from ringshm.engine import Engine
+from ringshm.segment import list_segments, process_start_time
+from ringshm.serving import AsyncEngine
+
+N_NEW = 12
+MAIN_ARGS = ["--stages", "3", "--max-seq-len", "1024", "--max-rows", "8", "--prefill-chunk", "64"]
+PROMPTS = CHATS[:3] + ["Name a colour.", "What is 2 + 2?", "Say hello in French.", "Give me a fruit.",
+                       "Why is the sea salty?"]
+COMPLETION_PROMPT = "The capital of France is"
+
+
+class Server:
+    """``ringshm serve`` in a subprocess on a free loopback port, its output in a log file."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ringshm.cli", "serve", "--port", str(self.port),
+                                      "--log-level", "warning", *args], stdout=self._log, stderr=subprocess.STDOUT)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"server exited with {self.proc.returncode}:\n{self.log()}"
+            try:
+                if _http(f"{self.url}/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise AssertionError(f"server not healthy within {timeout_s} s:\n{self.log()}")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample of /metrics as ``{"name{label=value,...}": value}``."""
+        out = {}
+        for family in text_string_to_metric_families(_http(f"{self.url}/metrics")[1]):
+            for s in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}"] = s.value
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+
+def _http(url: str, body: str | None = None) -> tuple[int, str]:
+    """GET (or POST a JSON ``body``) with the standard library: (status, text), errors included."""
+    req = urllib.request.Request(url, data=None if body is None else body.encode(),
+                                 headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _own_segments(pid: int) -> list[str]:
+    return [n for n in list_segments() if n.startswith(f"/ringshm-{pid}-")]
+
+
+def _poll(condition, timeout_s: float = 15.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s} s"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def main_server(tmp_path_factory):
+    server = Server(MAIN_ARGS, tmp_path_factory.mktemp("server") / "main.log")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def local_engine(model_path, main_server):
+    """An engine in this process with the server's configuration (it loads while the server loads)."""
+    with Engine(model_path, stages=3, max_seq_len=1024, max_rows=8, prefill_chunk=64, progress=False) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def solo(local_engine) -> dict[str, object]:
+    """``Engine.generate``'s greedy answer to each chat prompt, and to the completion prompt."""
+    answers = {p: local_engine.generate(p, N_NEW, chat=True) for p in PROMPTS}
+    answers[COMPLETION_PROMPT] = local_engine.generate(COMPLETION_PROMPT, N_NEW)
+    return answers
+
+
+@pytest.fixture(scope="module")
+def server(main_server, solo) -> Server:
+    main_server.wait_healthy()
+    return main_server
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture(scope="module")
+def model_id(client) -> str:
+    return client.models.list().data[0].id
+
+
+def _chat(client, model_id, prompt, **kw):
+    kw = {"max_tokens": N_NEW, "temperature": 0, **kw}
+    return client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": prompt}], **kw)
+
+
+def _stream_text(stream) -> tuple[str, str, object]:
+    text, finish, usage = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            text.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        usage = chunk.usage or usage
+    return "".join(text), finish, usage
+
+
+# ------------------------------------------------------------------------------------------- main server
+def test_models_lists_the_checkpoint_stem_as_the_model_id(client, model_path):
+    assert [m.id for m in client.models.list().data] == [Path(model_path).stem]
+
+
+def test_greedy_chat_completion_equals_engine_generate_of_the_same_prompt(client, model_id, solo):
+    prompt = PROMPTS[0]
+    out = _chat(client, model_id, prompt)
+    want = solo[prompt]
+    assert out.choices[0].message.content == want.text
+    assert out.choices[0].finish_reason == want.finish_reason
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (want.n_prompt_tokens, want.n_output_tokens)
+    assert out.usage.total_tokens == want.n_prompt_tokens + want.n_output_tokens
+
+
+def test_greedy_text_completion_equals_engine_generate_of_the_same_prompt(client, model_id, solo):
+    out = client.completions.create(model=model_id, prompt=COMPLETION_PROMPT, max_tokens=N_NEW, temperature=0)
+    assert out.choices[0].text == solo[COMPLETION_PROMPT].text
+    assert out.usage.completion_tokens == solo[COMPLETION_PROMPT].n_output_tokens
+
+
+def test_streamed_chat_reassembles_to_the_same_text_with_usage_on_the_last_chunk(client, model_id, solo):
+    prompt = PROMPTS[1]
+    text, finish, usage = _stream_text(_chat(client, model_id, prompt, stream=True))
+    assert text == solo[prompt].text and finish == solo[prompt].finish_reason
+    assert usage.completion_tokens == solo[prompt].n_output_tokens
+    chunks = list(_chat(client, model_id, prompt, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == solo[prompt].n_output_tokens
+
+
+def test_stop_string_ends_the_answer_before_it_with_finish_reason_stop(client, model_id, solo):
+    prompt = PROMPTS[2]
+    words = solo[prompt].text.split()
+    assert len(words) >= 3, solo[prompt].text
+    stop = " " + words[2]
+    out = _chat(client, model_id, prompt, stop=[stop])
+    assert out.choices[0].message.content == solo[prompt].text[: solo[prompt].text.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+
+
+def _run_clients(server, model_id, prompts, drop: int | None = None) -> dict[int, tuple]:
+    """One thread per prompt, all starting at once, each streaming its chat answer; client ``drop`` closes its
+    stream after two content chunks. Returns ``{i: (text, finish_reason)}`` or ``{i: exception}``."""
+    results: dict[int, object] = {}
+    barrier = threading.Barrier(len(prompts))
+
+    def one(i: int, prompt: str) -> None:
+        client = server.client()
+        try:
+            barrier.wait(timeout=30)
+            stream = _chat(client, model_id, prompt, stream=True,
+                           **({"max_tokens": 400} if i == drop else {}))
+            if i == drop:
+                n = 0
+                for chunk in stream:
+                    n += bool(chunk.choices and chunk.choices[0].delta.content)
+                    if n == 2:
+                        break
+                stream.close()
+                results[i] = ("dropped", None)
+            else:
+                results[i] = _stream_text(stream)[:2]
+        except BaseException as exc:  # noqa: BLE001 -- reported by the test
+            results[i] = exc
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    return results
+
+
+def _batched_steps(metrics: dict[str, float], more_than: int) -> float:
+    """Replies the dispatcher took while more than ``more_than`` requests held a KV row."""
+    count = metrics["ringshm_step_running_requests_count{}"]
+    return count - metrics[f"ringshm_step_running_requests_bucket{{le={float(more_than)}}}"]
+
+
+def test_eight_concurrent_streaming_clients_each_get_their_solo_answer_and_run_batched(server, model_id, solo):
+    before = server.metrics()
+    results = _run_clients(server, model_id, PROMPTS)
+    for i, prompt in enumerate(PROMPTS):
+        assert results[i] == (solo[prompt].text, solo[prompt].finish_reason), (i, results[i])
+    after = server.metrics()
+    assert _batched_steps(after, 4) - _batched_steps(before, 4) > 0, "no reply ever had more than 4 rows running"
+    assert after["ringshm_generation_tokens_total{}"] - before["ringshm_generation_tokens_total{}"] == sum(
+        solo[p].n_output_tokens for p in PROMPTS)
+
+
+def test_a_client_dropping_mid_stream_leaves_its_seven_batch_mates_intact(server, model_id, solo):
+    before = server.metrics()
+    results = _run_clients(server, model_id, PROMPTS, drop=3)
+    assert results[3] == ("dropped", None), results[3]
+    for i, prompt in enumerate(PROMPTS):
+        if i != 3:
+            assert results[i] == (solo[prompt].text, solo[prompt].finish_reason), (i, results[i])
+    key = "ringshm_request_finished_total{finish_reason=cancelled}"
+    _poll(lambda: server.metrics().get(key, 0) - before.get(key, 0) == 1, what="the dropped request cancelled")
+    # The dropped request asked for 400 tokens: its row is free long before they could have been generated.
+    _poll(lambda: server.metrics()["ringshm_requests_running{}"] == 0, what="every KV row free")
+
+
+@pytest.mark.parametrize("case, status, param", [
+    ("malformed_json", 400, None),
+    ("wrong_field_type", 400, "temperature"),
+    ("missing_messages", 400, "messages"),
+    ("n_above_1", 400, "n"),
+    ("over_the_context", 400, "max_tokens"),
+    ("unknown_model", 404, "model"),
+])
+def test_bad_request_gets_its_status_and_an_openai_error_body(server, model_id, case, status, param):
+    url = f"{server.url}/v1/chat/completions"
+    msgs = [{"role": "user", "content": "Hi"}]
+    body = {"malformed_json": '{"model": "x", "messages": [',
+            "wrong_field_type": json.dumps({"messages": msgs, "temperature": "hot"}),
+            "missing_messages": json.dumps({"model": model_id}),
+            "n_above_1": json.dumps({"messages": msgs, "n": 2}),
+            "over_the_context": json.dumps({"messages": msgs, "max_tokens": 1024}),
+            "unknown_model": json.dumps({"model": "gpt-4", "messages": msgs})}[case]
+    code, text = _http(url, body)
+    assert code == status, text
+    err = json.loads(text)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param
+    assert "Traceback" not in text
+    if case == "over_the_context":
+        assert "1024" in err["message"] and "in the prompt" in err["message"]
+
+
+def test_over_context_request_raises_bad_request_in_the_openai_client_with_the_limits(client, model_id):
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024 tokens"):
+        _chat(client, model_id, "Hi", max_tokens=1020)
+
+
+def test_health_is_200_and_lists_every_live_stage(server):
+    code, text = _http(f"{server.url}/health")
+    assert code == 200
+    stages = json.loads(text)["stages"]
+    assert [s["stage"] for s in stages] == [0, 1, 2] and all(s["alive"] for s in stages)
+
+
+def test_async_engine_tasks_get_solo_answers_and_a_cancelled_task_cancels_only_its_request(local_engine, solo):
+    async def main():
+        aengine = AsyncEngine(local_engine, max_waiting=4)
+        try:
+            async def first_chunk_then_wait(prompt):
+                async for _ in aengine.stream(prompt, 400, chat=True):
+                    started.set()
+            started = asyncio.Event()
+            victim = asyncio.create_task(first_chunk_then_wait(PROMPTS[7]))
+            await started.wait()
+            others = [asyncio.create_task(aengine.complete(p, N_NEW, chat=True)) for p in PROMPTS[:4]]
+            await asyncio.sleep(0)
+            victim.cancel()
+            results = await asyncio.gather(*others)
+            with pytest.raises(asyncio.CancelledError):
+                await victim
+            with pytest.raises(ValueError, match="exceeds max_seq_len"):
+                aengine.stream("Hi", 2000, chat=True)
+            deadline = time.monotonic() + 10  # the victim asked for 400 tokens: its row frees only if cancelled
+            while (aengine.n_running, aengine.n_waiting) != (0, 0) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return results, aengine.n_running, aengine.n_waiting
+        finally:
+            await aengine.aclose()
+
+    results, running, waiting = asyncio.run(main())
+    assert [r.text for r in results] == [solo[p].text for p in PROMPTS[:4]]
+    assert (running, waiting) == (0, 0)
+
+
+# ---------------------------------------------------------------------------- small server: 429 and 503
+@pytest.fixture(scope="module")
+def small_server(tmp_path_factory):
+    server = Server(["--stages", "2", "--max-seq-len", "256", "--max-rows", "1", "--max-waiting", "1",
+                     "--prefill-chunk", "64"], tmp_path_factory.mktemp("server") / "small.log")
+    server.wait_healthy()
+    yield server
+    server.stop()
+
+
+def test_a_request_beyond_max_rows_plus_max_waiting_gets_429(small_server):
+    client = small_server.client()
+    model = client.models.list().data[0].id
+    running = _chat(client, model, "Tell me a story.", stream=True, max_tokens=150)
+    next(iter(running))
+    waiting = _chat(client, model, "Tell me a joke.", stream=True, max_tokens=150)
+    with pytest.raises(openai.RateLimitError) as info:
+        _chat(client, model, "Hi")
+    assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
+    running.close()
+    waiting.close()
+    _poll(lambda: small_server.metrics()["ringshm_requests_running{}"] == 0
+          and small_server.metrics()["ringshm_requests_waiting{}"] == 0, what="both requests cancelled")
+
+
+def test_a_dead_stage_fails_the_open_stream_then_health_and_requests_answer_503_naming_it(small_server):
+    client = small_server.client()
+    model = client.models.list().data[0].id
+    stream = iter(_chat(client, model, "Tell me a story.", stream=True, max_tokens=150))
+    next(stream)
+    pid = json.loads(_http(f"{small_server.url}/health")[1])["stages"][1]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="stage 1"):
+        for _ in stream:
+            pass
+    code, text = _http(f"{small_server.url}/health")
+    assert code == 503 and json.loads(text)["dead_stage"] == 1 and "stage 1" in json.loads(text)["message"]
+    with pytest.raises(openai.InternalServerError) as info:
+        _chat(client, model, "Hi")
+    assert info.value.status_code == 503 and "stage 1" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------ last: SIGTERM
+def test_sigterm_finishes_the_open_stream_then_exits_0_leaving_no_process_or_segment(server, model_id, solo):
+    stage_pids = [s["pid"] for s in json.loads(_http(f"{server.url}/health")[1])["stages"]]
+    assert len(_own_segments(server.pid)) == 4  # 3 stages: 4 rings
+    stream = iter(_chat(server.client(), model_id, PROMPTS[0], stream=True))
+    first = next(stream)
+    server.proc.send_signal(signal.SIGTERM)
+    text, finish, _ = _stream_text(stream)
+    assert (first.choices[0].delta.content or "") + text == solo[PROMPTS[0]].text
+    assert server.proc.wait(timeout=60) == 0, server.log()
+    assert _own_segments(server.pid) == []
+    _poll(lambda: all(process_start_time(p) is None for p in stage_pids), what="every stage process gone")
