@@ -70,6 +70,20 @@ def _decode_hf(model, prompt: torch.Tensor) -> float:
     return (time.perf_counter() - t0) / N_DECODE
 
 
+def _weights_floor(model: StageModel, prompt: torch.Tensor) -> float:
+    """Per-token time of the decode GEMMs alone (every weight matrix once, n = 1): the fp32 floor."""
+    x = torch.zeros(1, model.config.hidden)
+    t0 = time.perf_counter()
+    for _ in range(N_DECODE // 4):
+        for layer in model.layers:
+            torch.nn.functional.linear(x, layer.wqkv)
+            torch.nn.functional.linear(torch.zeros(1, model.config.q_dim), layer.wo)
+            torch.nn.functional.linear(x, layer.w_gate_up)
+            torch.nn.functional.linear(torch.zeros(1, model.config.intermediate), layer.w_down)
+        torch.nn.functional.linear(x, model.lm_head)
+    return (time.perf_counter() - t0) / (N_DECODE // 4)
+
+
 def _prefill_ours(model: StageModel, prompt: torch.Tensor) -> float:
     model.reset()
     t0 = time.perf_counter()
@@ -108,6 +122,25 @@ def _alternate(benchmark, figures, what: str, ours_fn, hf_fn, ours, hf, prompt, 
 
 def test_decode_stage_model_vs_transformers(benchmark, figures, ours, hf, prompt_ids):
     _alternate(benchmark, figures, "decode", _decode_ours, _decode_hf, ours, hf, prompt_ids, ">= 2")
+
+
+@torch.inference_mode()
+def test_decode_weight_streaming_floor(benchmark, figures, ours, prompt_ids):
+    """What fp32 decode cannot beat here: one GEMV per weight matrix per token (540 MB for SmolLM2)."""
+    floor: list[float] = []
+    benchmark.pedantic(lambda: floor.append(_weights_floor(ours, prompt_ids)), rounds=ROUNDS, warmup_rounds=1)
+    med = statistics.median(floor[-ROUNDS:])
+    n_bytes = sum(t.numel() * t.element_size() for layer in ours.layers
+                  for t in (layer.wqkv, layer.wo, layer.w_gate_up, layer.w_down)) + \
+        ours.lm_head.numel() * ours.lm_head.element_size()
+    figures.record_value("model.decode.weights_floor", med, tok_s=1 / med, weight_bytes=n_bytes,
+                         gb_per_s=n_bytes / med / 1e9)
+    print(f"\nfp32 GEMV floor: {med * 1e3:.1f} ms/token ({1 / med:.1f} tok/s, {n_bytes / med / 1e9:.1f} GB/s "
+          f"over {n_bytes / 1e6:.0f} MB of weights)")
+    figures.ratio("model decode: best possible fp32 ratio (transformers / floor)", "model.decode.transformers",
+                  "model.decode.weights_floor")
+    figures.ratio("model decode: StageModel time / floor", "model.decode.stage_model",
+                  "model.decode.weights_floor")
 
 
 def test_prefill_stage_model_vs_transformers(benchmark, figures, ours, hf, prompt_ids):

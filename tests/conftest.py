@@ -43,6 +43,20 @@ class OracleGreedy:
     margins: torch.Tensor
 
 
+@pytest.fixture(scope="module")
+def torch_one_thread():
+    """Run a module's model tests with one torch thread, then restore the count.
+
+    These tests check numbers, not speed. On a 2-core machine shared with other test processes, two OpenMP
+    threads per op spin against each other (measured: the same model tests took 448 s with 2 threads and
+    101 s with 1 under load), while one thread costs little when the machine is quiet.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> Path:
     return default_model_path()

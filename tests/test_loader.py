@@ -20,6 +20,8 @@ from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitectu
 from ringshm.loader import Checkpoint, read_config
 from ringshm.model import StageModel, run_stages
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 TINY = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=128,
             rope_theta=10000.0, rms_norm_eps=1e-6)

@@ -8,6 +8,8 @@ import torch
 from ringshm.errors import KVRangeError
 from ringshm.model import StageModel, greedy_generate, run_stages
 
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
 N_GREEDY = 16
 
 

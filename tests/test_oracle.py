@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ringshm.model import greedy_generate
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
 N_GREEDY = 32
 
