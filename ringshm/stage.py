@@ -86,16 +86,15 @@ def _load(spec: StageSpec):
         dtype=getattr(torch, spec.dtype), device=device)
 
 
-def _send(ring, msg, timeout_s: float, t0: float | None = None) -> float:
-    """Encode ``msg`` straight into the ring and publish it. Returns the seconds since ``t0`` up to the
-    moment before publishing (the stage's busy time for the op; 0.0 without t0)."""
+def _send(ring, msg, timeout_s: float, before_publish=None) -> None:
+    """Encode ``msg`` straight into the ring, call ``before_publish()`` if given, then publish it."""
     from ringshm import messages as m
 
     n = m.encoded_size(msg)
     m.encode_into(ring.reserve(n, timeout_s), msg)
-    busy_s = time.perf_counter() - t0 if t0 is not None else 0.0
+    if before_publish is not None:
+        before_publish()
     ring.commit(n)
-    return busy_s
 
 
 def serve(model, spec: StageSpec, rin, rout, status) -> None:
@@ -115,13 +114,16 @@ def serve(model, spec: StageSpec, rin, rout, status) -> None:
                 out = apply(model, msg, spec.index == spec.n_stages - 1)
             except Exception as exc:
                 out = msg.error(exc, spec.index)
-        # busy ends before the record is published: once it is, the next stage may already be computing
-        busy_s = _send(rout, out, spec.ring_timeout_s, t0)
+        def account(t0=t0) -> None:
+            # Busy time ends, and is counted, before the record is published: once it is, the next stage
+            # may already compute, and the coordinator may read the counters as soon as it has the reply.
+            status[base + SLOT_BUSY_S] += time.perf_counter() - t0
+            status[base + SLOT_OPS] += 1
+
+        _send(rout, out, spec.ring_timeout_s, account)
         stop = msg.op == m.SHUTDOWN
         del msg, out, view  # drop tensors that view the input record before releasing it
         rin.release()
-        status[base + SLOT_BUSY_S] += busy_s
-        status[base + SLOT_OPS] += 1
         if stop:
             return
 
