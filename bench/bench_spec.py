@@ -18,9 +18,9 @@ SPEC = dict(spec="ngram", spec_k=6, spec_depth=2)
 PASSAGE = ("A ring buffer moves records between two processes without copying them through the kernel. Each "
            "side owns one index and only reads the other's, so no lock is needed. The producer writes a record "
            "and then publishes it by moving its index; the consumer reads it and then frees it the same way.")
-PROMPTS = {
-    "copy": f"{PASSAGE}\n\n{PASSAGE}\n\n",  # the model continues by repeating the passage
-    "novel": "Write a short story about a lighthouse keeper who finds a strange map:",
+PROMPTS = {  # chat turns; SmolLM2 answers the first by copying the passage word for word
+    "copy": f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+    "novel": "Write a short story about a lighthouse keeper who finds a strange map.",
 }
 _ENGINES: dict[float, Engine] = {}
 
@@ -40,7 +40,7 @@ def test_decode_with_and_without_speculation(benchmark, figures, engines, latenc
         engines[latency_ms] = Engine(stages=3, max_rows=1, max_seq_len=1024, link_latency_ms=latency_ms,
                                      progress=False)
     eng = engines[latency_ms]
-    ids = eng.encode(PROMPTS[kind])
+    ids = eng.encode(PROMPTS[kind], chat=True)
     runs = []
 
     def run():

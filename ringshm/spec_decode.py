@@ -8,6 +8,12 @@ on the rejected tail and carries the old epoch, so its reply is recognised as st
 committed. The next op starts at the first uncommitted position; the KV cache is indexed by position, so it
 simply overwrites what rejected or stale ops wrote there, and stages apply ops in order, so nothing reads
 those positions before it. Solo and rows modes use this; each stream has its own drafter and epoch.
+
+Draft length adapts per stream, because a rejected draft costs a wider op and a rejected chain costs whole
+ops: after a full accept the next proposal may be longer (doubling up to ``k``), after a rejection it is
+cut to what was accepted, and at 0 the stream takes plain decode steps, probing with one draft token every
+``PROBE_EVERY`` steps. Ops are chained only after a full accept (measured: on novel text, unconditional
+depth-2 chains ran at 0.57 x plain decode with 2 % acceptance).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import torch
 from ringshm import messages as m
 from ringshm.coordinator import Link, Stream, TokenEvent
 from ringshm.spec import NGramDrafter, SpecStats, accept
+
+PROBE_EVERY = 8  # plain decode steps before a stream whose drafts kept failing tries one draft token again
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,6 +59,13 @@ class SpecDecoder:
     epoch: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     in_flight: deque = field(default_factory=deque)  # VerifyTags, oldest first, stale ones included
+    k_now: int = -1  # current draft length (adaptive; starts at the drafter's k)
+    confident: bool = False  # the last verify accepted every draft: chaining may pay off
+    plain_steps: int = 0  # plain decode steps since the draft length fell to 0
+
+    def __post_init__(self) -> None:
+        if self.k_now < 0:
+            self.k_now = self.drafter.k
 
     def _sync(self) -> None:
         """Feed the drafter what was committed since it last looked (the prefill's first token, say)."""
@@ -65,6 +80,8 @@ class SpecDecoder:
         self._sync()
         chain = [t for t in self.in_flight if t.epoch == self.epoch]
         while not s.done and len(chain) < self.depth:
+            if chain and not self.confident:
+                break
             if chain:  # build on the tail of the chain, as if every draft in it were accepted
                 tail = list(chain[0].inputs[1:]) + [t for op in chain[1:] for t in op.inputs]
                 guess = self.drafter.propose(tail)
@@ -77,7 +94,7 @@ class SpecDecoder:
             budget = s.max_new_tokens - len(s.tokens) - len(tail)  # tokens this op may still commit
             if budget <= 0:
                 break
-            drafts = self.drafter.propose(tail)[: budget - 1]
+            drafts = self.drafter.propose(tail)[: min(self.k_now, budget - 1)] if self.k_now else []
             inputs = (first, *drafts)
             op = m.VERIFY if drafts else m.DECODE
             tag = VerifyTag(self, self.epoch, start, inputs)
@@ -100,6 +117,7 @@ class SpecDecoder:
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += len(committed) - 1
         self.stats.verify_steps += 1
+        self._adapt(len(drafts), len(committed) - 1)
         events = []
         for t in committed:
             if s.done:
@@ -112,6 +130,22 @@ class SpecDecoder:
         if not s.done:
             self.fill(link)
         return events
+
+
+    def _adapt(self, n_drafts: int, n_accepted: int) -> None:
+        """Next draft length from this verify's outcome (see the module docstring)."""
+        if n_drafts and n_accepted == n_drafts:
+            self.k_now = min(self.drafter.k, 2 * self.k_now)
+            self.confident = True
+            return
+        self.confident = False
+        if n_drafts:
+            self.k_now = n_accepted
+            self.plain_steps = 0
+        elif self.k_now == 0:
+            self.plain_steps += 1
+            if self.plain_steps >= PROBE_EVERY:
+                self.k_now, self.plain_steps = 1, 0
 
 
 def decode_solo_spec(link: Link, decoder: SpecDecoder) -> Iterator[TokenEvent]:

@@ -16,8 +16,9 @@ PASSAGE = ("A ring buffer moves records between two processes without copying th
 
 
 def copy_prompts() -> list[str]:
-    """Completions that continue by repeating text already in the prompt."""
-    return [f"{PASSAGE}\n\n{PASSAGE}\n\n", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,"]
+    """Chat turns that SmolLM2 answers by copying text from the prompt."""
+    return [f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+            f"Rewrite this text, keeping most of its words:\n\n{PASSAGE}"]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_speculative_greedy_matches_the_oracle_on_the_golden_prompts(engine, pro
 def test_speculation_on_copy_heavy_prompts_equals_plain_greedy_and_accepts_drafts(engine, oracle_greedy,
                                                                                    assert_greedy_matches):
     for text in copy_prompts():
-        ids = engine.encode(text)
+        ids = engine.encode(text, chat=True)
         plain = engine.generate(ids, max_new_tokens=N_NEW)
         spec = engine.generate(ids, max_new_tokens=N_NEW, spec="ngram", spec_k=6, spec_depth=2)
         assert_greedy_matches(torch.tensor(spec.token_ids), oracle_greedy(torch.tensor(ids), N_NEW), "copy, spec")
@@ -50,7 +51,7 @@ def test_speculation_on_copy_heavy_prompts_equals_plain_greedy_and_accepts_draft
 
 
 def test_rows_mode_speculation_gives_each_stream_exactly_its_solo_speculative_tokens(engine, prompts):
-    texts = [engine.encode(t) for t in copy_prompts()] + [p.tolist() for p in prompts[:2]]
+    texts = [engine.encode(t, chat=True) for t in copy_prompts()] + [p.tolist() for p in prompts[:2]]
     solo = [engine.generate(ids, max_new_tokens=N_NEW, spec="ngram", spec_k=4, spec_depth=2).token_ids
             for ids in texts]
     out = engine.generate_batch(texts, mode="rows", max_new_tokens=N_NEW, spec="ngram", spec_k=4, spec_depth=2)
