@@ -300,7 +300,7 @@ class AsyncEngine:
         while True:
             try:
                 stop_at = self._drain_inbox(run, not link.in_flight and stop_at is None, stop_at)
-                self._n_running = sum(1 for r in self._active.values() if r.stream.row >= 0)
+                self._count_running()
                 if stop_at is not None and (not self._active or time.monotonic() >= stop_at):
                     break
                 if self._dead is not None or not link.in_flight:
@@ -316,7 +316,7 @@ class AsyncEngine:
                     continue
                 last_reply = time.monotonic()
                 self._deliver(run, events)
-                self._n_running = sum(1 for r in self._active.values() if r.stream.row >= 0)
+                self._count_running()
                 if self.on_step is not None:
                     self.on_step(self._n_running)
             except PeerDied as exc:  # StageDied, or a ring closed by a stage that is exiting
@@ -329,6 +329,9 @@ class AsyncEngine:
                 run = self._new_run()
         self._fail_all(run, EngineClosed("the engine shut down before this request finished"))
         link.drain()
+
+    def _count_running(self) -> None:
+        self._n_running = sum(1 for r in self._active.values() if r.stream.row >= 0)
 
     def _stage_died(self, exc: PeerDied) -> StageDied:
         """The ``StageDied`` behind ``exc``: a stage closes its rings as it exits, so the ring can report a
@@ -380,6 +383,7 @@ class AsyncEngine:
         """Forget a finished, cancelled or failed request and post its last items."""
         self._active.pop(req.id, None)
         run.streams.pop(req.id, None)  # RowsRun keeps every stream it saw; a server runs forever
+        self._count_running()  # before the caller can see the end of its request
         with self._lock:
             self._n_open -= 1
         if items:
@@ -416,4 +420,3 @@ class AsyncEngine:
                 except Exception:
                     pass
             self._finish(run, req, [_copy_error(exc)])
-        self._n_running = 0

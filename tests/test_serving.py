@@ -1,0 +1,174 @@
+"""``AsyncEngine``'s dispatcher over the fake oracle ring (issue 7): exact continuations under concurrency and
+cancellation, the row and queue bounds, a stage error failing only what is open, and shutdown. Runs in about a
+second; the real model behind a real server is tests/test_server.py."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from fake_stage import EOS, OracleModel, start_fake_ring
+from ringshm.coordinator import Stream
+from ringshm.errors import StageDied
+from ringshm.sampling import Sampler, TextStream
+from ringshm.serving import AsyncEngine, EngineClosed, QueueFull, RequestFailed
+
+MAX_ROWS = 3
+
+
+def scripts(n: int, length: int = 400, seed: int = 0) -> list[list[int]]:
+    """``n`` token sequences with distinct first tokens and no EOS."""
+    rng = random.Random(seed)
+    return [[100 + i] + [rng.randrange(10, 1000) for _ in range(length - 1)] for i in range(n)]
+
+
+class FakeEngine:
+    """What ``AsyncEngine`` uses of an ``Engine``, over one fake stage; a prompt is a list of token ids."""
+
+    def __init__(self, model: OracleModel):
+        self.ring = start_fake_ring(model)
+        self._link, self._job, self.model_path, self.tokenizer = self.ring.link, 0, "", None
+        self.config = SimpleNamespace(max_rows=model.max_rows, prefill_chunk=4, prefill_depth=8, op_timeout_s=10)
+        self.max_seq_len = 4096
+        self.dead = False
+
+    def _make_stream(self, index, row, prompt, p) -> Stream:
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return Stream(index, row, list(prompt), p.max_new_tokens, Sampler(), TextStream(None), frozenset({EOS}))
+
+    def _check_stages(self) -> None:
+        if self.dead:
+            raise StageDied("stage 0 (pid 1, layers 0-0) died: killed by signal 9", 0, -9)
+
+    def close(self) -> None:
+        self.ring.close()
+
+
+@pytest.fixture
+def make_engine(monkeypatch):
+    monkeypatch.setattr("ringshm.tokenizer.load_tokenizer", lambda path: None)  # fake prompts are ids
+    made = []
+
+    def make(ts, max_waiting=8, max_rows=MAX_ROWS, **model_kw):
+        running = []
+        aengine = AsyncEngine(FakeEngine(OracleModel(ts, max_rows=max_rows, **model_kw)), max_waiting,
+                              on_step=running.append)
+        made.append(aengine)
+        return aengine, running
+
+    yield make
+    for aengine in made:
+        aengine.close()
+
+
+async def _collect(chunks) -> list[int]:
+    return [c.token_id async for c in chunks]
+
+
+def test_more_requests_than_rows_each_get_exactly_their_scripted_continuation(make_engine):
+    ts = scripts(8)
+    aengine, running = make_engine(ts)
+
+    async def main():
+        return await asyncio.gather(*(aengine.complete(t[: 5 + 3 * i], 20 + i) for i, t in enumerate(ts)))
+
+    results = asyncio.run(main())
+    for i, (t, r) in enumerate(zip(ts, results)):
+        n = 5 + 3 * i
+        assert r.token_ids == t[n : n + 20 + i] and r.finish_reason == "length"
+        assert r.n_prompt_tokens == n
+    assert max(running) == MAX_ROWS and (aengine.n_running, aengine.n_waiting) == (0, 0)
+
+
+def test_cancelled_task_and_abandoned_stream_end_only_their_own_requests(make_engine):
+    ts = scripts(5, length=4000)
+    aengine, _ = make_engine(ts, max_seq_len=8192)
+
+    async def main():
+        victim_chunks = []
+
+        async def victim():
+            async for c in aengine.stream(ts[0][:6], 3990):
+                victim_chunks.append(c)
+
+        task = asyncio.create_task(victim())
+        abandoned = aengine.stream(ts[1][:6], 3990)
+        async for _ in abandoned:
+            break  # leave the loop: aclose() below, as ``async with`` would
+        await abandoned.aclose()
+        while not victim_chunks:
+            await asyncio.sleep(0)
+        others = asyncio.gather(*(_collect(aengine.stream(t[:6], 60)) for t in ts[2:]))
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return await others, len(victim_chunks)
+
+    others, n_victim = asyncio.run(main())
+    assert others == [t[6:66] for t in ts[2:]]
+    assert n_victim < 3990
+
+
+def test_requests_beyond_max_rows_plus_max_waiting_raise_queue_full_at_the_call(make_engine):
+    ts = scripts(6)
+    aengine, _ = make_engine(ts, max_waiting=2)
+
+    async def main():
+        open_ = [aengine.stream(t[:6], 390) for t in ts[: MAX_ROWS + 2]]
+        with pytest.raises(QueueFull, match="max_waiting 2"):
+            aengine.stream(ts[5][:6], 10)
+        for s in open_:
+            await s.aclose()
+        while aengine.n_running or aengine.n_waiting:  # the dispatcher applies the cancels
+            await asyncio.sleep(0.001)
+        with pytest.raises(ValueError, match="empty"):
+            aengine.stream([], 10)
+        return await aengine.complete(ts[5][:6], 10)  # room again once they are cancelled
+
+    assert asyncio.run(main()).token_ids == ts[5][6:16]
+
+
+def test_a_stage_error_fails_the_open_requests_and_the_next_request_succeeds(make_engine):
+    ts = scripts(3)
+    aengine, _ = make_engine(ts, max_seq_len=64)  # a request past 64 positions makes the stage fail an op
+
+    async def main():
+        doomed = [asyncio.create_task(aengine.complete(t[:6], 200)) for t in ts[:2]]
+        outcomes = await asyncio.gather(*doomed, return_exceptions=True)
+        return outcomes, await aengine.complete(ts[2][:6], 20)
+
+    outcomes, after = asyncio.run(main())
+    assert all(isinstance(o, RequestFailed) and "past max_seq_len" in str(o) for o in outcomes), outcomes
+    assert after.token_ids == ts[2][6:26]
+
+
+def test_a_dead_stage_fails_new_requests_at_the_call(make_engine):
+    aengine, _ = make_engine(scripts(1))
+    aengine.engine.dead = True
+
+    async def main():
+        with pytest.raises(StageDied, match="stage 0"):
+            aengine.stream([100, 5], 4)
+
+    asyncio.run(main())
+
+
+def test_close_ends_open_requests_with_engine_closed_and_refuses_new_ones(make_engine):
+    ts = scripts(2, length=4000)
+    aengine, _ = make_engine(ts, max_seq_len=8192)
+
+    async def main():
+        chunks = aengine.stream(ts[0][:6], 3990)
+        await chunks.__anext__()
+        await aengine.aclose()
+        with pytest.raises(EngineClosed):
+            async for _ in chunks:
+                pass
+        with pytest.raises(EngineClosed):
+            aengine.stream(ts[1][:6], 4)
+
+    asyncio.run(main())
