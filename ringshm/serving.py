@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -37,6 +38,7 @@ from ringshm.results import GenerationResult, result_of
 from ringshm.sampling import TextStream
 from ringshm.scheduler import RowsRun
 
+log = logging.getLogger("ringshm.serving")
 STEP_TIMEOUT_S = 0.05  # the longest the dispatcher waits on the ring before it looks at its inbox again
 
 
@@ -318,7 +320,10 @@ class AsyncEngine:
                 self._deliver(run, events)
                 self._count_running()
                 if self.on_step is not None:
-                    self.on_step(self._n_running)
+                    try:
+                        self.on_step(self._n_running)
+                    except Exception:  # a metrics hook must not fail the requests
+                        log.exception("on_step hook failed")
             except PeerDied as exc:  # StageDied, or a ring closed by a stage that is exiting
                 self._dead = self._dead or self._stage_died(exc)
                 self._fail_all(run, self._dead)
