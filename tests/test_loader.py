@@ -17,6 +17,7 @@ from gguf import quants
 
 from ringshm.dequant import dequantize
 from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitecture, UnsupportedQuantType
+from ringshm import loader
 from ringshm.loader import Checkpoint, read_config
 from ringshm.model import StageModel, run_stages
 
@@ -150,7 +151,7 @@ def test_gguf_with_llama_cpp_row_order_gives_the_logits_of_the_transformers_mode
 def test_gguf_loaded_without_undoing_the_row_order_would_not_match(tmp_path, monkeypatch):
     model = _tiny_hf_model("llama", tie=True)
     _write_tiny_gguf(tmp_path / "tiny.gguf", model)
-    monkeypatch.setitem(__import__("ringshm.loader").loader.GGUF_ARCHS, "llama", False)
+    monkeypatch.setitem(loader.GGUF_ARCHS, "llama", False)
     stage = StageModel.from_path(tmp_path / "tiny.gguf", max_rows=1, max_seq_len=64)
     with pytest.raises(AssertionError):
         _assert_stage_matches_hf(stage, model)
