@@ -32,7 +32,6 @@ setup(
             "accelerate>=0.30",  # transformers' GGUF loading (the oracle)
             "matplotlib>=3.7",  # bench plots
             "openai>=1.30",  # the official client drives the server in tests
-            "httpx>=0.27",
         ],
     },
     entry_points={"console_scripts": ["ringshm=ringshm.cli:main"]},

@@ -89,7 +89,9 @@ class Link:
             raise ReplyMismatch(f"expected the reply to seq {want.seq} ({m.OP_NAMES.get(want.op)}, row "
                                 f"{want.row}), got seq {reply.seq} ({m.OP_NAMES.get(reply.op)}, row {reply.row})")
         if reply.op == m.ERROR:
-            raise _remote_error(reply)
+            exc = _remote_error(reply)
+            exc.tag = want.tag  # which request the failed op belonged to
+            raise exc
         if reply.op != want.op:
             raise ReplyMismatch(f"seq {want.seq}: sent {m.OP_NAMES.get(want.op)}, reply is "
                                 f"{m.OP_NAMES.get(reply.op)}")
@@ -119,7 +121,12 @@ class Link:
                 if time.monotonic() >= deadline:
                     raise RingTimeout(f"no {what} within {timeout_s} s") from None
             except errors.PeerDied:
-                self.check_stages()
+                # The ring's peer closed it on its way out; give the process a moment to be reaped so the
+                # error can name the stage (StageDied) rather than only the ring.
+                until = time.monotonic() + 1.0
+                while time.monotonic() < until:
+                    self.check_stages()
+                    time.sleep(0.01)
                 raise
 
 

@@ -1,73 +1,24 @@
-"""``Engine``: spawns the stage processes, owns the rings between them, and serves requests.
+"""``Engine``: the public API. It starts a ``StageGroup`` (the stage processes and their rings,
+``ringshm.launcher``) and serves requests over it: solo, batch and rows modes, speculative decoding.
 
-Topology: coordinator ──ring 0──▶ stage 0 ──ring 1──▶ … ──ring N-1──▶ stage N-1 ──ring N──▶ coordinator.
-
-Device binding: ``device="cuda"`` gives stage i GPU ``i % torch.cuda.device_count()`` by setting
-``CUDA_VISIBLE_DEVICES`` for that child before it starts (spawn), so the process sees only its GPU before
-torch initialises CUDA. ``device="cpu"`` gives each stage ``max(1, cores // stages)`` torch threads (cores =
-this process's CPU affinity): the stages of a pipeline run at once, so more threads would oversubscribe.
-
-Cleanup: ``close()`` (idempotent, also run by the context manager and, failing both, when the engine is
+``close()`` (idempotent, also run by the context manager and, failing both, when the engine is
 garbage-collected or the interpreter exits) stops the stages, reaps them and unlinks every segment.
-Segments left by an engine whose process was SIGKILLed are removed by ``sweep_stale()`` at the next start.
 """
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
-import weakref
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
-from ringshm import messages as m
 from ringshm.config import EngineConfig, GenerationParams
 from ringshm.coordinator import Link, Stream, TokenEvent, decode_solo, prefill
+from ringshm.launcher import StageGroup
 from ringshm.results import BatchResult, GenerationResult, result_of
-from ringshm.scheduler import RowsRun, run_batch
-from ringshm.errors import RingTimeout, StageDied, StageError, StageStartupError
-from ringshm.ring import Ring
 from ringshm.sampling import Sampler, TextStream
-from ringshm.segment import sweep_stale
+from ringshm.scheduler import RowsRun, run_batch
 from ringshm.spec import NGramDrafter, SpecStats
 from ringshm.spec_decode import SpecDecoder, decode_solo_spec
-from ringshm.stage import LOADED, N_SLOTS, SLOT_BUSY_S, SLOT_OPS, SLOT_STATE, StageSpec, stage_main
-
-
-def _ring_capacity(cfg: EngineConfig, hidden: int, vocab: int) -> int:
-    """Bytes per ring: room for prefill_depth + 1 of the largest record (a prefill chunk's hidden states,
-    a batch's hidden states, or a batch's logits), as a power of two."""
-    largest = max(max(cfg.prefill_chunk, cfg.max_rows) * hidden * 4, cfg.max_rows * vocab * 4) + 4096
-    return 1 << ((cfg.prefill_depth + 1) * largest - 1).bit_length()
-
-
-@contextmanager
-def _visible_device(index: int | None):
-    """CUDA_VISIBLE_DEVICES for one child's start (spawn copies the parent's environment then)."""
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if index is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(index)
-    try:
-        yield
-    finally:
-        if index is not None:
-            if old is None:
-                os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-            else:
-                os.environ["CUDA_VISIBLE_DEVICES"] = old
-
-
-def _cleanup(procs: list, rings: list[Ring]) -> None:
-    """Last resort (GC / interpreter exit): kill the stages, reap them, unlink every ring."""
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(timeout=5)
-    for r in rings:
-        r.close()
-        r.unlink()
 
 
 class Engine:
@@ -100,98 +51,27 @@ class Engine:
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self._tokenizer = None
         self._job = 0
-        sweep_stale()
-
-        n = cfg.stages
-        capacity = _ring_capacity(cfg, self.model_config.hidden, self.model_config.vocab)
-        self._rings = [Ring.create(capacity) for _ in range(n + 1)]
-        self._procs: list = []
-        self._finalizer = weakref.finalize(self, _cleanup, self._procs, self._rings)
+        self._group = StageGroup(cfg, self.model_path, self.layer_ranges, self.max_seq_len,
+                                 self.model_config.hidden, self.model_config.vocab)
         self._closed = False
-        ctx = mp.get_context("spawn")
-        self._status = ctx.Array("d", n * N_SLOTS, lock=False)
-        n_gpus = 0
-        if cfg.device == "cuda":
-            import torch
-
-            n_gpus = torch.cuda.device_count()
-            if n_gpus == 0:
-                self.close()
-                raise ValueError("device='cuda' but torch sees no GPU: use device='cpu'")
-        cores = len(os.sched_getaffinity(0))
         try:
-            for i, layers in enumerate(self.layer_ranges):
-                spec = StageSpec(index=i, n_stages=n, model_path=self.model_path, layer_start=layers.start,
-                                 layer_stop=layers.stop, max_rows=cfg.max_rows, max_seq_len=self.max_seq_len,
-                                 dtype=cfg.dtype, device=cfg.device, in_ring=self._rings[i].name,
-                                 out_ring=self._rings[i + 1].name, n_threads=max(1, cores // n),
-                                 ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms)
-                with _visible_device(i % n_gpus if n_gpus else None):
-                    p = ctx.Process(target=stage_main, args=(spec, self._status), daemon=True,
-                                    name=f"ringshm-stage-{i}")
-                    p.start()
-                self._procs.append(p)
-            self._rings[0].claim("producer")
-            self._rings[n].claim("consumer")
-            self._link = Link(self._rings[0], self._rings[n], self._check_stages, cfg.op_timeout_s,
+            self._link = Link(self._group.rings[0], self._group.rings[-1], self._group.check, cfg.op_timeout_s,
                               cfg.link_latency_ms)
-            self._wait_ready(progress)
+            self._group.wait_ready(self._link, progress)
         except BaseException:
             self.close()
             raise
 
     # ----------------------------------------------------------------------------------------- lifecycle
-    def _wait_ready(self, progress: bool) -> None:
-        """Send a PING through every stage and wait for it, showing loading progress."""
-        from tqdm import tqdm
-
-        n = self.config.stages
-        self._link.send(m.Message(m.PING))
-        deadline = time.monotonic() + self.config.startup_timeout_s
-        bar = tqdm(total=n, desc="loading stages", unit="stage", disable=not progress, leave=False)
-        try:
-            while True:
-                loaded = sum(self._status[i * N_SLOTS + SLOT_STATE] >= LOADED for i in range(n))
-                if loaded != bar.n:
-                    bar.update(loaded - bar.n)
-                try:
-                    self._link.recv(timeout_s=0.2)
-                    return
-                except RingTimeout:
-                    pass
-                except StageError as exc:
-                    raise StageStartupError(str(exc), exc.stage, exc.remote_type) from None
-                except StageDied as exc:
-                    raise StageStartupError(f"{exc} during startup", exc.stage) from None
-                if time.monotonic() > deadline:
-                    raise StageStartupError(f"stages not ready within startup_timeout_s="
-                                            f"{self.config.startup_timeout_s}")
-        finally:
-            bar.close()
-
     def _check_stages(self) -> None:
         """Raise StageDied naming the first stage process that is gone."""
-        for i, p in enumerate(self._procs):
-            if not p.is_alive():
-                code = p.exitcode
-                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                layers = self.layer_ranges[i]
-                raise StageDied(f"stage {i} (pid {p.pid}, layers {layers.start}-{layers.stop - 1}) died: {how}",
-                                i, code)
+        self._group.check()
 
     def close(self) -> None:
-        """Stop the stages (SHUTDOWN, then kill what did not exit), reap them, unlink every segment.
-        Idempotent; safe after a stage died."""
-        if self._closed:
-            return
+        """Stop the stages, reap them, unlink every segment. Idempotent; safe after a stage died."""
         self._closed = True
-        try:
-            if all(p.is_alive() for p in self._procs) and self._procs:
-                self._rings[0].try_send(m.encode(m.Message(m.SHUTDOWN)))
-                for p in self._procs:
-                    p.join(timeout=5)
-        finally:
-            self._finalizer()
+        if hasattr(self, "_group"):
+            self._group.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -202,7 +82,7 @@ class Engine:
     @property
     def pids(self) -> list[int]:
         """The stage processes' pids, stage 0 first."""
-        return [p.pid for p in self._procs]
+        return [p.pid for p in self._group.procs]
 
     @property
     def in_flight(self) -> int:
@@ -212,7 +92,7 @@ class Engine:
     @property
     def segment_names(self) -> list[str]:
         """Names of the shared-memory segments this engine owns."""
-        return [r.name for r in self._rings]
+        return [r.name for r in self._group.rings]
 
     # -------------------------------------------------------------------------------------------- text
     @property
@@ -321,11 +201,11 @@ class Engine:
         return self._result(s, busy0, busy_first)
 
     def _busy(self) -> list[float]:
-        return [self._status[i * N_SLOTS + SLOT_BUSY_S] for i in range(self.config.stages)]
+        return self._group.busy()
 
     def stage_ops(self) -> list[int]:
         """Ops each stage has applied since startup."""
-        return [int(self._status[i * N_SLOTS + SLOT_OPS]) for i in range(self.config.stages)]
+        return self._group.ops()
 
     def _result(self, s: Stream, busy0: list[float], busy_first: list[float]) -> GenerationResult:
         return result_of(s, busy0, busy_first, self._busy(), self.config.stages)

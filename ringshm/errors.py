@@ -114,13 +114,15 @@ class StageDied(PeerDied):
 class StageError(RingshmError, RuntimeError):
     """A stage failed an op and answered with an error reply; the engine stays usable.
 
-    ``stage``: the index of the stage that raised; ``remote_type``: the exception's class name there.
+    ``stage``: the index of the stage that raised; ``remote_type``: the exception's class name there;
+    ``tag``: the coordinator's tag of the failed op (which request it served), when raised by ``Link.recv``.
     """
 
     def __init__(self, message: str, stage: int = -1, remote_type: str = ""):
         super().__init__(message)
         self.stage = stage
         self.remote_type = remote_type
+        self.tag = None
 
 
 class StageStartupError(StageError):

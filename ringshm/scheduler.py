@@ -143,3 +143,4 @@ class RowsRun:
             return
         del self.busy[s.row]
         self.free_rows.append(s.row)
+        self.streams.pop(s.index, None)  # a long-running run (a server) must not keep every past request

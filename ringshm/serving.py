@@ -338,16 +338,9 @@ class AsyncEngine:
     def _count_running(self) -> None:
         self._n_running = sum(1 for r in self._active.values() if r.stream.row >= 0)
 
-    def _stage_died(self, exc: PeerDied) -> StageDied:
-        """The ``StageDied`` behind ``exc``: a stage closes its rings as it exits, so the ring can report a
-        gone peer a moment before the process is reaped; wait up to a second for it to be named."""
-        deadline = time.monotonic() + 1.0
-        while not isinstance(exc, StageDied) and time.monotonic() < deadline:
-            try:
-                self.engine._check_stages()
-                time.sleep(0.02)
-            except StageDied as died:
-                exc = died
+    @staticmethod
+    def _stage_died(exc: PeerDied) -> StageDied:
+        """``exc`` as a ``StageDied`` (``Link`` already waited for the gone stage to be named)."""
         return exc if isinstance(exc, StageDied) else StageDied(f"a stage is gone: {exc}")
 
     def _drain_inbox(self, run: RowsRun, block: bool, stop_at: float | None) -> float | None:
@@ -387,7 +380,6 @@ class AsyncEngine:
     def _finish(self, run: RowsRun, req: _Request, items: list) -> None:
         """Forget a finished, cancelled or failed request and post its last items."""
         self._active.pop(req.id, None)
-        run.streams.pop(req.id, None)  # RowsRun keeps every stream it saw; a server runs forever
         self._count_running()  # before the caller can see the end of its request
         with self._lock:
             self._n_open -= 1

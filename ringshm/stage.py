@@ -45,7 +45,14 @@ class StageSpec:
 
 def stage_main(spec: StageSpec, status) -> None:
     """Process entry point: attach the rings, load the layers, serve ops until SHUTDOWN or a dead peer."""
-    # Threads are set before torch does any work: stages must not oversubscribe the cores (engine.py).
+    import signal
+
+    # A stage belongs to its coordinator: it ends on SHUTDOWN, or when the coordinator (its ring peer) is
+    # gone. Ctrl-C or a SIGTERM sent to the whole process group must reach only the coordinator, which then
+    # shuts the stages down in order instead of losing them mid-op.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Threads are set before torch does any work: stages must not oversubscribe the cores (launcher.py).
     import torch
 
     torch.set_num_threads(spec.n_threads)
