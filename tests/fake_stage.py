@@ -127,7 +127,7 @@ def start_fake_ring(model: OracleModel, swap_at: int | None = None) -> FakeRing:
     to_stage, from_stage = Ring.create(1 << 20), Ring.create(1 << 20)
     spec = StageSpec(index=0, n_stages=1, model_path="", layer_start=0, layer_stop=1, max_rows=model.max_rows,
                      max_seq_len=model.max_seq_len, dtype="float32", device="cpu", in_ring=to_stage.name,
-                     out_ring=from_stage.name, n_threads=1, ring_timeout_s=5)
+                     out_ring=from_stage.name, cores=1, ring_timeout_s=5)
     status = [0.0] * N_SLOTS
     out = from_stage if swap_at is None else SwappingRing(from_stage, swap_at)
 
