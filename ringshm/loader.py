@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-import numpy as np
 import torch
 from safetensors import safe_open
 

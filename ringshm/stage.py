@@ -163,8 +163,6 @@ def apply(model, msg, is_last: bool):
     Raises:
         ValueError / KVRangeError: a malformed op or a bad row/position (sent back as an ERROR reply).
     """
-    import torch
-
     from ringshm import messages as m
 
     if msg.op == m.RESET:

@@ -161,6 +161,22 @@ def assert_greedy_matches():
     return check
 
 
+@pytest.fixture(scope="module")
+def no_segment_left_behind():
+    """Every segment this module's process creates is gone when the module ends (modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("no_segment_left_behind")``)."""
+    import os
+
+    from ringshm.segment import Segment, creator_of, list_segments
+
+    before = set(list_segments())
+    yield
+    leaked = [s for s in set(list_segments()) - before if creator_of(s)[0] == os.getpid()]
+    for name in leaked:
+        Segment(name, None, 0, owner=True).unlink()
+    assert not leaked, f"segments left in /dev/shm: {leaked}"
+
+
 def pytest_terminal_summary(terminalreporter):
     if _TIES:
         terminalreporter.section("greedy float ties (oracle top-2 margin < 1e-2)")

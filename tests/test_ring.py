@@ -8,7 +8,6 @@ tests that need two handles (a "peer") attach a second one in the same process.
 
 from __future__ import annotations
 
-import os
 import random
 import struct
 import time
@@ -28,7 +27,7 @@ from ringshm.errors import (
     RingTimeout,
     SegmentMismatch,
 )
-from ringshm.segment import Segment, creator_of, list_segments
+from ringshm.segment import Segment, list_segments
 
 # Layout from csrc/ring.h, restated here so that the tests check it rather than borrow it.
 HEADER_BYTES = 512
@@ -79,15 +78,7 @@ class RawHeader:
         self.seg.close()
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_segment_left_behind():
-    """Every segment this module's process creates is gone when the module ends."""
-    before = set(list_segments())
-    yield
-    leaked = [s for s in set(list_segments()) - before if creator_of(s)[0] == os.getpid()]
-    for name in leaked:
-        Segment(name, None, 0, owner=True).unlink()
-    assert not leaked, f"segments left in /dev/shm: {leaked}"
+pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
 
 
 @pytest.fixture

@@ -25,14 +25,7 @@ from ringshm.segment import (
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def no_segment_left_behind():
-    before = set(list_segments())
-    yield
-    leaked = [s for s in set(list_segments()) - before if creator_of(s)[0] == os.getpid()]
-    for name in leaked:
-        Segment(name, None, 0, owner=True).unlink()
-    assert not leaked, f"segments left in /dev/shm: {leaked}"
+pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
 
 
 @pytest.fixture
