@@ -60,16 +60,33 @@ class TextStream:
     """Incremental detokenisation with stop strings.
 
     ``push(token_id)`` returns the new text that is safe to show: text that could still be the start of a
-    stop string, or an incomplete UTF-8 sequence (decoded as U+FFFD), is held back until it resolves.
-    ``stopped`` becomes True once a stop string appears; the text then ends just before it (OpenAI's rule).
+    stop string, or an incomplete UTF-8 sequence, is held back until it resolves. ``stopped`` becomes True
+    once a stop string appears; the text then ends just before it (OpenAI's rule).
+
+    Each push decodes only a short window: the tokens since ``prefix_offset`` (a few tokens of context
+    before the ones not yet turned into text), so a request costs O(n) decoding, not O(n^2). The window's
+    text minus its context's text is the new text (vLLM's incremental detokenisation; the context keeps
+    BPE merges and leading spaces right at the seam). A window ending in U+FFFD waits for more bytes.
     """
 
     def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.token_ids: list[int] = []
-        self.text = ""  # text emitted so far
+        self.decoded = ""  # text of token_ids[:read_offset]
+        self.prefix_offset = 0  # first token of the decoding window
+        self.read_offset = 0  # tokens already turned into text
+        self.text = ""  # text emitted so far (a prefix of decoded)
         self.stopped = False
+
+    def _window(self, final: bool = False) -> None:
+        """Move newly decodable text into ``decoded`` (all of it when ``final``)."""
+        ids = self.token_ids
+        new = self.tokenizer.decode(ids[self.prefix_offset :], skip_special_tokens=True)
+        old = self.tokenizer.decode(ids[self.prefix_offset : self.read_offset], skip_special_tokens=True)
+        if len(new) > len(old) and (final or not new.endswith("\ufffd")):
+            self.decoded += new[len(old) :]
+            self.prefix_offset, self.read_offset = max(self.read_offset - 4, 0), len(ids)
 
     def push(self, token_id: int) -> str:
         if self.stopped:
@@ -77,19 +94,19 @@ class TextStream:
         self.token_ids.append(int(token_id))
         if self.tokenizer is None:
             return ""
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self._window()
+        full = self.decoded
         for s in self.stop:
             at = full.find(s, max(0, len(self.text) - len(s)))
             if at >= 0:
                 self.stopped = True
+                at = max(at, len(self.text))
                 delta, self.text = full[len(self.text) : at], full[:at]
                 return delta
         safe = len(full)
-        if full.endswith("\ufffd"):
-            safe = len(full) - 1
         for s in self.stop:  # hold back a suffix that may grow into a stop string
             for k in range(min(len(s) - 1, safe), 0, -1):
-                if full[:safe].endswith(s[:k]):
+                if full.endswith(s[:k], 0, safe):
                     safe -= k
                     break
         safe = max(safe, len(self.text))
@@ -100,6 +117,6 @@ class TextStream:
         """Flush what was held back (the stream ended without completing a stop string)."""
         if self.stopped or self.tokenizer is None:
             return ""
-        full = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        delta, self.text = full[len(self.text) :], full
+        self._window(final=True)
+        delta, self.text = self.decoded[len(self.text) :], self.decoded
         return delta
