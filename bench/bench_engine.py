@@ -40,12 +40,14 @@ def _engine_bench(benchmark, figures, stages: int, prompt_ids, hop_key: str | No
     tpot = statistics.median(r.tpot_s for r in results)
     ttft = statistics.median(r.ttft_s for r in results)
     hop = statistics.median(r.hop_overhead_us for r in results)
-    figures.record_value(f"decode_tpot.engine_{stages}stages", tpot, tok_s=1 / tpot, hop_overhead_us=hop)
+    coord = statistics.median(r.coordinator_us_per_op for r in results)
+    figures.record_value(f"decode_tpot.engine_{stages}stages", tpot, tok_s=1 / tpot, hop_overhead_us=hop,
+                         coordinator_us_per_op=coord)
     figures.record_value(f"ttft.engine_{stages}stages", ttft)
-    benchmark.extra_info.update(decode_tok_s=1 / tpot, ttft_s=ttft, hop_overhead_us=hop,
+    benchmark.extra_info.update(decode_tok_s=1 / tpot, ttft_s=ttft, hop_overhead_us=hop, coordinator_us_per_op=coord,
                                 n_output_tokens=results[-1].n_output_tokens)
     print(f"\n{stages} stages: decode {1 / tpot:.1f} tok/s, TTFT {ttft * 1e3:.0f} ms, "
-          f"ring overhead {hop:.0f} us per hop per decode op")
+          f"ring {hop:.0f} us per hop and coordinator {coord:.0f} us per decode op")
 
 
 def test_engine_3_stages(benchmark, figures, prompt_ids):

@@ -46,6 +46,8 @@ class Link:
         self.link_latency_ms = link_latency_ms
         self.pending: deque[_Pending] = deque()
         self._seq = 0
+        self.work_s = 0.0  # coordinator time between taking a reply and sending the next op (see send)
+        self._t_reply: float | None = None
 
     @property
     def in_flight(self) -> int:
@@ -57,6 +59,9 @@ class Link:
         Raises:
             StageDied: a stage died while the ring was full. RingTimeout: full for op_timeout_s.
         """
+        if self._t_reply is not None:  # the coordinator's own work since the last reply (sampling, text, ...)
+            self.work_s += time.perf_counter() - self._t_reply
+            self._t_reply = None
         msg.seq = self._seq
         self._seq += 1
         n = m.encoded_size(msg)
@@ -95,6 +100,7 @@ class Link:
         if reply.op != want.op:
             raise ReplyMismatch(f"seq {want.seq}: sent {m.OP_NAMES.get(want.op)}, reply is "
                                 f"{m.OP_NAMES.get(reply.op)}")
+        self._t_reply = time.perf_counter()
         return reply, want.tag
 
     def drain(self) -> None:

@@ -192,13 +192,14 @@ class Engine:
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
         s = self._make_stream(0, 0, prompt, p)
         busy0 = self._busy()
-        busy_first = None
+        busy_first = work_first = None
         for ev in self._run_solo(s, self._depth(p)):
             if busy_first is None:
-                busy_first = self._busy()
+                busy_first, work_first = self._busy(), self._link.work_s
             if on_token is not None:
                 on_token(ev)
-        return self._result(s, busy0, busy_first)
+        return result_of(s, busy0, busy_first, self._busy(), self.config.stages,
+                         self._link.work_s - (work_first or 0.0))
 
     def _busy(self) -> list[float]:
         return self._group.busy()
@@ -206,9 +207,6 @@ class Engine:
     def stage_ops(self) -> list[int]:
         """Ops each stage has applied since startup."""
         return self._group.ops()
-
-    def _result(self, s: Stream, busy0: list[float], busy_first: list[float]) -> GenerationResult:
-        return result_of(s, busy0, busy_first, self._busy(), self.config.stages)
 
     # ------------------------------------------------------------------------------------- many streams
     def stream_batch(self, prompts: list, mode: str = "rows", max_new_tokens: int = 128, *,

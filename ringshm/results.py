@@ -18,9 +18,11 @@ class GenerationResult:
     ``ttft_s``: time to first token, from the call to the first token committed (prefill included).
     ``tpot_s``: mean time per output token after the first; ``decode_tok_s`` = 1 / tpot_s.
     ``stage_busy_s``: seconds each stage spent applying this request's ops.
-    ``hop_overhead_us``: mean cost of one ring hop per decode op, i.e. decode wall time minus the stages'
-    busy time during decode, over (decode ops x (stages + 1) hops); a single stream's decode visits the
-    stages one after another, so everything that is not a stage computing is the ring and the coordinator.
+    ``coordinator_us_per_op``: the coordinator's own work per decode op (taking the reply, sampling,
+    detokenising, building and encoding the next op). ``hop_overhead_us``: what is left of the decode wall
+    time after the stages' busy time and the coordinator's work, per hop (decode ops x (stages + 1) hops):
+    the ring's transfer and wake-up cost. A single stream's decode visits the stages one after another, so
+    the three add up to the wall time.
     """
 
     token_ids: list[int]
@@ -33,6 +35,7 @@ class GenerationResult:
     n_output_tokens: int
     stage_busy_s: list[float] = field(default_factory=list)
     hop_overhead_us: float = 0.0
+    coordinator_us_per_op: float = 0.0
     draft_tokens: int = 0
     accepted_tokens: int = 0
     acceptance_rate: float = 0.0
@@ -67,24 +70,28 @@ class BatchResult:
 
 
 def result_of(s: Stream, busy0: list[float] | None = None, busy_first: list[float] | None = None,
-              busy_end: list[float] | None = None, n_stages: int = 0) -> GenerationResult:
+              busy_end: list[float] | None = None, n_stages: int = 0,
+              decode_work_s: float = 0.0) -> GenerationResult:
     """The ``GenerationResult`` of a finished stream. With the stages' busy seconds at the start, at the first
-    token and at the end (solo runs), it also fills ``stage_busy_s`` and ``hop_overhead_us``."""
+    token and at the end, and the coordinator's work during decode (solo runs), it also fills
+    ``stage_busy_s``, ``coordinator_us_per_op`` and ``hop_overhead_us``."""
     times = s.token_times
     n = len(s.tokens)
     ttft = times[0] - s.t_start if times else 0.0
     tpot = (times[-1] - times[0]) / (n - 1) if n > 1 else 0.0
-    busy, hop_us = [], 0.0
+    busy, hop_us, coord_us = [], 0.0, 0.0
     spec = s.spec.stats if s.spec is not None else SpecStats()
     if busy0 is not None and busy_end is not None:
         busy = [b - b0 for b, b0 in zip(busy_end, busy0)]
         decode_ops = spec.verify_steps if s.spec is not None else n - 1
         if decode_ops > 0 and busy_first is not None:
             decode_busy = sum(busy_end) - sum(busy_first)
-            hop_us = ((times[-1] - times[0]) - decode_busy) / (decode_ops * (n_stages + 1)) * 1e6
+            coord_us = decode_work_s / decode_ops * 1e6
+            hop_us = ((times[-1] - times[0]) - decode_busy - decode_work_s) / (decode_ops * (n_stages + 1)) * 1e6
     return GenerationResult(
         token_ids=list(s.tokens), text=s.text.text, finish_reason=s.finish_reason or "length", ttft_s=ttft,
         tpot_s=tpot, decode_tok_s=1.0 / tpot if tpot > 0 else 0.0, n_prompt_tokens=len(s.prompt),
-        n_output_tokens=n, stage_busy_s=busy, hop_overhead_us=hop_us, draft_tokens=spec.draft_tokens,
+        n_output_tokens=n, stage_busy_s=busy, hop_overhead_us=hop_us, coordinator_us_per_op=coord_us,
+        draft_tokens=spec.draft_tokens,
         accepted_tokens=spec.accepted_tokens, acceptance_rate=spec.acceptance_rate,
         mean_accepted_length=spec.mean_accepted_length)
