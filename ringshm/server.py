@@ -33,89 +33,21 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringshm.errors import StageDied
 from ringshm.segment import is_alive
-from ringshm.serving import AsyncEngine, Chunk, EngineClosed, QueueFull, RequestFailed
+from ringshm.openai_schema import ApiError, ChatRequest, CompletionRequest, RequestBody, bad_request, engine_error
+from ringshm.serving import AsyncEngine, Chunk
 
 log = logging.getLogger("ringshm.server")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-
-
-# ------------------------------------------------------------------------------------------ request models
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
-    stream_options: dict | None = None
-    logprobs: bool | int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-
-class _Message(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict] | None = None
-
-
-class ChatRequest(_Body):
-    messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    tools: list | None = None
-
-
-class CompletionRequest(_Body):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
-
-
-class ApiError(Exception):
-    """An error answered as OpenAI's error body with ``status``."""
-
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def _bad(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, "invalid_request_error", param, code)
-
-
-def _engine_error(exc: BaseException) -> ApiError:
-    """The HTTP error of an exception raised by the ``AsyncEngine``."""
-    if isinstance(exc, QueueFull):
-        return ApiError(429, str(exc), "rate_limit_error", None, "queue_full")
-    if isinstance(exc, StageDied):
-        return ApiError(503, str(exc), "service_unavailable", None, "stage_died")
-    if isinstance(exc, EngineClosed):
-        return ApiError(503, str(exc), "service_unavailable", None, "shutting_down")
-    if isinstance(exc, (ValueError, TypeError)):
-        return _bad(str(exc))
-    if isinstance(exc, RequestFailed):
-        return ApiError(500, str(exc), "server_error", None, "request_failed")
-    return ApiError(500, "internal server error", "server_error")
 
 
 # ------------------------------------------------------------------------------------------------ metrics
@@ -211,7 +143,7 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
         else:
             message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
             param = loc[0] if loc else None
-        return JSONResponse(_bad(message, param).body(), status_code=400)
+        return JSONResponse(bad_request(message, param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -242,21 +174,21 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
                                             "owned_by": "ringshm", "max_model_len": aengine.max_seq_len}]}
 
-    def start(body: _Body, ids: list[int], max_tokens: int | None, default_max: int):
+    def start(body: RequestBody, ids: list[int], max_tokens: int | None, default_max: int):
         """Check what the engine does not, then submit: returns the request's chunk stream."""
         if body.model is not None and body.model != model_id:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_id!r}",
                            "not_found_error", "model", "model_not_found")
         if body.n != 1:
-            raise _bad(f"n must be 1 (one choice per request), got {body.n}", "n")
+            raise bad_request(f"n must be 1 (one choice per request), got {body.n}", "n")
         if body.logprobs:
-            raise _bad("logprobs are not supported", "logprobs")
+            raise bad_request("logprobs are not supported", "logprobs")
         if body.presence_penalty or body.frequency_penalty:
-            raise _bad("presence_penalty and frequency_penalty are not supported (use 0)", "presence_penalty")
+            raise bad_request("presence_penalty and frequency_penalty are not supported (use 0)", "presence_penalty")
         limit = aengine.max_seq_len
         n_max = max_tokens if max_tokens is not None else max(1, min(default_max, limit - len(ids)))
         if len(ids) + n_max > limit:
-            raise _bad(f"this model's maximum context length is {limit} tokens; you requested "
+            raise bad_request(f"this model's maximum context length is {limit} tokens; you requested "
                        f"{len(ids) + n_max} tokens ({len(ids)} in the prompt, {n_max} for max_tokens): shorten "
                        f"the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
@@ -267,11 +199,11 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
         try:
             chunks = aengine.stream(ids, n_max, **params)
         except Exception as exc:
-            raise _engine_error(exc) from None
+            raise engine_error(exc) from None
         metrics.prompt_tokens.inc(len(ids))
         return chunks
 
-    async def respond(request: Request, body: _Body, chunks, kind: str):
+    async def respond(request: Request, body: RequestBody, chunks, kind: str):
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -289,7 +221,7 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
                     metrics.finished.labels("cancelled").inc()
                     return PlainTextResponse("", status_code=499)
         except Exception as exc:
-            raise _engine_error(exc) from None
+            raise engine_error(exc) from None
         finally:
             chunks.cancel()
         choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
@@ -303,20 +235,20 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         if body.tools:
-            raise _bad("tools are not supported", "tools")
+            raise bad_request("tools are not supported", "tools")
         messages = []
         for m in body.messages:
             content = m.content
             if isinstance(content, list):  # content parts: text only
                 if any(p.get("type") != "text" for p in content):
-                    raise _bad("only text content parts are supported", "messages")
+                    raise bad_request("only text content parts are supported", "messages")
                 content = "".join(str(p.get("text", "")) for p in content)
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
         try:
             ids = aengine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                                return_dict=False)
         except Exception as exc:
-            raise _bad(f"messages do not fit the model's chat template: {exc}", "messages") from None
+            raise bad_request(f"messages do not fit the model's chat template: {exc}", "messages") from None
         ids = [int(t) for t in ids]
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await respond(request, body, start(body, ids, max_tokens, aengine.max_seq_len), "chat")
@@ -324,16 +256,16 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         if body.echo:
-            raise _bad("echo is not supported", "echo")
+            raise bad_request("echo is not supported", "echo")
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise _bad(f"one prompt per request, got {len(prompt)} (n=1 only)", "prompt")
+                raise bad_request(f"one prompt per request, got {len(prompt)} (n=1 only)", "prompt")
             prompt = prompt[0]
         try:
             ids = aengine.engine.encode(prompt)
         except ValueError as exc:
-            raise _bad(str(exc), "prompt") from None
+            raise bad_request(str(exc), "prompt") from None
         return await respond(request, body, start(body, ids, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS),
                              "completion")
 
@@ -344,7 +276,7 @@ def _event(obj) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def _sse(chunks, metrics: Metrics, rid: str, created: int, model_id: str, kind: str, body: _Body):
+async def _sse(chunks, metrics: Metrics, rid: str, created: int, model_id: str, kind: str, body: RequestBody):
     """The body of a streaming response: one event per chunk; usage on the last; then ``[DONE]``."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": model_id}
@@ -371,7 +303,7 @@ async def _sse(chunks, metrics: Metrics, rid: str, created: int, model_id: str, 
             if c.finish_reason is not None and (body.stream_options or {}).get("include_usage"):
                 yield _event({**head, "choices": [], "usage": c.usage})
     except Exception as exc:  # after the headers: report in the stream
-        yield _event(_engine_error(exc).body())
+        yield _event(engine_error(exc).body())
     except BaseException:  # the client went away (Starlette cancels this generator): cancel our request only
         chunks.cancel()
         metrics.finished.labels("cancelled").inc()
