@@ -18,6 +18,8 @@ import argparse
 import json
 import sys
 
+from ringshm.errors import StageStartupError
+
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
@@ -53,10 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate a continuation of PROMPT")
     _engine_args(gen)
     gen.add_argument("prompt", nargs="?", help="the prompt text (or use --batch-file)")
-    gen.add_argument("--batch-file", default=None, help="a file with one prompt per line, served at once")
+    gen.add_argument("--batch-file", default=None,
+                     help="a file with one prompt per line (blank lines skipped), served at once; answers are "
+                          "printed under their line numbers")
     gen.add_argument("--mode", default="rows", choices=["rows", "batch"],
                      help="with --batch-file: rows (de-lockstep, default) or batch (lockstep)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -71,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     _engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--port", type=int, default=8000, help="default 8000")
     srv.add_argument("--max-waiting", type=int, default=64,
                      help="requests that may wait for a KV row beyond --max-rows; more get 429 (default 64)")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -80,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--spec", default=None, choices=["ngram"],
                      help="decode greedy requests speculatively with n-gram drafts (lossless)")
     srv.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op (default 4)")
+    srv.add_argument("--spec-depth", type=int, default=1, help="verify ops in flight per stream (default 1)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return parser
 
@@ -94,9 +99,10 @@ def _generate_batch(a: argparse.Namespace) -> int:
 
     try:
         with open(a.batch_file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
+            lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip()]
     except OSError as exc:
         raise ValueError(f"cannot read --batch-file: {exc}") from None
+    prompts = [text for _, text in lines]
     if not prompts:
         raise ValueError(f"--batch-file {a.batch_file} holds no prompt (one per line)")
     with Engine(progress=not a.json, **_engine_kwargs(a)) as engine:
@@ -105,21 +111,35 @@ def _generate_batch(a: argparse.Namespace) -> int:
         print(json.dumps({"mode": out.mode, "wall_s": out.wall_s, "output_tok_s": out.output_tok_s,
                           "stage_busy_s": out.stage_busy_s, "results": [r.to_dict() for r in out.results]}))
         return 0
-    for i, r in enumerate(out.results):
-        print(f"[{i}] {r.text}")
+    for (line_no, _), r in zip(lines, out.results):
+        print(f"--- [line {line_no}] ({r.finish_reason}, {r.n_output_tokens} tokens)\n{r.text}")
     ttfts = ", ".join(f"{r.ttft_s * 1e3:.0f}" for r in out.results)
     print(f"[{len(prompts)} streams, mode {out.mode} | {out.output_tok_s:.1f} tok/s aggregate | "
           f"TTFT ms: {ttfts}]", file=sys.stderr)
     return 0
 
 
+def _check_early(a: argparse.Namespace) -> None:
+    """What can be checked before any stage starts (loading the stages takes seconds)."""
+    from ringshm.config import EngineConfig, GenerationParams
+
+    GenerationParams(max_new_tokens=a.max_new_tokens, **_sampling(a))
+    EngineConfig(**{k: v for k, v in _engine_kwargs(a).items() if k != "model"})
+    if a.max_new_tokens >= a.max_seq_len:
+        raise ValueError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in --max-seq-len "
+                         f"{a.max_seq_len}: lower --max-new-tokens or raise --max-seq-len")
+
+
 def _generate(a: argparse.Namespace) -> int:
     from ringshm.engine import Engine
 
+    if a.batch_file and a.prompt is not None:
+        raise ValueError("give either a PROMPT or --batch-file, not both")
+    if not a.batch_file and not a.prompt:
+        raise ValueError("give a PROMPT (non-empty) or --batch-file")
+    _check_early(a)
     if a.batch_file:
         return _generate_batch(a)
-    if a.prompt is None:
-        raise ValueError("give a PROMPT or --batch-file")
 
     def show(ev) -> None:
         sys.stdout.write(ev.text)
@@ -143,7 +163,8 @@ def _serve(a: argparse.Namespace) -> int:
     from ringshm.server import serve
 
     return serve(a.host, a.port, max_waiting=a.max_waiting, graceful_s=a.graceful_timeout,
-                 model_name=a.served_model_name, spec=a.spec, spec_k=a.spec_k, log_level=a.log_level,
+                 model_name=a.served_model_name, spec=a.spec, spec_k=a.spec_k, spec_depth=a.spec_depth,
+                 log_level=a.log_level,
                  **_engine_kwargs(a))
 
 
@@ -155,9 +176,12 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "serve":
             return _serve(args)
-    except ValueError as exc:  # bad input: a clear message, no traceback
+    except (ValueError, FileNotFoundError) as exc:  # bad input: a clear message, no traceback
         print(f"ringshm: error: {exc}", file=sys.stderr)
         return 2
+    except StageStartupError as exc:
+        print(f"ringshm: error: a stage could not start: {exc}", file=sys.stderr)
+        return 1
     return 1
 
 

@@ -198,7 +198,8 @@ class GenerationParams:
         if self.spec not in SPEC_METHODS:
             raise ValueError(f"spec must be one of {SPEC_METHODS}, got {self.spec!r}")
         if self.spec is not None and self.temperature > 0:
-            raise ValueError("speculative decoding here is greedy-only (lossless): use temperature=0 or spec=None")
+            raise ValueError("speculative decoding here is greedy-only (lossless): use temperature 0 "
+                             "(--temperature 0) or turn speculation off (spec=None, no --spec)")
         for name in ("spec_k", "spec_depth", "spec_ngram"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

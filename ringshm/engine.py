@@ -136,7 +136,8 @@ class Engine:
         if len(ids) + p.max_new_tokens > self.max_seq_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) = "
                              f"{len(ids) + p.max_new_tokens} exceeds max_seq_len {self.max_seq_len}: shorten the "
-                             f"prompt, lower max_new_tokens, or start the engine with a larger max_seq_len")
+                             f"prompt, lower max_new_tokens, or start the engine with a larger max_seq_len "
+                             f"(--max-seq-len)")
         seed = None if p.seed is None else p.seed + index
         s = Stream(index, row, ids, p.max_new_tokens, Sampler(p.temperature, p.top_k, p.top_p, seed),
                    TextStream(self.tokenizer, p.stop), self.eos_ids)

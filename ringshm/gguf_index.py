@@ -83,7 +83,11 @@ class GGUFIndex:
     def _parse(cls, path: Path) -> "GGUFIndex":
         from gguf import GGUFReader, GGUFValueType
 
-        reader = GGUFReader(str(path))
+        try:
+            reader = GGUFReader(str(path))
+        except (ValueError, OSError) as exc:
+            raise ValueError(f"{path} is not a readable GGUF file ({exc}); give a .gguf model or an HF "
+                             f"directory with config.json") from exc
         meta, lengths = {}, {}
         for key, f in reader.fields.items():
             if f.types and f.types[0] == GGUFValueType.ARRAY:

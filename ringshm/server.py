@@ -114,10 +114,10 @@ class _CountRequests:
 
 # ----------------------------------------------------------------------------------------------- the app
 def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, spec_k: int = 4,
-               graceful_s: float = 0.0) -> FastAPI:
+               spec_depth: int = 1, graceful_s: float = 0.0) -> FastAPI:
     """The FastAPI app serving ``aengine`` as ``model_id``. Its lifespan shutdown closes ``aengine``
     (open requests get ``graceful_s`` more to finish). ``spec="ngram"`` decodes greedy requests
-    speculatively with ``spec_k`` drafts per verify op."""
+    speculatively with ``spec_k`` drafts per verify op and ``spec_depth`` verify ops in flight."""
 
     @asynccontextmanager
     async def lifespan(app):
@@ -195,7 +195,7 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
         params = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
                       stop=stop)
         if spec is not None and body.temperature == 0:
-            params.update(spec=spec, spec_k=spec_k)
+            params.update(spec=spec, spec_k=spec_k, spec_depth=spec_depth)
         try:
             chunks = aengine.stream(ids, n_max, **params)
         except Exception as exc:
@@ -319,7 +319,8 @@ def model_id_of(model_path: str) -> str:
 
 
 def serve(host: str = "127.0.0.1", port: int = 8000, *, max_waiting: int = 64, graceful_s: float = 30.0,
-          model_name: str | None = None, spec: str | None = None, spec_k: int = 4, log_level: str = "info",
+          model_name: str | None = None, spec: str | None = None, spec_k: int = 4, spec_depth: int = 1,
+          log_level: str = "info",
           **engine_kwargs) -> int:
     """Start the stages, then serve until SIGTERM / SIGINT; returns 0 after a clean shutdown.
 
@@ -358,7 +359,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, max_waiting: int = 64, g
         engine.close()
         raise
     app = create_app(aengine, model_name or model_id_of(engine.model_path), spec=spec, spec_k=spec_k,
-                     graceful_s=graceful_s)
+                     spec_depth=spec_depth, graceful_s=graceful_s)
     try:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=graceful_s)
