@@ -44,7 +44,6 @@ OP_NAMES = {RESET: "reset", PREFILL: "prefill", VERIFY: "verify", DECODE: "decod
 # ------------------------------------------------------------------------------------------------- flags
 REPLY = 1 << 0  # set by the last stage on what it sends back to the coordinator
 WANT_LOGITS = 1 << 1  # last stage appends the last position's fp32 logits (sampling)
-ALL_POSITIONS = 1 << 2  # last stage returns argmax at every position (verify)
 HIDDEN = 1 << 3  # the tensor is hidden states (between stages), not token ids
 
 MAGIC = 0x5352  # "RS"
