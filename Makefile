@@ -2,7 +2,7 @@
 # Both install what is missing first (idempotent: stamps skip work already done).
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
-CSRC := $(wildcard csrc/*.c csrc/*.h) csrc/ffi_build.py
+CSRC := $(wildcard csrc/*.c csrc/*.h csrc/*.inc) csrc/ffi_build.py
 EXT_STAMP := .stamp-ext
 DEPS_STAMP := .stamp-deps
 PYTEST_ARGS ?=

@@ -20,6 +20,15 @@
 int ringshm_dequant_q8_0(const uint8_t *src, float *dst, int64_t n_blocks);
 int ringshm_dequant_q4_0(const uint8_t *src, float *dst, int64_t n_blocks);
 int ringshm_dequant_q4_1(const uint8_t *src, float *dst, int64_t n_blocks);
+/* ringshm_dequant_rows: the embedding lookup, out[i, :] = row ids[i] of a GGUF tensor [n_rows, k], dequantized.
+ *     type      a ringshm_wtype (Q8_0 / Q4_0 / Q4_1 by the functions above, bit-equal to gguf.quants; F16,
+ *               BF16 widened exactly; F32 copied)
+ *     src       the tensor's bytes as in the file, src_bytes == ringshm_qmat_src_bytes(type, n_rows, k)
+ *     ids [n_ids] int64, out [n_ids, k] fp32
+ * Returns 0; -1 for a bad type or shape, -2 when src_bytes differs, -3 for an id outside [0, n_rows)
+ * (all checked before anything is written). */
+int ringshm_dequant_rows(int type, const uint8_t *src, int64_t src_bytes, int64_t n_rows, int64_t k,
+                         const int64_t *ids, int64_t n_ids, float *out);
 /* CDEF END */
 
 #endif /* RINGSHM_DEQUANT_H */

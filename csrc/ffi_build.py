@@ -9,7 +9,9 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-MODULES = ["ring", "kernels", "dequant"]  # csrc/<name>.h + csrc/<name>.c each
+MODULES = ["ring", "kernels", "dequant", "matmul"]  # csrc/<name>.h + csrc/<name>.c each
+# The SIMD loops, one translation unit per ISA level (isa.h): no header of their own.
+ISA_SOURCES = ["simd_v1.c", "simd_v3.c", "simd_v4.c"]
 
 
 def _cdef_of(header: Path) -> str:
@@ -27,10 +29,13 @@ ffibuilder.set_source(
     "ringshm._C",
     "\n".join(f'#include "{m}.h"' for m in present),
     # setuptools wants source paths relative to setup.py's folder.
-    sources=[f"csrc/{m}.c" for m in present],
+    sources=[f"csrc/{m}.c" for m in present] + [f"csrc/{s}" for s in ISA_SOURCES],
     include_dirs=["csrc"],
-    # Built in place on the machine that runs it (make install), so -march=native is safe.
-    extra_compile_args=["-std=gnu11", "-O3", "-march=native", "-fno-strict-aliasing", "-Wall"],
+    # No -march: everything is built for the architecture's baseline, and the SIMD files pick their own target
+    # per ISA level (csrc/isa.h), so one build runs on any CPU and uses the best path it has (chosen at run
+    # time). OpenMP splits a matmul's output rows across the stage's threads.
+    extra_compile_args=["-std=gnu11", "-O3", "-fno-strict-aliasing", "-Wall", "-Wno-psabi", "-fopenmp"],
+    extra_link_args=["-fopenmp"],
 )
 
 if __name__ == "__main__":

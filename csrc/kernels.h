@@ -97,6 +97,26 @@ int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const
 int ringshm_attn_forward_batched(float *out, const float *q, const float *k_cache, const float *v_cache,
                                  const int64_t *rows, const int64_t *starts, int n_batch, int n_cache_rows,
                                  int n, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim);
+/* ringshm_rms_norm: RMSNorm of each row (Zhang & Sennrich 2019; Hugging Face LlamaRMSNorm's order of ops).
+ *
+ *     x, out  [m, k] fp32 (out may be x: each row is read before it is written)     w  [k]
+ *
+ *     out[r, j] = (x[r, j] * s) * w[j],   s = 1 / sqrtf(ss / k + eps)
+ *     ss = sum of x[r, j]^2 in 16 lanes (lane l takes j = l, l + 16, ... in order; a short tail is zero-padded),
+ *          then the fixed halving tree of hsum16.
+ * Row r depends only on x[r, :] and w: the same bits whatever m (batch invariance).
+ * Returns RINGSHM_KERNEL_ERR_SHAPE if m or k <= 0 or eps < 0 (or NaN). */
+int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t m, int64_t k, float eps);
+
+/* ringshm_silu_mul: the SwiGLU gate, out[r, j] = silu(gu[r, j]) * gu[r, inter + j] for j < inter.
+ *
+ *     gu   [m, 2 * inter] fp32: each row is [gate | up] (the fused gate-up matmul's output)
+ *     out  [m, inter] fp32, must not overlap gu
+ *
+ * silu(g) = g / (1 + e), e = exp(-g) (for g < 0, 1 / exp(g)), exp by the vector polynomial of the attention's
+ * softmax for every element, tails zero-padded into a vector: each element depends only on its own two inputs.
+ * Returns RINGSHM_KERNEL_ERR_SHAPE if m or inter <= 0. */
+int ringshm_silu_mul(float *out, const float *gu, int64_t m, int64_t inter);
 /* CDEF END */
 
 #endif /* RINGSHM_KERNELS_H */

@@ -1,0 +1,39 @@
+/* One copy of the SIMD code per instruction set, chosen at run time.
+ *
+ * kernels_impl.inc and matmul_impl.inc are compiled three times (csrc/simd_v4.c, simd_v3.c, simd_v1.c), each
+ * time with its own target (#pragma GCC target) and its own name suffix (RS_ISA): _v4 = x86-64-v4 (AVX-512),
+ * _v3 = x86-64-v3 (AVX2 + FMA + F16C), _v1 = the compiler's baseline (any CPU, arm64 included). The rest of the
+ * extension is built for the baseline too, so the same build runs on every CPU of its architecture, and
+ * ringshm_isa_best() (cpuid, once) picks the copy. On other architectures only _v1 exists.
+ */
+#ifndef RINGSHM_ISA_H
+#define RINGSHM_ISA_H
+
+#include <stdint.h>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define RINGSHM_HAVE_X86_ISAS 1
+#else
+#define RINGSHM_HAVE_X86_ISAS 0
+#endif
+
+#define RS_CAT2(a, b) a##_##b
+#define RS_CAT(a, b) RS_CAT2(a, b)
+#define RS_ISA(name) RS_CAT(name, RINGSHM_ISA_SUFFIX)
+
+/* ringshm_isa_best and ringshm_isa_supported are declared in matmul.h (the cffi API). */
+
+struct ringshm_mm_args; /* matmul_impl.inc */
+
+#define RINGSHM_ISA_DECLS(S)                                                                                   \
+    void ringshm_attn_chunk_##S(float *out, const float *q, const float *kc, const float *vc, int n, int hq,  \
+                                int hkv, int smax, int d, int start);                                         \
+    void ringshm_rms_norm_rows_##S(float *out, const float *x, const float *w, int64_t m, int64_t k,          \
+                                   float eps);                                                                \
+    void ringshm_silu_mul_rows_##S(float *out, const float *gu, int64_t m, int64_t inter);                   \
+    void ringshm_mm_panels_##S(const struct ringshm_mm_args *a, int64_t p_begin, int64_t p_end);
+RINGSHM_ISA_DECLS(v1)
+RINGSHM_ISA_DECLS(v3)
+RINGSHM_ISA_DECLS(v4)
+
+#endif /* RINGSHM_ISA_H */
