@@ -378,3 +378,44 @@ def attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                            f"got rows {rows.tolist()}, starts {starts.tolist()}")
     _check(status, "attention_batched")
     return out
+
+
+# --- RMSNorm and SwiGLU (batch-invariant: each row in a fixed order) ----------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of each row of fp32 CPU ``x [T, K]`` with fp32 ``weight [K]``: a new ``[T, K]`` tensor.
+
+    ``(x * (1 / sqrt(mean(x²) + eps))) * weight`` (Hugging Face ``LlamaRMSNorm``'s order of ops), the sum of
+    squares in a fixed order per row (csrc/kernels.h), so a row's bits do not depend on the other rows.
+
+    Raises:
+        ValueError: shapes, dtypes or devices other than the above; ``eps`` < 0.
+    """
+    if x.dim() != 2 or x.dtype is not torch.float32 or weight.dtype is not torch.float32 \
+            or tuple(weight.shape) != (x.shape[1],) or not x.is_cpu or not weight.is_cpu or x.shape[0] < 1:
+        raise ValueError(f"rms_norm takes fp32 CPU x [T ≥ 1, K] and weight [K], got {x.dtype} {tuple(x.shape)}"
+                         f" and {weight.dtype} {tuple(weight.shape)}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _check(lib.ringshm_rms_norm(_f32p(out), _f32p(x), _f32p(weight.contiguous()), x.shape[0], x.shape[1], eps),
+           "rms_norm")
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: ``silu(gate) * up`` for fp32 CPU ``gate_up [T, 2I]`` (rows ``[gate | up]``) → ``[T, I]``.
+
+    Each element by the same vector code (csrc/kernels.h), so its bits depend only on its two inputs.
+
+    Raises:
+        ValueError: not a 2-D fp32 CPU tensor with an even, positive number of columns.
+    """
+    if gate_up.dim() != 2 or gate_up.dtype is not torch.float32 or not gate_up.is_cpu or gate_up.shape[1] % 2 \
+            or gate_up.shape[1] == 0 or gate_up.shape[0] < 1:
+        raise ValueError(f"silu_mul takes fp32 CPU [T ≥ 1, 2I], got {gate_up.dtype} {tuple(gate_up.shape)}")
+    gate_up = gate_up.contiguous()
+    inter = gate_up.shape[1] // 2
+    out = torch.empty((gate_up.shape[0], inter), dtype=torch.float32)
+    _check(lib.ringshm_silu_mul(_f32p(out), _f32p(gate_up), gate_up.shape[0], inter), "silu_mul")
+    return out

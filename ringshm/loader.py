@@ -4,8 +4,12 @@ Two sources, one contract (``Checkpoint``):
 
 - a ``.gguf`` file, parsed once with the ``gguf`` package (llama.cpp's own reader) into a cached index
   (``ringshm.gguf_index``), its tensor bytes memory-mapped: metadata keys ``<arch>.*`` → ``ModelConfig``;
-  tensors dequantized on the CPU (``ringshm.dequant``) to the compute dtype;
 - a Hugging Face directory (``config.json`` + ``*.safetensors``), read lazily with ``safetensors.safe_open``.
+
+Linear weights (and the embedding / LM head) stay in their encoding as ``RawWeight`` (``ringshm.qmatmul``):
+GGUF Q4_0 / Q4_1 / Q8_0 / F16 / BF16 / F32 as views of the file's memory map (no copy; stages of one engine
+share the page cache), safetensors F32 / F16 / BF16 as loaded. Other GGUF types (K-quants, Q5_x, IQ*) are
+dequantized to F32 at load (``ringshm.dequant``). Norms and biases are small and come as fp32 tensors.
 
 A stage reads only what it owns: its layers, plus the token embedding when it is first, and the final norm
 and LM head when it is last. With tied embeddings the last stage's LM head *is* ``token_embd``; a stage that
@@ -22,6 +26,7 @@ within each head the HF rows, indexed ``[half, i]`` (``half`` in {0, 1}, ``i < D
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -33,6 +38,7 @@ from ringshm.config import ModelConfig
 from ringshm.dequant import dequantize
 from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitecture
 from ringshm.gguf_index import GGUFIndex
+from ringshm.qmatmul import QUANTIZED, TYPE_NAMES, RawWeight
 
 # Architectures computed by ringshm.model, and whether their GGUF Q/K rows carry llama.cpp's reorder.
 GGUF_ARCHS = {"llama": True, "mistral": True, "qwen2": False}
@@ -65,7 +71,8 @@ _GLOBAL_TENSORS = {
 
 @dataclass
 class LayerWeights:
-    """One decoder layer. Linear weights are ``[out, in]`` (``F.linear`` layout); norms ``[hidden]``.
+    """One decoder layer. Linear weights are ``RawWeight`` ``[out, in]`` (``F.linear`` layout) in the checkpoint's
+    encoding; norms fp32 ``[hidden]``, biases fp32 ``[out]``.
 
     ``wq`` is ``[n_heads * head_dim, hidden]``, ``wk``/``wv`` ``[n_kv_heads * head_dim, hidden]`` with rows in
     rotate-half order, ``wo`` ``[hidden, n_heads * head_dim]``, ``w_gate``/``w_up`` ``[intermediate, hidden]``,
@@ -73,14 +80,14 @@ class LayerWeights:
     """
 
     attn_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    wo: torch.Tensor
+    wq: RawWeight
+    wk: RawWeight
+    wv: RawWeight
+    wo: RawWeight
     ffn_norm: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
+    w_gate: RawWeight
+    w_up: RawWeight
+    w_down: RawWeight
     bq: torch.Tensor | None = None
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
@@ -90,15 +97,15 @@ class LayerWeights:
 class StageWeights:
     """The weights one stage owns: ``layers[j]`` is model layer ``layer_range[j]``.
 
-    ``embed`` ``[vocab, hidden]`` when first; ``norm`` ``[hidden]`` and ``lm_head`` ``[vocab, hidden]`` when
-    last (``lm_head is embed`` when the model ties them and the stage is both).
+    ``embed`` ``RawWeight [vocab, hidden]`` when first; ``norm`` fp32 ``[hidden]`` and ``lm_head``
+    ``RawWeight [vocab, hidden]`` when last (``lm_head is embed`` when the model ties them and the stage is both).
     """
 
     layer_range: range
     layers: list[LayerWeights] = field(default_factory=list)
-    embed: torch.Tensor | None = None
+    embed: RawWeight | None = None
     norm: torch.Tensor | None = None
-    lm_head: torch.Tensor | None = None
+    lm_head: RawWeight | None = None
 
     def select(self, layer_range: range | tuple[int, int], is_first: bool, is_last: bool) -> StageWeights:
         """The weights of a sub-stage, sharing tensors (no copy): for building several stages from one load.
@@ -138,6 +145,8 @@ class _Source(Protocol):
 
     def get(self, name: str) -> torch.Tensor: ...
 
+    def get_raw(self, name: str) -> RawWeight: ...
+
 
 class _GGUFSource:
     """Tensors of a GGUF file, dequantized to fp32 on demand. The metadata and tensor table come from the
@@ -157,6 +166,19 @@ class _GGUFSource:
         t = self.index.tensors[name]
         shape = tuple(reversed(t.shape))  # GGUF lists dims innermost first
         return dequantize(self.index.raw(name), t.qtype, shape, name=name)
+
+    def get_raw(self, name: str) -> RawWeight:
+        """A 2-D tensor in its encoding when the matmul reads it (a view of the memory map), else as F32."""
+        t = self.index.tensors[name]
+        if len(t.shape) != 2:
+            raise MissingTensor(f"tensor {name!r} in {self.path} is {len(t.shape)}-D, expected a 2-D weight")
+        k, n = t.shape  # GGUF order: innermost (K) first
+        if t.qtype in TYPE_NAMES and (t.qtype not in QUANTIZED or k % 32 == 0):
+            with warnings.catch_warnings():  # a read-only map: the kernels only read it
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                data = torch.from_numpy(self.index.raw(name))
+            return RawWeight.from_bytes(t.qtype, n, k, data)
+        return RawWeight.from_tensor(self.get(name))
 
 
 class _HFSource:
@@ -179,6 +201,13 @@ class _HFSource:
     def get(self, name: str) -> torch.Tensor:
         with safe_open(str(self.file_of[name]), framework="pt") as st:
             return st.get_tensor(name)
+
+    def get_raw(self, name: str) -> RawWeight:
+        """F32 / F16 / BF16 weights as stored (no fp32 copy of a bf16 checkpoint); other dtypes as F32."""
+        w = self.get(name)
+        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            w = w.float()
+        return RawWeight.from_tensor(w)
 
 
 class Checkpoint:
@@ -205,9 +234,8 @@ class Checkpoint:
             return cls(path, src, _hf_config(path, src), gguf=False)
         raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
 
-    def load_stage(self, layer_range: range | tuple[int, int], is_first: bool, is_last: bool,
-                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> StageWeights:
-        """Read, dequantize and convert only the tensors of this stage to ``dtype`` on ``device``.
+    def load_stage(self, layer_range: range | tuple[int, int], is_first: bool, is_last: bool) -> StageWeights:
+        """Read only the tensors of this stage: linear weights in their encoding, norms and biases as fp32.
 
         Raises:
             LayerRangeError: ``layer_range`` empty or outside ``[0, n_layers)``.
@@ -218,29 +246,38 @@ class Checkpoint:
         r = check_layer_range(layer_range, cfg.n_layers)
         side = 0 if self.gguf else 1
 
-        def get(name: str, what: str) -> torch.Tensor:
+        def need(name: str, what: str) -> None:
             if not self.source.has(name):
                 raise MissingTensor(f"tensor {name!r} ({what}) not found in {self.path}")
-            return self.source.get(name).to(device=device, dtype=dtype).contiguous()
+
+        def get(name: str, what: str) -> torch.Tensor:
+            need(name, what)
+            return self.source.get(name).to(torch.float32).contiguous()
+
+        def get_raw(name: str, what: str) -> RawWeight:
+            need(name, what)
+            return self.source.get_raw(name)
 
         out = StageWeights(layer_range=r)
         for i in r:
             prefix = f"blk.{i}." if self.gguf else f"model.layers.{i}."
-            w = {f: get(prefix + names[side], f"layer {i} {f}") for f, names in _LAYER_TENSORS.items()}
+            w = {f: (get_raw if f.startswith("w") else get)(prefix + names[side], f"layer {i} {f}")
+                 for f, names in _LAYER_TENSORS.items()}
             if cfg.attention_bias:
                 w.update({f: get(prefix + names[side], f"layer {i} {f}") for f, names in _BIAS_TENSORS.items()})
             if self.gguf and GGUF_ARCHS[cfg.arch]:
                 for f, n_heads in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads), ("bq", cfg.n_heads),
                                    ("bk", cfg.n_kv_heads)):
                     if f in w:
-                        w[f] = _unpermute_rows(w[f], n_heads)
+                        order = _unpermute_rows(torch.arange(w[f].shape[0]), n_heads)
+                        w[f] = w[f].rows(order) if isinstance(w[f], RawWeight) else w[f][order].contiguous()
             out.layers.append(LayerWeights(**w))
         names = {role: pair[side] for role, pair in _GLOBAL_TENSORS.items()}
         if is_first or (is_last and cfg.tie_embeddings):
-            out.embed = get(names["embed"], "token embedding")
+            out.embed = get_raw(names["embed"], "token embedding")
         if is_last:
             out.norm = get(names["norm"], "final norm")
-            out.lm_head = out.embed if cfg.tie_embeddings else get(names["lm_head"], "LM head")
+            out.lm_head = out.embed if cfg.tie_embeddings else get_raw(names["lm_head"], "LM head")
             if not is_first:
                 out.embed = None  # held only as the tied head
         return out
@@ -249,7 +286,8 @@ class Checkpoint:
 def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row reorder: per head, rows ``[D/2, 2]`` → ``[2, D/2]`` (see module docstring).
 
-    Shapes: ``w`` ``[n_heads * D, ...]`` → same shape, rows of each head in rotate-half order.
+    Shapes: ``w`` ``[n_heads * D, ...]`` → same shape, rows of each head in rotate-half order. Applied to
+    ``arange(n_heads * D)`` it gives the row order, which reorders encoded rows too.
     """
     rows = w.shape[0]
     half = rows // n_heads // 2
@@ -262,12 +300,11 @@ def read_config(path: str | Path) -> ModelConfig:
     return Checkpoint.open(path).config
 
 
-def load_stage_weights(path: str | Path, layer_range: range | tuple[int, int], is_first: bool, is_last: bool,
-                       dtype: torch.dtype = torch.float32,
-                       device: str | torch.device = "cpu") -> tuple[ModelConfig, StageWeights]:
+def load_stage_weights(path: str | Path, layer_range: range | tuple[int, int], is_first: bool,
+                       is_last: bool) -> tuple[ModelConfig, StageWeights]:
     """Open ``path`` and load one stage's weights (see ``Checkpoint.load_stage``)."""
     ckpt = Checkpoint.open(path)
-    return ckpt.config, ckpt.load_stage(layer_range, is_first, is_last, dtype, device)
+    return ckpt.config, ckpt.load_stage(layer_range, is_first, is_last)
 
 
 def _gguf_config(src: _GGUFSource) -> ModelConfig:

@@ -1,8 +1,16 @@
 """``StageModel``: one contiguous layer range of a Llama-family decoder, with its own KV cache.
 
 The model knows its layer range and whether it is first (embeds token ids) or last (final norm + LM head);
-it knows nothing about processes or rings. Matmuls are ``torch.nn.functional.linear``; RoPE, KV-append and
-attention go through ``ringshm.kernels``.
+it knows nothing about processes or rings. RoPE, KV-append and attention go through ``ringshm.kernels``.
+
+Two paths, fixed at construction:
+- **CPU, fp32 activations (the default):** every matmul is ``ringshm.qmatmul`` over the checkpoint's own
+  encoding (Q4_0 / Q4_1 / Q8_0 / F16 / BF16 / F32, packed once at load), RMSNorm and SwiGLU are C kernels, and
+  the embedding dequantizes only the rows it looks up. Every one of these computes a row in an order that does
+  not depend on the other rows of the op or on the thread count, so a sequence's bits are the same whatever
+  the chunking, the batch it shares an op with, or the stage split (batch invariance).
+- **CUDA, or a bf16 compute dtype:** weights are dequantized at load to ``dtype`` on the device and the
+  matmuls are ``torch.nn.functional.linear``. Batch invariance is not promised there.
 
 KV cache: per layer ``k_cache[l]``, ``v_cache[l]`` of ``[max_rows, n_kv_heads, max_seq_len, head_dim]`` fp32
 (the kernels' dtype, whatever the weights' dtype), allocated once. Each row has a written length ``length[r]``:
@@ -33,7 +41,8 @@ import torch.nn.functional as F
 from ringshm import kernels
 from ringshm.config import ModelConfig
 from ringshm.errors import KVRangeError
-from ringshm.loader import Checkpoint, StageWeights, check_layer_range
+from ringshm.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
+from ringshm.qmatmul import PackedWeight, RawWeight, concat_rows, embed_rows
 
 
 @dataclass
@@ -50,15 +59,27 @@ class StageOutput:
 
 
 class _Layer:
-    """One decoder layer's weights, fused for fewer GEMMs: ``wqkv [q_dim + 2*kv_dim, hidden]``,
-    ``w_gate_up [2*intermediate, hidden]``."""
+    """One decoder layer's weights, fused for fewer matmuls: ``wqkv [q_dim + 2*kv_dim, hidden]`` (+ ``bqkv``),
+    ``w_gate_up [2*intermediate, hidden]``; rows concatenated in the checkpoint's encoding.
 
-    def __init__(self, w) -> None:
-        self.attn_norm, self.ffn_norm = w.attn_norm, w.ffn_norm
-        self.wqkv = torch.cat([w.wq, w.wk, w.wv], dim=0)
-        self.bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
-        self.wo, self.w_down = w.wo, w.w_down
-        self.w_gate_up = torch.cat([w.w_gate, w.w_up], dim=0)
+    ``native``: ``PackedWeight`` for the C matmul; else dequantized tensors of ``dtype`` on ``device``.
+    """
+
+    def __init__(self, w: LayerWeights, native: bool, dtype: torch.dtype, device: torch.device) -> None:
+        bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
+        wqkv, w_gate_up = concat_rows([w.wq, w.wk, w.wv]), concat_rows([w.w_gate, w.w_up])
+        if native:
+            self.attn_norm, self.ffn_norm = w.attn_norm, w.ffn_norm
+            self.wqkv, self.wo = PackedWeight(wqkv, bqkv), PackedWeight(w.wo)
+            self.w_gate_up, self.w_down = PackedWeight(w_gate_up), PackedWeight(w.w_down)
+            return
+
+        def dense(t):
+            return None if t is None else (t.dequantize() if isinstance(t, RawWeight) else t).to(device, dtype)
+
+        self.attn_norm, self.ffn_norm = dense(w.attn_norm), dense(w.ffn_norm)
+        self.wqkv, self.bqkv, self.wo = dense(wqkv), dense(bqkv), dense(w.wo)
+        self.w_gate_up, self.w_down = dense(w_gate_up), dense(w.w_down)
 
 
 class StageModel:
@@ -69,7 +90,8 @@ class StageModel:
         layer_range: ``range(start, stop)`` or ``(start, stop)`` inside ``[0, config.n_layers)``.
         is_first, is_last: whether this stage embeds token ids / applies final norm and LM head.
         max_rows: KV cache rows (concurrent sequences). max_seq_len: positions per row (≤ config's).
-        dtype: weights and activations (fp32 default, bf16 option); the KV cache is always fp32.
+        dtype: activations (and dequantized weights on the torch path): fp32 default, bf16 option (torch path);
+            the KV cache is always fp32.
         weights: the stage's weights from ``ringshm.loader``; ``from_path`` loads them for you.
 
     Raises:
@@ -93,10 +115,15 @@ class StageModel:
         self.is_first, self.is_last = is_first, is_last
         self.max_rows, self.max_seq_len = max_rows, max_seq_len
         self.dtype, self.device = dtype, torch.device(device)
-        self.embed = weights.embed if is_first else None
-        self.norm = weights.norm if is_last else None
-        self.lm_head = weights.lm_head if is_last else None
-        self.layers = [_Layer(w) for w in weights.layers]
+        self.native = self.device.type == "cpu" and dtype == torch.float32  # the C path (module docstring)
+        self.norm = self.lm_head = self.embed = None
+        if is_first:  # native: the encoded rows (a view of the file's map); else a dense table
+            self.embed = weights.embed if self.native else weights.embed.dequantize().to(self.device, dtype)
+        if is_last:
+            self.norm = weights.norm.to(self.device, torch.float32 if self.native else dtype)
+            self.lm_head = (PackedWeight(weights.lm_head) if self.native
+                            else weights.lm_head.dequantize().to(self.device, dtype))
+        self.layers = [_Layer(w, self.native, dtype, self.device) for w in weights.layers]
         n_kv, d = config.n_kv_heads, config.head_dim
         shape = (max_rows, n_kv, max_seq_len, d)  # [R, Hkv, S_max, D]
         self.k_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
@@ -123,7 +150,7 @@ class StageModel:
         r = check_layer_range(layer_range if layer_range is not None else (0, cfg.n_layers), cfg.n_layers)
         first = r.start == 0 if is_first is None else is_first
         last = r.stop == cfg.n_layers if is_last is None else is_last
-        weights = ckpt.load_stage(r, first, last, dtype=dtype, device=device)
+        weights = ckpt.load_stage(r, first, last)
         return cls(cfg, r, first, last, max_rows, min(max_seq_len, cfg.max_seq_len), dtype, device, weights)
 
     # ---- KV rows ---------------------------------------------------------------------------------
@@ -215,6 +242,9 @@ class StageModel:
             if x.dim() != want or x.dtype != torch.int64 or x.shape[-1] < 1:
                 raise ValueError(f"first stage takes int64 token ids of {'[B, n]' if batched else '[n]'}, "
                                  f"n ≥ 1; got {x.dtype} {tuple(x.shape)}")
+            if self.native:
+                flat = embed_rows(self.embed, x.reshape(-1))  # [B*n, hidden]
+                return flat.reshape(*x.shape, -1)
             return F.embedding(x.to(self.device), self.embed)
         hidden = self.config.hidden
         if x.dim() != want + 1 or x.shape[-1] != hidden or x.shape[-2] < 1:
@@ -223,9 +253,10 @@ class StageModel:
         return x.to(device=self.device, dtype=self.dtype)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # HF LlamaRMSNorm: normalize in fp32, scale in the weights' dtype (one fused op when fp32).
-        if x.dtype == torch.float32 and weight.dtype == torch.float32:
-            return F.rms_norm(x, weight.shape, weight, self.config.rms_eps)
+        """RMSNorm over the last dim; ``x`` ``[..., hidden]``."""
+        if self.native:
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.config.rms_eps).reshape(x.shape)
+        # HF LlamaRMSNorm: normalize in fp32, scale in the weights' dtype.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
         return weight * xf.to(self.dtype)
@@ -234,13 +265,21 @@ class StageModel:
         """One decoder layer on ``x [T, hidden]``; ``attend(q, k, v)`` maps ``[T, H*, D]`` to ``[T, Hq, D]``."""
         cfg = self.config
         t = x.shape[0]
-        qkv = F.linear(self._rms_norm(x, layer.attn_norm), layer.wqkv, layer.bqkv)  # [T, q_dim + 2*kv_dim]
-        q, k, v = qkv.float().split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+        h = self._rms_norm(x, layer.attn_norm)
+        if self.native:
+            qkv = layer.wqkv.matmul(h)  # [T, q_dim + 2*kv_dim], bias included
+        else:
+            qkv = F.linear(h, layer.wqkv, layer.bqkv).float()
+        q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
         q = q.reshape(t, cfg.n_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        a = attend(q, k, v).reshape(t, cfg.q_dim).to(self.dtype)  # [T, Hq*D]
-        x = torch.addmm(x, a, layer.wo.t())  # x + a · Woᵀ, residual add fused into the GEMM
+        a = attend(q, k, v).reshape(t, cfg.q_dim)  # [T, Hq*D]
+        if self.native:
+            x = layer.wo.matmul(a, residual=x)  # x + a · Woᵀ
+            gate_up = layer.w_gate_up.matmul(self._rms_norm(x, layer.ffn_norm))  # [T, 2I]
+            return layer.w_down.matmul(kernels.silu_mul(gate_up), residual=x)
+        x = torch.addmm(x, a.to(self.dtype), layer.wo.t())  # x + a · Woᵀ
         gate, up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up).chunk(2, dim=-1)  # [T, I] x2
         return torch.addmm(x, F.silu(gate).mul_(up), layer.w_down.t())
 
@@ -265,7 +304,11 @@ class StageModel:
     def _head(self, h: torch.Tensor, all_positions: bool, return_logits: bool, squeeze: bool) -> StageOutput:
         """Final norm + LM head on ``h [B, n, hidden]``, only at the positions asked for."""
         sel = h if all_positions else h[:, -1:]  # [B, n or 1, hidden]
-        logits = F.linear(self._rms_norm(sel, self.norm), self.lm_head).float()  # [B, n or 1, vocab]
+        normed = self._rms_norm(sel, self.norm)  # [B, n or 1, hidden]
+        if self.native:
+            logits = self.lm_head.matmul(normed.reshape(-1, normed.shape[-1])).reshape(*normed.shape[:-1], -1)
+        else:
+            logits = F.linear(normed, self.lm_head).float()  # [B, n or 1, vocab]
         ids = logits.argmax(dim=-1)  # [B, n or 1]
         last = logits[:, -1] if return_logits else None  # [B, vocab]
         if squeeze:

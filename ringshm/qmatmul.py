@@ -1,0 +1,238 @@
+"""Weights in their checkpoint encoding and the batch-invariant matmul over them (csrc/matmul.h).
+
+``RawWeight`` is a ``[N, K]`` weight as the checkpoint stores it: GGUF Q4_0 / Q4_1 / Q8_0 blocks, F16, BF16 or
+F32, one row of bytes per output row (for a GGUF file, a view of its memory map: no copy). ``PackedWeight`` is
+the same weight rearranged once at load into 16-row panels for ``ringshm_qmat_matmul``, which computes
+``out = x · Wᵀ (+ bias) (+ residual)`` in fp32 with every output element reduced in one fixed order, whatever
+the number of rows in ``x`` and the thread count (batch invariance; the order is drawn in csrc/matmul.h).
+Activations stay fp32 (weight-only quantization), so the product equals the fp32-dequantized one up to
+rounding order.
+
+The instruction set is chosen once per process from the CPU (``BEST_ISA``: AVX-512, AVX2 + FMA, or portable
+C); every path gives the same bits, so a test can run the portable one beside the fast one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ringshm._C import ffi, lib
+
+QK = 32  # weights per quantized block (ggml's QK4_0 / QK4_1 / QK8_0)
+
+F32, F16, Q4_0, Q4_1, Q8_0, BF16 = (lib.RINGSHM_W_F32, lib.RINGSHM_W_F16, lib.RINGSHM_W_Q4_0, lib.RINGSHM_W_Q4_1,
+                                    lib.RINGSHM_W_Q8_0, lib.RINGSHM_W_BF16)
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+"""The encodings the kernel reads natively, by ggml type code (``gguf.GGMLQuantizationType``)."""
+QUANTIZED = (Q4_0, Q4_1, Q8_0)
+_TORCH_TYPE = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
+_TYPE_TORCH = {v: k for k, v in _TORCH_TYPE.items()}
+
+ISA_NAMES = {lib.RINGSHM_ISA_PORTABLE: "portable", lib.RINGSHM_ISA_AVX2: "avx2", lib.RINGSHM_ISA_AVX512: "avx512"}
+BEST_ISA: int = lib.ringshm_isa_best()
+"""The path this CPU runs (cpuid): ``lib.RINGSHM_ISA_AVX512``, ``_AVX2`` or ``_PORTABLE``."""
+
+_STATUS = {
+    lib.RINGSHM_MATMUL_ERR_TYPE: "unknown weight type, or an ISA this CPU cannot run",
+    lib.RINGSHM_MATMUL_ERR_SHAPE: "bad shape (M, N or K <= 0, K not a multiple of 32 for a quantized type, or "
+                                  "an output row stride below 16 * ceil(N / 16))",
+    lib.RINGSHM_MATMUL_ERR_SIZE: "a buffer's size does not match the shape",
+}
+
+
+def _check(status: int, what: str) -> None:
+    """C status → ValueError; the Python checks run first, so reaching here means bad bytes or a bug."""
+    if status < 0:
+        raise ValueError(f"{what}: {_STATUS.get(status, f'C status {status}')}")
+
+
+def type_name(qtype: int) -> str:
+    return TYPE_NAMES.get(qtype, f"ggml type {qtype}")
+
+
+def row_bytes(qtype: int, k: int) -> int:
+    """Bytes of one row of ``k`` weights in the checkpoint's encoding.
+
+    Raises:
+        ValueError: unknown type, ``k <= 0``, or ``k`` not a multiple of 32 for a quantized type.
+    """
+    if qtype not in TYPE_NAMES:
+        raise ValueError(f"weight type {type_name(qtype)} is not one the matmul reads (F32, F16, BF16, Q4_0, "
+                         f"Q4_1, Q8_0); dequantize it to F32 first")
+    n = lib.ringshm_qmat_src_bytes(qtype, 1, k)
+    if n < 0:
+        raise ValueError(f"a {type_name(qtype)} row of K = {k} weights: K must be positive"
+                         + (" and a multiple of 32 (the block size)" if qtype in QUANTIZED else ""))
+    return int(n)
+
+
+@dataclass(frozen=True)
+class RawWeight:
+    """A ``[n, k]`` weight in its checkpoint encoding: ``data`` is uint8 ``[n, row_bytes(qtype, k)]`` on the CPU.
+
+    Row ``i`` of ``data`` is output row ``i`` (GGUF and safetensors both store a linear layer's rows
+    contiguously), so rows can be reordered and concatenated in the encoded domain.
+    """
+
+    qtype: int
+    n: int
+    k: int
+    data: torch.Tensor
+
+    def __post_init__(self) -> None:
+        want = (self.n, row_bytes(self.qtype, self.k))
+        if self.data.dtype != torch.uint8 or tuple(self.data.shape) != want or self.data.device.type != "cpu":
+            raise ValueError(f"RawWeight {type_name(self.qtype)} [{self.n}, {self.k}] needs uint8 CPU bytes of "
+                             f"shape {want}, got {self.data.dtype} {tuple(self.data.shape)} on {self.data.device}")
+
+    @classmethod
+    def from_tensor(cls, w: torch.Tensor) -> RawWeight:
+        """Wrap a float ``[n, k]`` tensor (fp32, fp16 or bf16) without converting it (a contiguous copy at most)."""
+        if w.dim() != 2 or w.dtype not in _TORCH_TYPE:
+            raise ValueError(f"RawWeight.from_tensor takes a 2-D fp32/fp16/bf16 tensor, got {w.dtype} "
+                             f"{tuple(w.shape)}")
+        w = w.detach().to("cpu").contiguous()
+        return cls(_TORCH_TYPE[w.dtype], w.shape[0], w.shape[1], w.view(torch.uint8).reshape(w.shape[0], -1))
+
+    @classmethod
+    def from_bytes(cls, qtype: int, n: int, k: int, raw: np.ndarray | torch.Tensor) -> RawWeight:
+        """A GGUF tensor's bytes (flat uint8, e.g. ``GGUFIndex.raw(name)``; a read-only memmap is not copied).
+
+        Raises:
+            ValueError: the byte count is not ``n`` rows of ``k`` weights of ``qtype``.
+        """
+        t = raw if isinstance(raw, torch.Tensor) else torch.from_numpy(np.asarray(raw, dtype=np.uint8))
+        rb = row_bytes(qtype, k)
+        if t.numel() != n * rb:
+            raise ValueError(f"{type_name(qtype)} [{n}, {k}] takes {n * rb} bytes, got {t.numel()}")
+        return cls(qtype, n, k, t.reshape(n, rb))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as fp32 ``[n, k]`` (exact: quantized blocks as gguf.quants computes them, floats widened)."""
+        if self.qtype in _TYPE_TORCH:
+            return self.data.contiguous().view(_TYPE_TORCH[self.qtype]).reshape(self.n, self.k).float()
+        ids = torch.arange(self.n, dtype=torch.int64)
+        return embed_rows(self, ids)
+
+    def rows(self, order: torch.Tensor) -> RawWeight:
+        """Rows picked (or reordered) by the int64 index ``order``: a new RawWeight."""
+        return RawWeight(self.qtype, int(order.numel()), self.k, self.data[order].contiguous())
+
+    def to_f32(self) -> RawWeight:
+        """The same weight as F32 bytes (for fusing rows of different encodings)."""
+        return RawWeight.from_tensor(self.dequantize())
+
+
+def concat_rows(parts: Sequence[RawWeight]) -> RawWeight:
+    """Stack weights of the same K along the output rows, in their encoding when they share one (blocks are
+    per row); in F32 when they differ.
+
+    Raises:
+        ValueError: the parts' K differ.
+    """
+    ks = {p.k for p in parts}
+    if len(ks) != 1:
+        raise ValueError(f"concat_rows: the parts have different K {sorted(ks)}")
+    if len({p.qtype for p in parts}) != 1:
+        parts = [p.to_f32() for p in parts]
+    return RawWeight(parts[0].qtype, sum(p.n for p in parts), parts[0].k, torch.cat([p.data for p in parts]))
+
+
+def embed_rows(w: RawWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Embedding lookup: rows ``ids`` of ``w`` dequantized to fp32 ``[len(ids), k]`` (csrc/dequant.c, the same
+    code as the loader's dequantization: bit-equal to gguf.quants).
+
+    ``ids``: int64 ``[T]`` on the CPU.
+
+    Raises:
+        ValueError: an id outside ``[0, n)`` (nothing is written).
+    """
+    ids = ids.contiguous()
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise ValueError(f"embed_rows takes int64 ids [T], got {ids.dtype} {tuple(ids.shape)}")
+    out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
+    data = w.data if w.data.is_contiguous() else w.data.contiguous()
+    status = lib.ringshm_dequant_rows(w.qtype, ffi.cast("uint8_t *", data.data_ptr()), data.numel(), w.n, w.k,
+                                      ffi.cast("int64_t *", ids.data_ptr()), ids.numel(),
+                                      ffi.cast("float *", out.data_ptr()))
+    if status == -3:
+        bad = ids[(ids < 0) | (ids >= w.n)]
+        raise ValueError(f"token id {int(bad[0])} outside the vocabulary [0, {w.n})")
+    _check(status, "embed_rows")
+    return out
+
+
+class PackedWeight:
+    """A weight ``[n, k]`` packed into 16-row panels for the matmul (csrc/matmul.h draws the layout).
+
+    Holds ``packed`` (uint8, ``ringshm_qmat_packed_bytes`` long: the checkpoint's size, plus zero rows up to a
+    multiple of 16) and ``bias`` (fp32 ``[n]`` or None).
+
+    Raises:
+        ValueError: from ``RawWeight``'s checks; a bias that is not fp32 ``[n]``.
+    """
+
+    def __init__(self, raw: RawWeight, bias: torch.Tensor | None = None) -> None:
+        self.qtype, self.n, self.k = raw.qtype, raw.n, raw.k
+        self.n_padded = (raw.n + 15) // 16 * 16
+        size = lib.ringshm_qmat_packed_bytes(raw.qtype, raw.n, raw.k)
+        _check(size, "PackedWeight")
+        self.packed = torch.empty(int(size), dtype=torch.uint8)
+        src = raw.data.contiguous()
+        _check(lib.ringshm_qmat_pack(raw.qtype, ffi.cast("uint8_t *", src.data_ptr()), src.numel(), raw.n, raw.k,
+                                     ffi.cast("uint8_t *", self.packed.data_ptr()), self.packed.numel()),
+               "PackedWeight")
+        if bias is not None:
+            bias = bias.detach().to("cpu", torch.float32).contiguous()
+            if tuple(bias.shape) != (raw.n,):
+                raise ValueError(f"bias of a [{raw.n}, {raw.k}] weight must be [{raw.n}], got {tuple(bias.shape)}")
+        self.bias = bias
+        self._ptr = ffi.cast("uint8_t *", self.packed.data_ptr())
+        self._bias_ptr = ffi.NULL if bias is None else ffi.cast("float *", bias.data_ptr())
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+    def __repr__(self) -> str:
+        return f"PackedWeight({type_name(self.qtype)}, n={self.n}, k={self.k}, {self.nbytes} bytes)"
+
+    def matmul(self, x: torch.Tensor, residual: torch.Tensor | None = None, threads: int | None = None,
+               isa: int = BEST_ISA) -> torch.Tensor:
+        """``x · Wᵀ (+ bias) (+ residual)``: fp32 ``[M, k]`` → fp32 ``[M, n]`` (a new tensor).
+
+        ``residual``: fp32 ``[M, n]``, added last (the decoder's skip connection). ``threads``: how many threads
+        split the output rows (default ``torch.get_num_threads()``, the stage's per-op pick); the result's bits
+        do not depend on it. ``isa``: for tests, a slower path than ``BEST_ISA`` (same bits).
+
+        Raises:
+            ValueError: ``x`` not contiguous fp32 CPU ``[M, k]`` with M ≥ 1; a residual of another shape.
+        """
+        if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.shape[0] < 1 \
+                or x.device.type != "cpu":
+            raise ValueError(f"matmul with a [{self.n}, {self.k}] weight takes fp32 CPU x [M, {self.k}], M ≥ 1; "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+        x = x.contiguous()
+        m = x.shape[0]
+        res_ptr, ldr = ffi.NULL, 0
+        if residual is not None:
+            if residual.dtype is not torch.float32 or tuple(residual.shape) != (m, self.n) \
+                    or residual.stride(1) != 1:
+                raise ValueError(f"residual must be fp32 [{m}, {self.n}] with contiguous rows, got "
+                                 f"{residual.dtype} {tuple(residual.shape)}")
+            res_ptr, ldr = ffi.cast("float *", residual.data_ptr()), residual.stride(0)
+        out = torch.empty((m, self.n_padded), dtype=torch.float32)
+        status = lib.ringshm_qmat_matmul(self.qtype, self._ptr, self.packed.numel(), self.n, self.k,
+                                         ffi.cast("float *", x.data_ptr()), m, ffi.cast("float *", out.data_ptr()),
+                                         self.n_padded, self._bias_ptr, res_ptr, ldr,
+                                         torch.get_num_threads() if threads is None else threads, isa)
+        _check(status, f"matmul {self!r}")
+        return out if self.n_padded == self.n else out[:, : self.n].contiguous()
