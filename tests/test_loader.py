@@ -251,7 +251,7 @@ def test_an_unsupported_quant_type_is_named():
         dequantize(np.zeros(36, dtype=np.uint8), QT.Q8_1, (32,), name="blk.0.attn_q.weight")
 
 
-def test_a_quantized_tiny_gguf_loads_the_dequantized_weights(tmp_path):
+def test_a_quantized_tiny_gguf_keeps_each_weight_in_its_encoding(tmp_path):
     model = _tiny_hf_model("llama", tie=True)
     _write_tiny_gguf(tmp_path / "q.gguf", model,
                      raw_override={"blk.0.ffn_up.weight": QT.Q4_1, "blk.1.attn_v.weight": QT.Q8_0,
@@ -259,8 +259,10 @@ def test_a_quantized_tiny_gguf_loads_the_dequantized_weights(tmp_path):
     w = Checkpoint.open(tmp_path / "q.gguf").load_stage((0, 3), True, True)
     up = model.model.layers[0].mlp.up_proj.weight.detach().numpy()
     ref = torch.from_numpy(quants.dequantize(quants.quantize(up, QT.Q4_1), QT.Q4_1))
-    assert torch.equal(w.layers[0].w_up, ref)
-    assert (w.layers[1].wv - model.model.layers[1].self_attn.v_proj.weight).abs().max() < 1e-2
+    assert (w.layers[0].w_up.qtype, w.layers[1].wv.qtype, w.layers[2].w_down.qtype) == (QT.Q4_1, QT.Q8_0, QT.Q4_0)
+    assert w.layers[0].w_up.data.numel() == 96 * 64 // 32 * 20  # the file's blocks, not an fp32 copy
+    assert torch.equal(w.layers[0].w_up.dequantize(), ref)
+    assert (w.layers[1].wv.dequantize() - model.model.layers[1].self_attn.v_proj.weight).abs().max() < 1e-2
     assert w.layers[2].w_down.shape == (64, 96)
 
 

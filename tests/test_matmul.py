@@ -1,0 +1,233 @@
+"""The quantized, batch-invariant matmul (csrc/matmul.h, ringshm.qmatmul) and the per-row RMSNorm / SwiGLU.
+
+Closeness is bounded against an fp64 product of the exactly dequantized weights; invariance compares bits
+(row i of an M-row product against the same row alone, over M and thread counts); every ISA path this CPU runs
+gives the same bits as the portable C one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+from gguf import quants
+
+from ringshm import kernels
+from ringshm import qmatmul as qm
+from ringshm._C import ffi, lib
+
+U = 2.0 ** -24  # fp32 unit roundoff
+GGUF_QUANT = {qm.Q4_0: QT.Q4_0, qm.Q4_1: QT.Q4_1, qm.Q8_0: QT.Q8_0}
+FLOAT = {qm.F32: torch.float32, qm.F16: torch.float16, qm.BF16: torch.bfloat16}
+ALL_TYPES = [qm.Q4_0, qm.Q4_1, qm.Q8_0, qm.F16, qm.BF16, qm.F32]
+ISAS = [isa for isa in qm.ISA_NAMES if lib.ringshm_isa_supported(isa)]
+M_SWEEP = (1, 2, 3, 7, 8, 33, 64, 256)
+
+
+def make_weight(qtype: int, n: int, k: int, seed: int = 0) -> tuple[qm.RawWeight, torch.Tensor, torch.Tensor]:
+    """A random weight in ``qtype``: (RawWeight, its exact fp32 dequantization, |parts| for the error bound).
+
+    The last is ``|d q| + |m|`` per weight for Q4_1 (its two terms are rounded apart), ``|w|`` otherwise.
+    """
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
+    if qtype in GGUF_QUANT:
+        raw = quants.quantize(w.numpy(), GGUF_QUANT[qtype])
+        exact = torch.from_numpy(quants.dequantize(raw, GGUF_QUANT[qtype])).reshape(n, k).float()
+        mag = exact.abs()
+        if qtype == qm.Q4_1:  # blocks: d f16 | m f16 | 16 B
+            blocks = raw.reshape(n, k // 32, 20)
+            m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32)).reshape(n, k // 32)
+            m = m.repeat_interleave(32, dim=1)
+            mag = (exact - m).abs() + m.abs()
+        return qm.RawWeight.from_bytes(qtype, n, k, raw.reshape(-1)), exact, mag
+    t = w.to(FLOAT[qtype])
+    return qm.RawWeight.from_tensor(t), t.float(), t.float().abs()
+
+
+# ---- closeness to fp64 ------------------------------------------------------------------------------------
+
+SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (1, 32), (7, 64), (33, 96), (16, 32)]
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
+@pytest.mark.parametrize("n,k", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_the_product_is_within_the_summation_bound_of_fp64(qtype, n, k):
+    raw, exact, mag = make_weight(qtype, n, k)
+    bias = torch.randn(n)
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    out = qm.PackedWeight(raw, bias).matmul(x, threads=2)
+    ref = x.double() @ exact.double().T + bias.double()
+    # blocks of 32 summed serially, then one fma per block (+ one for the min): at most k + 40 roundings each
+    bound = (k + 40) * U * (x.double().abs() @ mag.double().T + bias.double().abs()) + 1e-30
+    err = (out.double() - ref).abs()
+    assert out.shape == (5, n) and bool((err <= bound).all()), f"max err {err.max():.3g}, bound {bound.min():.3g}"
+
+
+def test_the_tied_lm_head_shape_q8_0_576_to_49152_is_close_to_fp64():
+    raw, exact, mag = make_weight(qm.Q8_0, 49152, 576)
+    x = torch.randn(2, 576)
+    out = qm.PackedWeight(raw).matmul(x)
+    ref = x.double() @ exact.double().T
+    assert bool(((out.double() - ref).abs() <= (576 + 40) * U * (x.double().abs() @ mag.double().T)).all())
+
+
+def test_a_residual_is_added_after_the_bias():
+    raw, exact, _ = make_weight(qm.Q4_1, 48, 64)
+    pw, x, res = qm.PackedWeight(raw, torch.randn(48)), torch.randn(3, 64), torch.randn(3, 48)
+    assert torch.equal(pw.matmul(x, residual=res), pw.matmul(x) + res)
+
+
+# ---- batch invariance -------------------------------------------------------------------------------------
+
+
+def rows_match_alone(matmul, x: torch.Tensor) -> bool:
+    """True when every row of ``matmul(x[:m])`` is bitwise the row computed alone, for every m in M_SWEEP."""
+    alone = torch.cat([matmul(x[i:i + 1]) for i in range(x.shape[0])])
+    return all(torch.equal(matmul(x[:m]), alone[:m]) for m in M_SWEEP)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_each_row_is_bitwise_the_same_for_every_batch_size_and_thread_count(qtype, threads):
+    raw, _, _ = make_weight(qtype, 200, 96)  # 13 panels: groups and thread splits fall unevenly
+    pw = qm.PackedWeight(raw, torch.randn(200))
+    x = torch.randn(max(M_SWEEP), 96)
+    assert rows_match_alone(lambda a: pw.matmul(a, threads=threads), x)
+    assert torch.equal(pw.matmul(x, threads=threads), pw.matmul(x, threads=1))
+
+
+def test_the_invariance_check_catches_a_split_k_reduction():
+    """The deliberate mutation: split K in two halves for M > 1 (what a split-K GEMM does). Same math, other
+    rounding order, so the check above must fail on it."""
+    raw, _, _ = make_weight(qm.Q8_0, 64, 256)
+    lo = qm.PackedWeight(qm.RawWeight.from_tensor(raw.dequantize()[:, :128]))
+    hi = qm.PackedWeight(qm.RawWeight.from_tensor(raw.dequantize()[:, 128:]))
+    whole = qm.PackedWeight(qm.RawWeight.from_tensor(raw.dequantize()))
+
+    def split_k_when_batched(a):
+        return whole.matmul(a) if a.shape[0] == 1 else lo.matmul(a[:, :128]) + hi.matmul(a[:, 128:])
+
+    x = torch.randn(max(M_SWEEP), 256)
+    assert rows_match_alone(whole.matmul, x)
+    assert not rows_match_alone(split_k_when_batched, x)
+
+
+def test_torch_linear_is_the_kind_of_kernel_this_replaces():
+    """F.linear on the same fp32 weights: rows of a batch need not equal the row alone (here they do not)."""
+    w, x = torch.randn(576, 1536), torch.randn(64, 1536)
+    alone = torch.cat([torch.nn.functional.linear(x[i:i + 1], w) for i in range(64)])
+    assert not torch.equal(torch.nn.functional.linear(x, w), alone)
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
+@pytest.mark.parametrize("isa", ISAS, ids=[qm.ISA_NAMES[i] for i in ISAS])
+def test_every_isa_path_gives_the_portable_bits(qtype, isa):
+    raw, _, _ = make_weight(qtype, 100, 160)
+    pw = qm.PackedWeight(raw, torch.randn(100))
+    x = torch.randn(9, 160)
+    assert torch.equal(pw.matmul(x, isa=isa), pw.matmul(x, isa=lib.RINGSHM_ISA_PORTABLE))
+
+
+def test_the_best_isa_is_one_this_cpu_runs():
+    assert qm.BEST_ISA in ISAS and lib.ringshm_isa_supported(qm.BEST_ISA)
+
+
+# ---- the embedding lookup and dequantization --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
+def test_embedding_rows_are_bitwise_the_gguf_dequantization(qtype):
+    raw, exact, _ = make_weight(qtype, 50, 64)
+    ids = torch.tensor([3, 0, 49, 3], dtype=torch.int64)
+    assert torch.equal(qm.embed_rows(raw, ids), exact[ids])
+    assert torch.equal(raw.dequantize(), exact)
+
+
+def test_concatenated_rows_keep_their_encoding_and_mixed_ones_become_f32():
+    a, _, _ = make_weight(qm.Q4_1, 16, 64)
+    b, _, _ = make_weight(qm.Q4_1, 8, 64, seed=1)
+    c, _, _ = make_weight(qm.Q8_0, 8, 64, seed=2)
+    same = qm.concat_rows([a, b])
+    assert same.qtype == qm.Q4_1 and same.n == 24 and torch.equal(same.dequantize(),
+                                                                   torch.cat([a.dequantize(), b.dequantize()]))
+    mixed = qm.concat_rows([a, c])
+    assert mixed.qtype == qm.F32 and torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), c.dequantize()]))
+
+
+# ---- bad input --------------------------------------------------------------------------------------------
+
+
+def test_k_not_a_multiple_of_the_block_is_refused_for_quantized_types():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qm.RawWeight(qm.Q4_1, 4, 48, torch.zeros(4, 30, dtype=torch.uint8))
+
+
+def test_a_buffer_shorter_than_the_shape_needs_is_refused():
+    with pytest.raises(ValueError, match="takes 160 bytes, got 150"):
+        qm.RawWeight.from_bytes(qm.Q4_1, 4, 64, np.zeros(150, dtype=np.uint8))
+
+
+def test_an_unknown_gguf_type_is_refused_with_the_supported_list():
+    with pytest.raises(ValueError, match="Q4_1, Q8_0"):
+        qm.row_bytes(int(QT.Q4_K), 256)
+
+
+def test_x_of_the_wrong_dtype_or_width_is_refused():
+    pw = qm.PackedWeight(make_weight(qm.Q8_0, 16, 64)[0])
+    with pytest.raises(ValueError, match=r"fp32 CPU x \[M, 64\]"):
+        pw.matmul(torch.zeros(2, 64, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"fp32 CPU x \[M, 64\]"):
+        pw.matmul(torch.zeros(2, 32))
+    with pytest.raises(ValueError, match="residual"):
+        pw.matmul(torch.zeros(2, 64), residual=torch.zeros(3, 16))
+
+
+def test_token_ids_outside_the_table_are_refused_before_anything_is_written():
+    with pytest.raises(ValueError, match="token id 50 outside the vocabulary"):
+        qm.embed_rows(make_weight(qm.Q8_0, 50, 32)[0], torch.tensor([1, 50]))
+
+
+def test_the_c_side_rechecks_sizes_shapes_and_isas():
+    raw = make_weight(qm.Q4_1, 16, 64)[0]
+    pw = qm.PackedWeight(raw)
+    x, out = torch.zeros(1, 64), torch.zeros(1, 16)
+
+    def call(packed_bytes=pw.nbytes, k=64, ldo=16, isa=lib.RINGSHM_ISA_PORTABLE, qtype=qm.Q4_1):
+        return lib.ringshm_qmat_matmul(qtype, ffi.cast("uint8_t *", pw.packed.data_ptr()), packed_bytes, 16, k,
+                                       ffi.cast("float *", x.data_ptr()), 1, ffi.cast("float *", out.data_ptr()),
+                                       ldo, ffi.NULL, ffi.NULL, 0, 1, isa)
+
+    assert call() == lib.RINGSHM_MATMUL_OK
+    assert call(packed_bytes=pw.nbytes - 1) == lib.RINGSHM_MATMUL_ERR_SIZE
+    assert call(k=48) == lib.RINGSHM_MATMUL_ERR_SHAPE
+    assert call(ldo=15) == lib.RINGSHM_MATMUL_ERR_SHAPE
+    assert call(isa=7) == lib.RINGSHM_MATMUL_ERR_TYPE
+    assert call(qtype=12) == lib.RINGSHM_MATMUL_ERR_TYPE
+    src = raw.data.contiguous()
+    dst = torch.empty(pw.nbytes, dtype=torch.uint8)
+    assert lib.ringshm_qmat_pack(qm.Q4_1, ffi.cast("uint8_t *", src.data_ptr()), src.numel() - 20, 16, 64,
+                                 ffi.cast("uint8_t *", dst.data_ptr()), dst.numel()) == lib.RINGSHM_MATMUL_ERR_SIZE
+
+
+# ---- RMSNorm and SwiGLU -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [576, 64, 40])
+def test_rms_norm_is_close_to_torch_and_batch_invariant(k):
+    x, w = torch.randn(33, k) * 3, torch.randn(k)
+    out = kernels.rms_norm(x, w, 1e-5)
+    ref = torch.nn.functional.rms_norm(x.double(), (k,), w.double(), 1e-5)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert rows_match_alone(lambda a: kernels.rms_norm(a, w, 1e-5), torch.randn(256, k))
+
+
+@pytest.mark.parametrize("inter", [1536, 96, 21])
+def test_silu_mul_is_close_to_torch_and_batch_invariant(inter):
+    gu = torch.randn(33, 2 * inter) * 6
+    gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    out = kernels.silu_mul(gu)
+    g, u = gu.double().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(g) * u
+    assert ((out.double() - ref).abs() <= 1e-6 * (1 + ref.abs())).all()
+    assert rows_match_alone(kernels.silu_mul, torch.randn(256, 2 * inter))
