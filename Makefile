@@ -8,7 +8,7 @@ DEPS_STAMP := .stamp-deps
 PYTEST_ARGS ?=
 CC ?= cc
 
-.PHONY: install demo demo-ring test test-c bench clean
+.PHONY: install demo demo-ring test test-c bench bench-peers clean
 
 install: $(EXT_STAMP)
 
@@ -48,6 +48,26 @@ test-c:
 bench: install
 	mkdir -p bench/results
 	$(PYTHON) -m pytest bench/bench_*.py -q -p no:cacheprovider --benchmark-only --benchmark-json=bench/results/bench-$$(date +%Y%m%d-%H%M%S).json
+
+# The llama.cpp peer bench (issue 10); optional, never part of `make test`. The [peers] extra compiles
+# llama.cpp from source (about 10 minutes on 2 cores), only where llama_cpp does not import yet. Its native
+# build crashes in these VMs on CPUs that flag AMX, so GGML_NATIVE is off and the SIMD levels /proc/cpuinfo
+# flags are named instead (AVX2+FMA+F16C, AVX-512, AVX-512 VNNI); other architectures keep llama.cpp's defaults.
+# --no-cache-dir: a wheel cached from a build with other flags is never reused.
+bench-peers: install
+	@$(PYTHON) -c "import llama_cpp" 2>/dev/null || { \
+		args=""; flags=" $$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "; \
+		case "$$(uname -m)" in x86_64|amd64|i?86) \
+			args="-DGGML_NATIVE=OFF"; \
+			case "$$flags" in *" avx2 "*) args="$$args -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON";; esac; \
+			case "$$flags" in *" avx512f "*) args="$$args -DGGML_AVX512=ON";; esac; \
+			case "$$flags" in *" avx512_vnni "*) args="$$args -DGGML_AVX512_VNNI=ON";; esac;; \
+		esac; \
+		echo "building llama-cpp-python from source with CMAKE_ARGS='$$args'"; \
+		CMAKE_ARGS="$$args" $(PIP) install --no-cache-dir --no-binary llama-cpp-python -e ".[peers]"; }
+	mkdir -p bench/results
+	$(PYTHON) -m pytest bench/bench_peers.py --benchmark-only -s -p no:cacheprovider \
+		--benchmark-json=bench/results/bench-peers-$$(date +%Y%m%d-%H%M%S).json
 
 clean:
 	rm -rf build csrc/build *.egg-info .pytest_cache .benchmarks .hypothesis $(EXT_STAMP) $(DEPS_STAMP)

@@ -33,6 +33,8 @@ setup(
             "matplotlib>=3.7",  # bench plots
             "openai>=1.30",  # the official client drives the server in tests
         ],
+        # bench/bench_peers.py only (`make bench-peers`): compiles llama.cpp from source, never part of `make test`.
+        "peers": ["llama-cpp-python>=0.3"],
     },
     entry_points={"console_scripts": ["ringshm=ringshm.cli:main"]},
 )
