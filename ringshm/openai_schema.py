@@ -9,8 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ringshm.errors import StageDied
-from ringshm.serving import EngineClosed, QueueFull, RequestFailed
+from ringshm.errors import EngineClosed, QueueFull, RequestFailed, StageDied
 
 
 # ------------------------------------------------------------------------------------------ request models

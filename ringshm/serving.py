@@ -33,26 +33,14 @@ from dataclasses import dataclass, field
 
 from ringshm.config import GenerationParams
 from ringshm.coordinator import Stream
-from ringshm.errors import PeerDied, RingshmError, RingTimeout, StageDied
+from ringshm.errors import (EngineClosed, EngineOwned, PeerDied, QueueFull, QueueTimeout, RequestFailed, RingTimeout,
+                            StageDied, StageStalled)
 from ringshm.results import GenerationResult, result_of
 from ringshm.sampling import TextStream
 from ringshm.scheduler import RowsRun
 
 log = logging.getLogger("ringshm.serving")
 STEP_TIMEOUT_S = 0.05  # the longest the dispatcher waits on the ring before it looks at its inbox again
-
-
-class QueueFull(RingshmError, RuntimeError):
-    """``max_rows`` requests run and ``max_waiting`` more wait for a KV row: try again later (HTTP 429)."""
-
-
-class EngineClosed(RingshmError, RuntimeError):
-    """The ``AsyncEngine`` is shutting down or closed: no new request, and open ones end with this."""
-
-
-class RequestFailed(RingshmError, RuntimeError):
-    """A stage failed an op (or a reply did not match) while this request was open; ``__cause__`` is the
-    original error. The engine stays usable."""
 
 
 @dataclass
@@ -179,7 +167,10 @@ class AsyncEngine:
 
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an int >= 0, got {max_waiting!r}")
+        if getattr(engine, "_owner", None) is not None:
+            raise EngineOwned(f"this engine is already owned by an {engine._owner}")
         self.engine = engine
+        engine._owner = "AsyncEngine"
         self.max_waiting = max_waiting
         self.on_step = on_step
         engine.tokenizer  # noqa: B018 -- load it here, not on the first request
