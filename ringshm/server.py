@@ -7,8 +7,15 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as
 Request fields (OpenAI's): ``model``, ``messages`` / ``prompt``, ``max_tokens`` (``max_completion_tokens``),
 ``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``, ``seed``, ``stop`` (a string or a list),
 ``n`` (1 only), ``stream``, ``stream_options.include_usage``; extension: ``top_k``. ``max_tokens`` defaults
-to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Unknown fields are
-ignored; ``logprobs``, ``echo``, tools and penalties other than 0 are refused (400).
+to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
+naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
+value (``ringshm.openai_schema.UNSUPPORTED``); other unknown fields are ignored. Message contents are
+tokenised as plain text (special-token spellings cannot forge turns), on a tokenizer thread, off the loop.
+
+Limits: bodies over ``max_body_bytes`` get 413; a request waiting for a row past ``max_queue_wait_s`` 503,
+a full queue 429, both with ``Retry-After``. A stage that holds an op past ``op_timeout_s``: 503 for the open
+and new requests and on ``/health`` (naming it) until it answers again. A dead stage: 503, then ``serve``
+shuts down and exits 3 for a supervisor to restart it.
 
 Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on its last choice chunk
 (the one with ``finish_reason``); with ``stream_options: {"include_usage": true}`` an extra chunk with empty
