@@ -358,12 +358,20 @@ def test_a_request_beyond_max_rows_plus_max_waiting_gets_429(small_server):
     model = client.models.list().data[0].id
     running = _chat(client, model, "Tell me a story.", stream=True, max_tokens=150)
     next(iter(running))
-    waiting = _chat(client, model, "Tell me a joke.", stream=True, max_tokens=150)
+    # A streaming request's headers come with its first token (so a queue timeout is a real 503): the
+    # waiting one blocks in create() until it gets a row, hence its own thread.
+    waiting: list = []
+    waiter = threading.Thread(target=lambda: waiting.append(
+        _chat(client, model, "Tell me a joke.", stream=True, max_tokens=150)))
+    waiter.start()
+    _poll(lambda: small_server.metrics()["ringshm_requests_waiting{}"] == 1, what="one request waiting")
     with pytest.raises(openai.RateLimitError) as info:
         _chat(client, model, "Hi")
     assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
+    assert info.value.response.headers["retry-after"] == "1"
     running.close()
-    waiting.close()
+    waiter.join(timeout=60)
+    waiting[0].close()
     _poll(lambda: small_server.metrics()["ringshm_requests_running{}"] == 0
           and small_server.metrics()["ringshm_requests_waiting{}"] == 0, what="both requests cancelled")
 
