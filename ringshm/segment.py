@@ -73,15 +73,23 @@ class Segment:
     def create(cls, size_bytes: int) -> "Segment":
         """Create a zero-filled segment of ``size_bytes`` with mode 0600 and a fresh unguessable name.
 
+        The pages are allocated up front (``posix_fallocate``): a full ``/dev/shm`` fails here with
+        ``OSError(ENOSPC)`` instead of killing a process with SIGBUS when it first touches a page.
+
         Raises:
             ValueError: size_bytes < 1.
-            OSError: the system refused (e.g. /dev/shm full).
+            OSError: the system refused (e.g. /dev/shm full: errno ENOSPC, the message gives the sizes).
         """
         if size_bytes < 1:
             raise ValueError(f"segment size must be >= 1 byte, got {size_bytes}")
         name = f"/{PREFIX}-{os.getpid()}-{self_start_time()}-{secrets.token_hex(8)}"
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size_bytes)
         try:
+            try:
+                os.posix_fallocate(shm.fd, 0, size_bytes)
+            except OSError as exc:
+                raise OSError(exc.errno, f"cannot allocate {size_bytes / 2**20:.1f} MiB in {SHM_DIR} "
+                              f"({shm_free_bytes() / 2**20:.1f} MiB free): {exc.strerror}") from None
             buf = mmap.mmap(shm.fd, size_bytes)
         except BaseException:
             shm.unlink()
@@ -128,6 +136,12 @@ class Segment:
         except posix_ipc.ExistentialError:
             pass
         self.owner = False
+
+
+def shm_free_bytes() -> int:
+    """Bytes an unprivileged process may still allocate in ``/dev/shm`` (statvfs ``f_bavail * f_frsize``)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
 
 
 def list_segments() -> list[str]:

@@ -7,8 +7,15 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as
 Request fields (OpenAI's): ``model``, ``messages`` / ``prompt``, ``max_tokens`` (``max_completion_tokens``),
 ``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``, ``seed``, ``stop`` (a string or a list),
 ``n`` (1 only), ``stream``, ``stream_options.include_usage``; extension: ``top_k``. ``max_tokens`` defaults
-to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Unknown fields are
-ignored; ``logprobs``, ``echo``, tools and penalties other than 0 are refused (400).
+to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
+naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
+value (``ringshm.openai_schema.UNSUPPORTED``); other unknown fields are ignored. Message contents are
+tokenised as plain text (special-token spellings cannot forge turns), on a tokenizer thread, off the loop.
+
+Limits: bodies over ``max_body_bytes`` get 413; a request waiting for a row past ``max_queue_wait_s`` 503,
+a full queue 429, both with ``Retry-After``. A stage that holds an op past ``op_timeout_s``: 503 for the open
+and new requests and on ``/health`` (naming it) until it answers again. A dead stage: 503, then ``serve``
+shuts down and exits 3 for a supervisor to restart it.
 
 Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on its last choice chunk
 (the one with ``finish_reason``); with ``stream_options: {"include_usage": true}`` an extra chunk with empty
@@ -26,24 +33,29 @@ stops accepting, lets open responses finish for up to ``graceful_s``, then the l
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import signal
 import time
 import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ringshm.errors import StageDied
+from ringshm.errors import StageDied, StageStalled
+from ringshm.openai_schema import (RETRY_AFTER_S, ApiError, ChatRequest, CompletionRequest, RequestBody, bad_request,
+                                   engine_error)
 from ringshm.segment import is_alive
-from ringshm.openai_schema import ApiError, ChatRequest, CompletionRequest, RequestBody, bad_request, engine_error
 from ringshm.serving import AsyncEngine, Chunk
+from ringshm.tokenizer import check_text, encode_chat
 
 log = logging.getLogger("ringshm.server")
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
@@ -112,42 +124,124 @@ class _CountRequests:
         await self.app(scope, receive, counting_send)
 
 
+class _BodyLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets the 413 of ``error()`` (OpenAI's shape). A
+    declared ``Content-Length`` over it is refused unread; a chunked body is counted as it arrives and cut as
+    soon as it passes the cap (an HTTPException the app's handler answers), so it is never held whole.
+    (FastAPI's own ``max_body_size`` answers a declared length with plain text, hence this.)"""
+
+    def __init__(self, app, max_bytes: int, error: Callable[[], JSONResponse]):
+        self.app, self.max_bytes, self.error = app, max_bytes, error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self.error()(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise HTTPException(413, "request body too large")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+def _field_path(loc) -> tuple[str | None, str]:
+    """(top-level field, readable path such as ``stop[1]`` or ``messages[0].role``) of a pydantic error
+    location, without "body" and pydantic's union branch tags (``constrained-str``, ``list[int]``)."""
+    parts = [x for x in loc if x != "body"]
+    out = ""
+    for x in parts:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif "[" in x or "-" in x or x in ("str", "int", "float", "bool", "list", "dict"):
+            continue
+        else:
+            out += f".{x}" if out else x
+    field = next((x for x in parts if isinstance(x, str)), None)
+    return field, out
+
+
 # ----------------------------------------------------------------------------------------------- the app
+STAGE_WATCH_S = 0.25  # how often the server looks for a dead stage while no request would notice one
+
+
 def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, spec_k: int = 4,
-               spec_depth: int = 1, graceful_s: float = 0.0) -> FastAPI:
+               spec_depth: int = 1, graceful_s: float = 0.0, max_body_bytes: int = 2 * 1024 * 1024,
+               on_stage_died: Callable[[StageDied], None] | None = None) -> FastAPI:
     """The FastAPI app serving ``aengine`` as ``model_id``. Its lifespan shutdown closes ``aengine``
     (open requests get ``graceful_s`` more to finish). ``spec="ngram"`` decodes greedy requests
-    speculatively with ``spec_k`` drafts per verify op and ``spec_depth`` verify ops in flight."""
+    speculatively with ``spec_k`` drafts per verify op and ``spec_depth`` verify ops in flight.
+    ``max_body_bytes``: larger request bodies get 413. ``on_stage_died``: called once, on the event loop,
+    when a stage is found dead (``serve`` then shuts down and exits 3)."""
+
+    async def watch_stages():
+        while True:
+            await asyncio.sleep(STAGE_WATCH_S)
+            try:
+                aengine.check_stages()
+            except StageDied as exc:
+                log.error("%s: the server stops (exit status 3) for its supervisor to restart it", exc)
+                on_stage_died(exc)
+                return
+            except StageStalled:
+                pass
 
     @asynccontextmanager
     async def lifespan(app):
+        watcher = asyncio.create_task(watch_stages()) if on_stage_died is not None else None
         yield
+        if watcher is not None:
+            watcher.cancel()
         await aengine.aclose(wait_s=graceful_s)
+        app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     app = FastAPI(title="ringshm", lifespan=lifespan, docs_url=None, redoc_url=None)
     metrics = Metrics(aengine, spec is not None)
     app.state.metrics = metrics
+
+    def too_large() -> JSONResponse:
+        err = ApiError(413, f"request body over the server's limit of {max_body_bytes} bytes (ringshm serve "
+                            f"--max-body-bytes): send a shorter prompt", "invalid_request_error", None,
+                       "request_too_large")
+        return JSONResponse(err.body(), status_code=413)
+
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes, error=too_large)
     app.add_middleware(_CountRequests, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
         errs = exc.errors()
         first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
         else:
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}"
-            param = loc[0] if loc else None
+            # Of the errors about the first field, the deepest (a union's matching branch, e.g. stop[1]).
+            field_of = [_field_path(e.get("loc", ())) for e in errs]
+            same = [e for e, f in zip(errs, field_of) if f[0] == field_of[0][0]]
+            best = max(same, key=lambda e: len(_field_path(e.get("loc", ()))[1]))
+            param, path = _field_path(best.get("loc", ()))
+            message = f"{path or 'body'}: {best.get('msg', 'invalid value')}"
         return JSONResponse(bad_request(message, param).body(), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if exc.status_code == 413:
+            return too_large()
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
 
     @app.exception_handler(Exception)
@@ -163,6 +257,9 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
         except StageDied as exc:
             return JSONResponse({"status": "unhealthy", "message": str(exc), "dead_stage": exc.stage,
                                  "stages": stages}, status_code=503)
+        except StageStalled as exc:
+            return JSONResponse({"status": "unhealthy", "message": str(exc), "stalled_stage": exc.stage,
+                                 "stages": stages}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         return {"status": "ok", "stages": stages, "running": aengine.n_running, "waiting": aengine.n_waiting}
 
     @app.get("/metrics")
@@ -181,10 +278,6 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
                            "not_found_error", "model", "model_not_found")
         if body.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {body.n}", "n")
-        if body.logprobs:
-            raise bad_request("logprobs are not supported", "logprobs")
-        if body.presence_penalty or body.frequency_penalty:
-            raise bad_request("presence_penalty and frequency_penalty are not supported (use 0)", "presence_penalty")
         limit = aengine.max_seq_len
         n_max = max_tokens if max_tokens is not None else max(1, min(default_max, limit - len(ids)))
         if len(ids) + n_max > limit:
@@ -208,7 +301,17 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
         if body.stream:
-            return StreamingResponse(_sse(chunks, metrics, rid, created, model_id, kind, body),
+            # The first chunk (or the error that ends the request before it) is awaited before the headers go
+            # out, so a request that never starts (queue wait, a stalled or dead stage) gets its status.
+            try:
+                first = await chunks.__anext__()
+            except Exception as exc:
+                chunks.cancel()
+                raise engine_error(exc) from None
+            except BaseException:
+                chunks.cancel()
+                raise
+            return StreamingResponse(_sse(chunks, metrics, rid, created, model_id, kind, body, first),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         text, last, prev = [], None, None
         try:
@@ -232,10 +335,17 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
         return {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice],
                 "usage": last.usage}
 
+    tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="ringshm-tokenize")
+    app.state.tokenize_pool = tokenize_pool
+
+    async def off_loop(fn, *args):
+        """Run ``fn`` (tokenisation) on the one tokenizer thread: the event loop keeps serving meanwhile, and
+        the tokenizer is never used from two threads at once."""
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
-        if body.tools:
-            raise bad_request("tools are not supported", "tools")
+        body.refuse_unsupported()
         messages = []
         for m in body.messages:
             content = m.content
@@ -244,26 +354,30 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
                     raise bad_request("only text content parts are supported", "messages")
                 content = "".join(str(p.get("text", "")) for p in content)
             messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        for i, msg in enumerate(messages):
+            try:
+                check_text(msg["content"], f"messages[{i}].content")
+            except ValueError as exc:
+                raise bad_request(str(exc), "messages") from None
         try:
-            ids = aengine.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                               return_dict=False)
-        except Exception as exc:
-            raise bad_request(f"messages do not fit the model's chat template: {exc}", "messages") from None
-        ids = [int(t) for t in ids]
+            ids = await off_loop(encode_chat, aengine.engine.tokenizer, messages)
+        except Exception as exc:  # the template refused the conversation (e.g. roles out of order)
+            log.info("chat template refused a request: %s", exc)
+            raise bad_request("messages do not fit the model's chat template (check the roles and their "
+                              "order)", "messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
         return await respond(request, body, start(body, ids, max_tokens, aengine.max_seq_len), "chat")
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        if body.echo:
-            raise bad_request("echo is not supported", "echo")
+        body.refuse_unsupported()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise bad_request(f"one prompt per request, got {len(prompt)} (n=1 only)", "prompt")
             prompt = prompt[0]
         try:
-            ids = aengine.engine.encode(prompt)
+            ids = await off_loop(aengine.engine.encode, prompt)
         except ValueError as exc:
             raise bad_request(str(exc), "prompt") from None
         return await respond(request, body, start(body, ids, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS),
@@ -276,8 +390,16 @@ def _event(obj) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
 
-async def _sse(chunks, metrics: Metrics, rid: str, created: int, model_id: str, kind: str, body: RequestBody):
-    """The body of a streaming response: one event per chunk; usage on the last; then ``[DONE]``."""
+async def _chain(first, rest):
+    yield first
+    async for c in rest:
+        yield c
+
+
+async def _sse(chunks, metrics: Metrics, rid: str, created: int, model_id: str, kind: str, body: RequestBody,
+               first: Chunk):
+    """The body of a streaming response: one event per chunk (``first``, then the rest of ``chunks``); usage
+    on the last; then ``[DONE]``."""
     obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
     head = {"id": rid, "object": obj, "created": created, "model": model_id}
 
@@ -292,7 +414,7 @@ async def _sse(chunks, metrics: Metrics, rid: str, created: int, model_id: str, 
         if kind == "chat":
             yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                "finish_reason": None, "logprobs": None}]})
-        async for c in chunks:
+        async for c in _chain(first, chunks):
             metrics.on_chunk(c, prev)
             prev = c.time_s
             event = {**head, "choices": [choice(c.text, c.finish_reason)]}
@@ -318,11 +440,18 @@ def model_id_of(model_path: str) -> str:
     return Path(model_path).stem if Path(model_path).suffix == ".gguf" else Path(model_path).name
 
 
+STAGE_DIED_EXIT = 3  # serve's exit status after a stage died (for a supervisor: restart the server)
+
+
 def serve(host: str = "127.0.0.1", port: int = 8000, *, max_waiting: int = 64, graceful_s: float = 30.0,
+          max_queue_wait_s: float | None = 60.0, max_body_bytes: int = 2 * 1024 * 1024,
           model_name: str | None = None, spec: str | None = None, spec_k: int = 4, spec_depth: int = 1,
           log_level: str = "info",
           **engine_kwargs) -> int:
-    """Start the stages, then serve until SIGTERM / SIGINT; returns 0 after a clean shutdown.
+    """Start the stages, then serve until SIGTERM / SIGINT; returns 0 after a clean shutdown, and
+    ``STAGE_DIED_EXIT`` (3) when a stage died: the open requests fail with 503, the server shuts down (every
+    stage reaped, every segment unlinked) so that a supervisor (systemd ``Restart=on-failure``, Docker
+    ``--restart``, Kubernetes) starts it afresh. A stalled stage is not fatal: see ``AsyncEngine``.
 
     ``engine_kwargs`` are ``Engine``'s. A SIGTERM / SIGINT while the stages load closes the engine as soon as
     they are up. uvicorn re-raises the signal it shut down on once it is done; ``serve`` treats that signal as
@@ -354,16 +483,25 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, max_waiting: int = 64, g
         engine.close()
         return 0
     try:
-        aengine = AsyncEngine(engine, max_waiting=max_waiting)
+        aengine = AsyncEngine(engine, max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s)
     except BaseException:
         engine.close()
         raise
+    died: list[StageDied] = []
+    server: list = []
+
+    def on_stage_died(exc: StageDied) -> None:
+        died.append(exc)
+        server[0].should_exit = True
+
     app = create_app(aengine, model_name or model_id_of(engine.model_path), spec=spec, spec_k=spec_k,
-                     spec_depth=spec_depth, graceful_s=graceful_s)
+                     spec_depth=spec_depth, graceful_s=graceful_s, max_body_bytes=max_body_bytes,
+                     on_stage_died=on_stage_died)
     try:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                 timeout_graceful_shutdown=graceful_s)
-        uvicorn.Server(config).run()
+        server.append(uvicorn.Server(config))
+        server[0].run()
     finally:
         aengine.close()  # idempotent; covers a failed bind, where the lifespan never ran
-    return 0
+    return STAGE_DIED_EXIT if died else 0

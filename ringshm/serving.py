@@ -12,7 +12,9 @@ number of loops) may call ``stream`` / ``complete`` at once. Rows mode gives eve
 ``Engine.generate`` gives it alone, whatever else runs beside it.
 
 Failures: bad input raises ``ValueError`` in the caller, before anything is queued. More than ``max_rows +
-max_waiting`` open requests raise ``QueueFull``. A dead stage fails every open request with ``StageDied``, and
+max_waiting`` open requests raise ``QueueFull``; a request that waits longer than ``max_queue_wait_s`` for a
+row fails with ``QueueTimeout``. A stage that holds an op past ``op_timeout_s`` fails the open requests with
+``StageStalled`` (new ones are refused with it) until it answers again. A dead stage fails every open request with ``StageDied``, and
 every later request fails at the call with it. A stage error (or a reply mismatch) fails the open requests
 with ``RequestFailed`` and the dispatcher starts a fresh run; the engine stays usable.
 
@@ -33,26 +35,14 @@ from dataclasses import dataclass, field
 
 from ringshm.config import GenerationParams
 from ringshm.coordinator import Stream
-from ringshm.errors import PeerDied, RingshmError, RingTimeout, StageDied
+from ringshm.errors import (EngineClosed, EngineOwned, PeerDied, QueueFull, QueueTimeout, RequestFailed, RingTimeout,
+                            StageDied, StageStalled)
 from ringshm.results import GenerationResult, result_of
 from ringshm.sampling import TextStream
 from ringshm.scheduler import RowsRun
 
 log = logging.getLogger("ringshm.serving")
 STEP_TIMEOUT_S = 0.05  # the longest the dispatcher waits on the ring before it looks at its inbox again
-
-
-class QueueFull(RingshmError, RuntimeError):
-    """``max_rows`` requests run and ``max_waiting`` more wait for a KV row: try again later (HTTP 429)."""
-
-
-class EngineClosed(RingshmError, RuntimeError):
-    """The ``AsyncEngine`` is shutting down or closed: no new request, and open ones end with this."""
-
-
-class RequestFailed(RingshmError, RuntimeError):
-    """A stage failed an op (or a reply did not match) while this request was open; ``__cause__`` is the
-    original error. The engine stays usable."""
 
 
 @dataclass
@@ -86,6 +76,7 @@ class _Request:
     stream: Stream
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    t_submit: float = field(default_factory=time.monotonic)
 
 
 def _put_all(q: asyncio.Queue, items: list) -> None:
@@ -99,6 +90,10 @@ def _copy_error(exc: BaseException) -> BaseException:
         return StageDied(str(exc), exc.stage, exc.exitcode)
     if isinstance(exc, EngineClosed):
         return EngineClosed(str(exc))
+    if isinstance(exc, StageStalled):
+        return StageStalled(str(exc), exc.stage)
+    if isinstance(exc, QueueTimeout):
+        return QueueTimeout(str(exc))
     err = RequestFailed(f"request failed: {exc}")
     err.__cause__ = exc
     return err
@@ -169,19 +164,35 @@ class AsyncEngine:
         max_waiting: requests that may wait for a KV row beyond the ``max_rows`` running ones.
         on_step: called from the dispatcher thread after every reply with the number of running requests
             (a metrics hook; keep it cheap).
+        max_queue_wait_s: the longest a request may wait for a KV row; then it fails with ``QueueTimeout``
+            (None: no limit).
+
+    A stage that holds an op longer than the engine's ``op_timeout_s`` (stopped, stuck) is ``stalled``: the
+    open requests fail with ``StageStalled`` naming it, new ones are refused with it, and the engine recovers
+    by itself when the stage answers again (the stalled ops' replies are taken and dropped).
 
     Raises:
-        ValueError: ``max_waiting < 0``.
+        ValueError: ``max_waiting < 0`` or ``max_queue_wait_s <= 0``. EngineOwned: another AsyncEngine owns
+            ``engine``.
     """
 
-    def __init__(self, engine, max_waiting: int = 64, on_step: Callable[[int], None] | None = None):
+    def __init__(self, engine, max_waiting: int = 64, on_step: Callable[[int], None] | None = None,
+                 max_queue_wait_s: float | None = None):
         from ringshm.tokenizer import load_tokenizer
 
         if not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an int >= 0, got {max_waiting!r}")
+        if max_queue_wait_s is not None and not max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0 or None, got {max_queue_wait_s!r}")
+        if getattr(engine, "_owner", None) is not None:
+            raise EngineOwned(f"this engine is already owned by an {engine._owner}")
         self.engine = engine
+        engine._owner = "AsyncEngine"
         self.max_waiting = max_waiting
+        self.max_queue_wait_s = max_queue_wait_s
         self.on_step = on_step
+        self._stalled: StageStalled | None = None
+        self._progress: list[tuple[int, float]] = []  # per stage: (ops applied, when that count was first seen)
         engine.tokenizer  # noqa: B018 -- load it here, not on the first request
         # The dispatcher decodes with its own tokenizer instance: the callers' threads encode with the
         # engine's, and one HF tokenizer used from two threads at once can fail ("Already borrowed").
@@ -214,7 +225,13 @@ class AsyncEngine:
         return self._dead
 
     @property
+    def stalled(self) -> StageStalled | None:
+        """The ``StageStalled`` naming a stage that holds an op past ``op_timeout_s``; None once it answers."""
+        return self._stalled
+
+    @property
     def max_seq_len(self) -> int:
+        """Positions per KV row: prompt + output tokens of one request."""
         return self.engine.max_seq_len
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> RequestStream:
@@ -281,6 +298,8 @@ class AsyncEngine:
     def _check_alive(self) -> None:
         if self._dead is not None:
             raise _copy_error(self._dead)
+        if self._stalled is not None:
+            raise _copy_error(self._stalled)
         try:
             self.engine._check_stages()
         except StageDied as exc:
@@ -302,6 +321,7 @@ class AsyncEngine:
         while True:
             try:
                 stop_at = self._drain_inbox(run, not link.in_flight and stop_at is None, stop_at)
+                self._expire_waiting(run)
                 self._count_running()
                 if stop_at is not None and (not self._active or time.monotonic() >= stop_at):
                     break
@@ -309,14 +329,17 @@ class AsyncEngine:
                     if stop_at is not None:
                         time.sleep(0.01)
                     last_reply = time.monotonic()
+                    self._stalled = None
                     continue
                 try:
                     events = run.step(timeout_s=STEP_TIMEOUT_S)
                 except RingTimeout:
-                    if time.monotonic() - last_reply > op_timeout_s:
-                        raise RingTimeout(f"no reply within op_timeout_s={op_timeout_s} with ops in flight")
+                    self._watch_stall(run, last_reply, op_timeout_s)
                     continue
                 last_reply = time.monotonic()
+                if self._stalled is not None:
+                    log.warning("stage %d answers again", self._stalled.stage)
+                    self._stalled = None
                 self._deliver(run, events)
                 self._count_running()
                 if self.on_step is not None:
@@ -328,12 +351,61 @@ class AsyncEngine:
                 self._dead = self._dead or self._stage_died(exc)
                 self._fail_all(run, self._dead)
                 link.drain()  # returns at once: nothing more will come
-            except Exception as exc:  # a stage error, a reply mismatch, a stall: fail what is open, start afresh
+            except Exception as exc:  # a stage error, a reply mismatch: fail what is open, start afresh
                 self._fail_all(run, exc)
                 link.drain()
                 run = self._new_run()
         self._fail_all(run, EngineClosed("the engine shut down before this request finished"))
-        link.drain()
+        if self._stalled is None:
+            link.drain()
+
+    def _watch_stall(self, run: RowsRun, last_reply: float, op_timeout_s: float) -> None:
+        """No reply yet: name a stage that has had an op waiting and applied none for ``op_timeout_s``.
+
+        Stage i has work while the stage before it (stage 0: the coordinator) has passed on more ops than i
+        has applied; its clock restarts whenever its applied-op counter moves or it has nothing to do. On a
+        stall every open request fails with ``StageStalled`` (their rows free as the stalled ops come back)."""
+        now = time.monotonic()
+        stage_ops = getattr(self.engine, "stage_ops", None)
+        stalled = None
+        if stage_ops is not None:
+            ops = stage_ops()
+            if len(self._progress) != len(ops):
+                self._progress = [(n, now) for n in ops]
+            upstream = self.engine._link.n_sent
+            for i, n in enumerate(ops):
+                seen, since = self._progress[i]
+                if n != seen or upstream <= n:
+                    self._progress[i] = (n, now)
+                elif now - since > op_timeout_s and stalled is None:
+                    stalled = (i, now - since)
+                upstream = n
+        elif now - last_reply > op_timeout_s:
+            stalled = (-1, now - last_reply)
+        if stalled is None or self._stalled is not None:
+            return
+        i, held_s = stalled
+        who = f"stage {i}" if i >= 0 else "a stage"
+        layers = getattr(self.engine, "layer_ranges", None)
+        if i >= 0 and layers:
+            who += f" (pid {self.engine.pids[i]}, layers {layers[i].start}-{layers[i].stop - 1})"
+        self._stalled = StageStalled(f"{who} has held an op for {held_s:.1f} s, over op_timeout_s="
+                                     f"{op_timeout_s:g}: it is stopped or stuck", i)
+        log.error("%s", self._stalled)
+        self._fail_all(run, self._stalled)
+
+    def _expire_waiting(self, run: RowsRun) -> None:
+        """Fail with ``QueueTimeout`` every request that has waited for a KV row past ``max_queue_wait_s``."""
+        if self.max_queue_wait_s is None:
+            return
+        now = time.monotonic()
+        for req in list(self._active.values()):
+            if req.stream.row < 0 and now - req.t_submit > self.max_queue_wait_s:
+                run.cancel(req.id)
+                run.streams.pop(req.id, None)  # never started: nothing of it is in flight
+                self._finish(run, req, [QueueTimeout(
+                    f"no KV row came free within max_queue_wait_s={self.max_queue_wait_s:g} "
+                    f"({self.engine.config.max_rows} rows busy): retry later")])
 
     def _count_running(self) -> None:
         self._n_running = sum(1 for r in self._active.values() if r.stream.row >= 0)
@@ -363,8 +435,8 @@ class AsyncEngine:
                 return stop_at
 
     def _submit(self, run: RowsRun, req: _Request) -> None:
-        if self._dead is not None:
-            self._finish(run, req, [_copy_error(self._dead)])
+        if self._dead is not None or self._stalled is not None:
+            self._finish(run, req, [_copy_error(self._dead or self._stalled)])
             return
         self._active[req.id] = req
         if req.stream.spec is not None:
@@ -410,6 +482,7 @@ class AsyncEngine:
                 self._post(run, req, items)
 
     def _fail_all(self, run: RowsRun, exc: BaseException) -> None:
+        """Finish every open request with (a copy of) ``exc``, cancelling its row in ``run``."""
         for req in list(self._active.values()):
             if self._dead is None and not req.stream.done:
                 try:

@@ -43,15 +43,43 @@ class StageSpec:
     link_latency_ms: float = 0.0
 
 
-def stage_main(spec: StageSpec, status) -> None:
-    """Process entry point: attach the rings, load the layers, serve ops until SHUTDOWN or a dead peer."""
+ERROR_BYTES = 2048  # per stage in the shared error buffer: "<type>: <message>", UTF-8, NUL-padded
+
+
+def process_title(spec: StageSpec) -> str:
+    """What ``ps`` shows for a stage: ``ringshm stage 1/3 layers 10-19``."""
+    return f"ringshm stage {spec.index}/{spec.n_stages} layers {spec.layer_start}-{spec.layer_stop - 1}"
+
+
+def write_error(errors, index: int, exc: BaseException) -> None:
+    """Put ``exc`` as "<type>: <message>" into stage ``index``'s slot of the shared error buffer."""
+    data = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")[: ERROR_BYTES - 1]
+    errors[index * ERROR_BYTES: index * ERROR_BYTES + len(data) + 1] = data + b"\0"
+
+
+def read_error(errors, index: int) -> str:
+    """Stage ``index``'s error text from the shared buffer ("" if it wrote none)."""
+    raw = bytes(errors[index * ERROR_BYTES: (index + 1) * ERROR_BYTES])
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def stage_main(spec: StageSpec, status, errors=None) -> None:
+    """Process entry point: attach the rings, load the layers, serve ops until SHUTDOWN or a dead peer.
+
+    ``status``: the shared counters (``N_SLOTS`` doubles per stage). ``errors``: the shared error buffer
+    (``ERROR_BYTES`` per stage): a load error is written there, then the state becomes FAILED, before the
+    process exits, so the coordinator always reads the stage's own error, whichever it sees first.
+    """
     import signal
 
+    from setproctitle import setproctitle
+
+    setproctitle(process_title(spec))
     # A stage belongs to its coordinator: it ends on SHUTDOWN, or when the coordinator (its ring peer) is
-    # gone. Ctrl-C or a SIGTERM sent to the whole process group must reach only the coordinator, which then
-    # shuts the stages down in order instead of losing them mid-op.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # gone. Ctrl-C, SIGTERM or a terminal's SIGHUP sent to the whole process group must reach only the
+    # coordinator, which then shuts the stages down in order instead of losing them mid-op.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     # Threads are set before torch does any work: stages must not oversubscribe the cores (launcher.py).
     import torch
 
@@ -66,7 +94,9 @@ def stage_main(spec: StageSpec, status) -> None:
     try:
         try:
             model = _load(spec)
-        except Exception as exc:  # report the stage's own error through the ring, then exit
+        except Exception as exc:  # report the stage's own error (shared buffer, then the ring), then exit
+            if errors is not None:
+                write_error(errors, spec.index, exc)
             status[base + SLOT_STATE] = FAILED
             _send(rout, m.Message(m.PING).error(exc, spec.index), spec.ring_timeout_s)
             return

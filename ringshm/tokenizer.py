@@ -56,3 +56,79 @@ def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None = None):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def check_text(text: str, what: str = "prompt") -> None:
+    """Raise ``ValueError`` when ``text`` cannot be encoded as UTF-8 (a lone surrogate such as ``\\udfff``,
+    which JSON's ``\\u`` escapes can carry but no tokenizer can encode); the message says where."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text: a lone surrogate U+{ord(text[exc.start]):04X} at "
+                         f"character {exc.start}; send UTF-8 text (surrogates only in valid pairs)") from None
+
+
+def encode_text(tokenizer, text: str, what: str = "prompt") -> list[int]:
+    """Token ids of plain ``text`` with the tokenizer's usual added tokens (e.g. BOS). Special-token
+    spellings inside ``text`` (``<|im_end|>``) are tokenised as the characters they are, never as markers.
+
+    Raises:
+        ValueError: ``text`` is not valid Unicode (``check_text``).
+    """
+    check_text(text, what)
+    return [int(t) for t in tokenizer(text, split_special_tokens=True)["input_ids"]]
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of ``messages`` (``[{"role", "content"}]``) through the model's chat template, where only the
+    template adds turn markers: each message's content is tokenised as plain text, so ``<|im_end|>`` or
+    ``<|im_start|>system`` typed by a user cannot close or open a turn.
+
+    How: the template is rendered with a unique placeholder per content. The tokenizer itself splits text at
+    special tokens and tokenises the runs between them independently; here the template's text is split at
+    its special tokens, each content is put back into its run, and each run is tokenised with
+    ``split_special_tokens``. So for contents without special-token spellings the ids equal
+    ``apply_chat_template(..., tokenize=True)`` exactly.
+
+    Raises:
+        ValueError: a content is not valid Unicode, or the template alters contents (so they cannot be
+            tokenised apart from it).
+    """
+    import re
+    import secrets
+
+    key = secrets.token_hex(6)
+    marks = [f"\ue000{key}:{i}\ue001" for i in range(len(messages))]
+    for i, msg in enumerate(messages):
+        check_text(msg["content"], f"messages[{i}].content")
+    rendered = tokenizer.apply_chat_template([dict(msg, content=mark) for msg, mark in zip(messages, marks)],
+                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+    specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len,
+                      reverse=True)
+    split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
+    pieces: list[tuple[str, bool]] = []  # (text, is a special token of the template)
+    rest = rendered
+    for i, msg in enumerate(messages + [None]):
+        if msg is not None:
+            head, found, rest = rest.partition(marks[i])
+            if not found:
+                raise ValueError("the model's chat template alters message contents; ringshm tokenises contents "
+                                 "apart from the template's markers and cannot use this template")
+        else:
+            head = rest
+        parts = split.split(head) if split else [head]
+        pieces += [(p, j % 2 == 1) for j, p in enumerate(parts) if p]
+        if msg is not None:
+            pieces.append((msg["content"], False))
+    ids: list[int] = []
+    run: list[str] = []
+    for text, special in pieces + [("", True)]:
+        if not special:
+            run.append(text)
+            continue
+        if run:
+            ids += tokenizer("".join(run), add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            run = []
+        if text:
+            ids.append(tokenizer.convert_tokens_to_ids(text))
+    return [int(t) for t in ids]

@@ -110,6 +110,7 @@ class FakeRing:
     model: OracleModel
     thread: threading.Thread
     rings: tuple[Ring, Ring]
+    status: list  # the stage's shared counters (N_SLOTS doubles), as ``StageGroup.status`` holds them
 
     def close(self) -> None:
         try:
@@ -145,7 +146,7 @@ def start_fake_ring(model: OracleModel, swap_at: int | None = None) -> FakeRing:
             raise PeerDied("the fake stage thread ended")
 
     return FakeRing(Link(to_stage, from_stage, check_stages, op_timeout_s=10), model, thread,
-                    (to_stage, from_stage))
+                    (to_stage, from_stage), status)
 
 
 def make_stream(index: int, script: list[int], prompt_len: int, max_new_tokens: int, row: int = -1) -> Stream:

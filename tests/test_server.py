@@ -347,7 +347,7 @@ def test_async_engine_tasks_get_solo_answers_and_a_cancelled_task_cancels_only_i
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
     server = Server(["--stages", "2", "--max-seq-len", "256", "--max-rows", "1", "--max-waiting", "1",
-                     "--prefill-chunk", "64"], tmp_path_factory.mktemp("server") / "small.log")
+                     "--prefill-chunk", "64", "--op-timeout", "3"], tmp_path_factory.mktemp("server") / "small.log")
     server.wait_healthy()
     yield server
     server.stop()
@@ -358,31 +358,55 @@ def test_a_request_beyond_max_rows_plus_max_waiting_gets_429(small_server):
     model = client.models.list().data[0].id
     running = _chat(client, model, "Tell me a story.", stream=True, max_tokens=150)
     next(iter(running))
-    waiting = _chat(client, model, "Tell me a joke.", stream=True, max_tokens=150)
+    # A streaming request's headers come with its first token (so a queue timeout is a real 503): the
+    # waiting one blocks in create() until it gets a row, hence its own thread.
+    waiting: list = []
+    waiter = threading.Thread(target=lambda: waiting.append(
+        _chat(client, model, "Tell me a joke.", stream=True, max_tokens=150)))
+    waiter.start()
+    _poll(lambda: small_server.metrics()["ringshm_requests_waiting{}"] == 1, what="one request waiting")
     with pytest.raises(openai.RateLimitError) as info:
         _chat(client, model, "Hi")
     assert info.value.status_code == 429 and info.value.body["code"] == "queue_full"
+    assert info.value.response.headers["retry-after"] == "1"
     running.close()
-    waiting.close()
+    waiter.join(timeout=60)
+    waiting[0].close()
     _poll(lambda: small_server.metrics()["ringshm_requests_running{}"] == 0
           and small_server.metrics()["ringshm_requests_waiting{}"] == 0, what="both requests cancelled")
 
 
-def test_a_dead_stage_fails_the_open_stream_then_health_and_requests_answer_503_naming_it(small_server):
+def test_a_stopped_stage_is_reported_after_op_timeout_then_the_server_recovers(small_server):
+    client = small_server.client()
+    model = client.models.list().data[0].id
+    pid = json.loads(_http(f"{small_server.url}/health")[1])["stages"][1]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(openai.InternalServerError) as info:
+            _chat(client, model, "Hi")
+        assert info.value.status_code == 503 and "stage 1" in str(info.value)
+        code, text = _http(f"{small_server.url}/health")
+        assert code == 503 and json.loads(text)["stalled_stage"] == 1, text
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    _poll(lambda: _http(f"{small_server.url}/health")[0] == 200, what="health back to 200")
+    assert _chat(client, model, "Hi", max_tokens=2).choices[0].finish_reason in ("length", "stop")
+
+
+def test_a_dead_stage_fails_the_open_stream_with_503_then_the_server_exits_3_leaving_nothing(small_server):
     client = small_server.client()
     model = client.models.list().data[0].id
     stream = iter(_chat(client, model, "Tell me a story.", stream=True, max_tokens=150))
     next(stream)
-    pid = json.loads(_http(f"{small_server.url}/health")[1])["stages"][1]["pid"]
-    os.kill(pid, signal.SIGKILL)
+    stages = [s["pid"] for s in json.loads(_http(f"{small_server.url}/health")[1])["stages"]]
+    os.kill(stages[1], signal.SIGKILL)
     with pytest.raises(openai.APIError, match="stage 1"):
         for _ in stream:
             pass
-    code, text = _http(f"{small_server.url}/health")
-    assert code == 503 and json.loads(text)["dead_stage"] == 1 and "stage 1" in json.loads(text)["message"]
-    with pytest.raises(openai.InternalServerError) as info:
-        _chat(client, model, "Hi")
-    assert info.value.status_code == 503 and "stage 1" in str(info.value)
+    assert small_server.proc.wait(timeout=60) == 3, small_server.log()
+    assert "stage 1" in small_server.log()
+    assert _own_segments(small_server.pid) == []
+    _poll(lambda: all(process_start_time(p) is None for p in stages), what="every stage process gone")
 
 
 # ------------------------------------------------------------------------------------------ last: SIGTERM
