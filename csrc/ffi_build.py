@@ -9,7 +9,7 @@ from pathlib import Path
 from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
-MODULES = ["ring", "kernels", "dequant", "matmul"]  # csrc/<name>.h + csrc/<name>.c each
+MODULES = ["ring", "kernels", "dequant", "matmul", "layer"]  # csrc/<name>.h + csrc/<name>.c each
 # The SIMD loops, one translation unit per ISA level (isa.h): no header of their own.
 ISA_SOURCES = ["simd_v1.c", "simd_v3.c", "simd_v4.c"]
 

@@ -58,7 +58,8 @@ static int block_sizes(int type, int64_t *src_row_block, int64_t *panel_block) {
 static int is_quant(int type) { return type == RINGSHM_W_Q4_0 || type == RINGSHM_W_Q4_1 || type == RINGSHM_W_Q8_0; }
 
 static int shape_ok(int type, int64_t n, int64_t k) {
-    return n > 0 && k > 0 && n < INT32_MAX && k < INT32_MAX && (!is_quant(type) || k % 32 == 0);
+    return n > 0 && k > 0 && n < INT32_MAX && k < INT32_MAX && (!is_quant(type) || k % 32 == 0) &&
+           (type != RINGSHM_W_Q4_1 || k / 32 <= RINGSHM_MM_MAX_Q4_1_BLOCKS);
 }
 
 int64_t ringshm_qmat_src_bytes(int type, int64_t n, int64_t k) {

@@ -95,7 +95,7 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
  *     bias      [N] or NULL;  residual  [M, ldr] or NULL (ldr >= N); residual may be out itself (in place)
  *     n_threads threads that split the panels (OpenMP); <= 1 runs on the calling thread
  *     isa       a ringshm_isa this CPU runs (ringshm_isa_best() or below)
- * Limits: M, N, K < 2^31. Returns RINGSHM_MATMUL_ERR_* before writing anything on bad arguments. */
+ * Limits: M, N, K < 2^31; Q4_1: K <= 65536 (its block sums of x live on the stack). Returns RINGSHM_MATMUL_ERR_* before writing anything on bad arguments. */
 int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
                         const float *x, int64_t m, float *out, int64_t ldo, const float *bias,
                         const float *residual, int64_t ldr, int n_threads, int isa);

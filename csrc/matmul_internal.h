@@ -5,6 +5,9 @@
 #include <stdint.h>
 #include <string.h>
 
+/* Q4_1's block sums of x live on the stack (matmul_impl.inc): K may have at most this many blocks. */
+#define RINGSHM_MM_MAX_Q4_1_BLOCKS 2048
+
 /* One checked call of ringshm_qmat_matmul. */
 struct ringshm_mm_args {
     int type;

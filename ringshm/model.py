@@ -42,7 +42,8 @@ from ringshm import kernels
 from ringshm.config import ModelConfig
 from ringshm.errors import KVRangeError
 from ringshm.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
-from ringshm.qmatmul import PackedWeight, RawWeight, concat_rows, embed_rows
+from ringshm._C import ffi, lib
+from ringshm.qmatmul import BEST_ISA, PackedWeight, RawWeight, concat_rows, embed_rows
 
 
 @dataclass
@@ -69,7 +70,7 @@ class _Layer:
         bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
         wqkv, w_gate_up = concat_rows([w.wq, w.wk, w.wv]), concat_rows([w.w_gate, w.w_up])
         if native:
-            self.attn_norm, self.ffn_norm = w.attn_norm, w.ffn_norm
+            self.attn_norm, self.ffn_norm = w.attn_norm.contiguous(), w.ffn_norm.contiguous()
             self.wqkv, self.wo = PackedWeight(wqkv, bqkv), PackedWeight(w.wo)
             self.w_gate_up, self.w_down = PackedWeight(w_gate_up), PackedWeight(w.w_down)
             return
@@ -80,6 +81,20 @@ class _Layer:
         self.attn_norm, self.ffn_norm = dense(w.attn_norm), dense(w.ffn_norm)
         self.wqkv, self.bqkv, self.wo = dense(wqkv), dense(bqkv), dense(w.wo)
         self.w_gate_up, self.w_down = dense(w_gate_up), dense(w.w_down)
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights and this
+        layer's caches; the tensors stay owned here and by the model."""
+        c = ffi.new("struct ringshm_layer_weights *")
+        for field, pw in (("qkv", self.wqkv), ("o", self.wo), ("gate_up", self.w_gate_up), ("down", self.w_down)):
+            setattr(c, f"type_{field}", pw.qtype)
+            setattr(c, field, ffi.cast("uint8_t *", pw.packed.data_ptr()))
+            setattr(c, f"{field}_bytes", pw.nbytes)
+        c.bqkv = ffi.NULL if self.wqkv.bias is None else ffi.cast("float *", self.wqkv.bias.data_ptr())
+        c.attn_norm = ffi.cast("float *", self.attn_norm.data_ptr())
+        c.ffn_norm = ffi.cast("float *", self.ffn_norm.data_ptr())
+        c.k_cache, c.v_cache = ffi.cast("float *", k_cache.data_ptr()), ffi.cast("float *", v_cache.data_ptr())
+        return c
 
 
 class StageModel:
@@ -115,7 +130,10 @@ class StageModel:
         self.is_first, self.is_last = is_first, is_last
         self.max_rows, self.max_seq_len = max_rows, max_seq_len
         self.dtype, self.device = dtype, torch.device(device)
-        self.native = self.device.type == "cpu" and dtype == torch.float32  # the C path (module docstring)
+        # the C path (module docstring); its kernels take whole 16-float vectors of these dims
+        self.native = (self.device.type == "cpu" and dtype == torch.float32 and config.hidden % 16 == 0
+                       and config.intermediate % 8 == 0 and config.head_dim % 16 == 0
+                       and config.head_dim <= kernels.MAX_HEAD_DIM)
         self.norm = self.lm_head = self.embed = None
         if is_first:  # native: the encoded rows (a view of the file's map); else a dense table
             self.embed = weights.embed if self.native else weights.embed.dequantize().to(self.device, dtype)
@@ -130,6 +148,13 @@ class StageModel:
         self.v_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
         self.length = [0] * max_rows  # positions written per row
         self.cos, self.sin = kernels.rope_tables(d, max_seq_len, config.rope_theta, device=self.device)
+        if self.native:
+            self._c_layers = [layer.bind(k, v) for layer, k, v in zip(self.layers, self.k_cache, self.v_cache)]
+            self._c_shape = ffi.new("struct ringshm_layer_shape *", dict(
+                hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=n_kv, head_dim=d,
+                inter=config.intermediate, max_rows=max_rows, max_seq_len=max_seq_len, n_pos=max_seq_len,
+                rms_eps=config.rms_eps))
+            self._work = torch.empty(0, dtype=torch.float32)  # the layers' scratch, grown to the largest op
 
     @classmethod
     def from_path(cls, path: str | Path, layer_range: range | tuple[int, int] | None = None,
@@ -193,8 +218,11 @@ class StageModel:
         h = self._input(x, batched=False)  # [n, hidden]
         n = h.shape[0]
         self._check_op(row, start, n)
-        for li, layer in enumerate(self.layers):
-            h = self._layer(layer, li, h, lambda q, k, v, li=li: self._attend_row(li, q, k, v, row, start))
+        if self.native:
+            h = self._native_layers(h, [row], [start], n)
+        else:
+            for li, layer in enumerate(self.layers):
+                h = self._layer(layer, li, h, lambda q, k, v, li=li: self._attend_row(li, q, k, v, row, start))
         self.length[row] = start + n
         if not self.is_last:
             return h
@@ -221,12 +249,15 @@ class StageModel:
             raise ValueError(f"rows of a lockstep batch must be distinct, got {rows}")
         for r, s in zip(rows, starts):
             self._check_op(r, s, n)
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        starts_t = torch.tensor(starts, dtype=torch.int64)
         flat = h.reshape(b * n, -1)  # [B*n, hidden]
-        for li, layer in enumerate(self.layers):
-            flat = self._layer(layer, li, flat, lambda q, k, v, li=li: self._attend_batch(
-                li, q, k, v, rows, starts, rows_t, starts_t, b, n))
+        if self.native:
+            flat = self._native_layers(flat, rows, starts, n)
+        else:
+            rows_t = torch.tensor(rows, dtype=torch.int64)
+            starts_t = torch.tensor(starts, dtype=torch.int64)
+            for li, layer in enumerate(self.layers):
+                flat = self._layer(layer, li, flat, lambda q, k, v, li=li: self._attend_batch(
+                    li, q, k, v, rows, starts, rows_t, starts_t, b, n))
         for r, s in zip(rows, starts):
             self.length[r] = s + n
         h = flat.reshape(b, n, -1)  # [B, n, hidden]
@@ -252,6 +283,27 @@ class StageModel:
                              f"n ≥ 1; got {tuple(x.shape)}")
         return x.to(device=self.device, dtype=self.dtype)
 
+    def _native_layers(self, h: torch.Tensor, rows: Sequence[int], starts: Sequence[int], n: int) -> torch.Tensor:
+        """Every layer on ``h [T, hidden]`` (segments of ``n`` tokens: segment i on ``rows[i]`` from
+        ``starts[i]``), one ``ringshm_layer_forward`` call per layer. Returns a new ``[T, hidden]`` tensor."""
+        h = h.clone(memory_format=torch.contiguous_format)  # written in place; the input may be a ring record
+        t = h.shape[0]
+        need = lib.ringshm_layer_work_floats(self._c_shape, t)
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
+        seg = torch.tensor([list(rows), list(starts), [n] * len(rows)], dtype=torch.int64)  # [3, n_seg]
+        sp = ffi.cast("int64_t *", seg.data_ptr())
+        args = (ffi.cast("float *", h.data_ptr()), t, sp, sp + len(rows), sp + 2 * len(rows), len(rows),
+                ffi.cast("float *", self.cos.data_ptr()), ffi.cast("float *", self.sin.data_ptr()),
+                ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
+        for li, c in enumerate(self._c_layers):
+            status = lib.ringshm_layer_forward(self._c_shape, c, *args)
+            if status:
+                what = f"layer {self.layer_range.start + li}"
+                raise (KVRangeError if status == lib.RINGSHM_KERNEL_ERR_RANGE else ValueError)(
+                    f"{what}: the C layer refused the op (status {status})")
+        return h
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim; ``x`` ``[..., hidden]``."""
         if self.native:
@@ -262,23 +314,16 @@ class StageModel:
         return weight * xf.to(self.dtype)
 
     def _layer(self, layer: _Layer, li: int, x: torch.Tensor, attend) -> torch.Tensor:
-        """One decoder layer on ``x [T, hidden]``; ``attend(q, k, v)`` maps ``[T, H*, D]`` to ``[T, Hq, D]``."""
+        """One decoder layer on ``x [T, hidden]`` (torch path); ``attend(q, k, v)`` maps ``[T, H*, D]`` to
+        ``[T, Hq, D]``. The native path does the same in C (``_native_layers``, csrc/layer.h)."""
         cfg = self.config
         t = x.shape[0]
-        h = self._rms_norm(x, layer.attn_norm)
-        if self.native:
-            qkv = layer.wqkv.matmul(h)  # [T, q_dim + 2*kv_dim], bias included
-        else:
-            qkv = F.linear(h, layer.wqkv, layer.bqkv).float()
+        qkv = F.linear(self._rms_norm(x, layer.attn_norm), layer.wqkv, layer.bqkv).float()
         q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
         q = q.reshape(t, cfg.n_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         a = attend(q, k, v).reshape(t, cfg.q_dim)  # [T, Hq*D]
-        if self.native:
-            x = layer.wo.matmul(a, residual=x)  # x + a · Woᵀ
-            gate_up = layer.w_gate_up.matmul(self._rms_norm(x, layer.ffn_norm))  # [T, 2I]
-            return layer.w_down.matmul(kernels.silu_mul(gate_up), residual=x)
         x = torch.addmm(x, a.to(self.dtype), layer.wo.t())  # x + a · Woᵀ
         gate, up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up).chunk(2, dim=-1)  # [T, I] x2
         return torch.addmm(x, F.silu(gate).mul_(up), layer.w_down.t())

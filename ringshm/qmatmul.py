@@ -234,5 +234,6 @@ class PackedWeight:
                                          ffi.cast("float *", x.data_ptr()), m, ffi.cast("float *", out.data_ptr()),
                                          self.n_padded, self._bias_ptr, res_ptr, ldr,
                                          torch.get_num_threads() if threads is None else threads, isa)
-        _check(status, f"matmul {self!r}")
+        if status < 0:
+            _check(status, f"matmul {self!r}")
         return out if self.n_padded == self.n else out[:, : self.n].contiguous()

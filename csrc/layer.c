@@ -1,0 +1,96 @@
+/* One decoder layer in one call (see layer.h): the kernels of matmul.h and kernels.h strung together. */
+#include "layer.h"
+
+#include <string.h>
+
+#include "kernels.h"
+#include "matmul.h"
+
+static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+
+/* Scratch layout, in floats, each [t, width] with rows of `width`:
+ *   h [hidden] | qkv [round16(q + 2 kv)] | q [q] | k [kv] | v [kv] | attn [q] | x2 [hidden] | gu [2 I] | act [I]
+ * (2 I is a multiple of 16: inter % 8 == 0). */
+struct layout {
+    int64_t h, qkv, q, k, v, attn, x2, gu, act, total;
+    int64_t qkv_w, gu_w;
+};
+
+static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layout *l) {
+    if (!s || t <= 0 || s->hidden <= 0 || s->hidden % 16 || s->inter <= 0 || s->inter % 8 || s->n_heads <= 0 ||
+        s->n_kv_heads <= 0 || s->head_dim <= 0 || s->max_rows <= 0 || s->max_seq_len <= 0)
+        return 0;
+    const int64_t qd = (int64_t)s->n_heads * s->head_dim, kvd = (int64_t)s->n_kv_heads * s->head_dim;
+    l->qkv_w = round16(qd + 2 * kvd), l->gu_w = 2 * (int64_t)s->inter;
+    int64_t at = 0;
+    l->h = at, at += t * s->hidden;
+    l->qkv = at, at += t * l->qkv_w;
+    l->q = at, at += t * qd;
+    l->k = at, at += t * kvd;
+    l->v = at, at += t * kvd;
+    l->attn = at, at += t * qd;
+    l->x2 = at, at += t * s->hidden;
+    l->gu = at, at += t * l->gu_w;
+    l->act = at, at += t * s->inter;
+    l->total = at;
+    return 1;
+}
+
+int64_t ringshm_layer_work_floats(const struct ringshm_layer_shape *s, int64_t t) {
+    struct layout l;
+    return layout_of(s, t, &l) ? l.total : RINGSHM_KERNEL_ERR_SHAPE;
+}
+
+int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
+                          int64_t t, const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
+                          const float *cos, const float *sin, float *work, int64_t work_floats, int n_threads,
+                          int isa) {
+    struct layout l;
+    if (!w || !layout_of(s, t, &l) || work_floats < l.total || n_seg <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
+    int64_t sum = 0;
+    for (int i = 0; i < n_seg; i++) {
+        if (lens[i] <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
+        if (rows[i] < 0 || rows[i] >= s->max_rows || starts[i] < 0 || starts[i] + lens[i] > s->max_seq_len ||
+            starts[i] + lens[i] > s->n_pos)
+            return RINGSHM_KERNEL_ERR_RANGE;
+        sum += lens[i];
+    }
+    if (sum != t) return RINGSHM_KERNEL_ERR_SHAPE;
+    const int hid = s->hidden, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
+    const int64_t qd = (int64_t)hq * d, kvd = (int64_t)hkv * d;
+    const int64_t cache_row = (int64_t)hkv * s->max_seq_len * d;
+    float *h = work + l.h, *qkv = work + l.qkv, *q = work + l.q, *k = work + l.k, *v = work + l.v;
+    float *attn = work + l.attn, *x2 = work + l.x2, *gu = work + l.gu, *act = work + l.act;
+    int st;
+
+    if ((st = ringshm_rms_norm(h, x, w->attn_norm, t, hid, s->rms_eps))) return st;
+    if ((st = ringshm_qmat_matmul(w->type_qkv, w->qkv, w->qkv_bytes, qd + 2 * kvd, hid, h, t, qkv, l.qkv_w, w->bqkv,
+                                  NULL, 0, n_threads, isa)))
+        return st;
+    for (int64_t i = 0; i < t; i++) { /* split the fused rows: q, k, v contiguous [t, H, D] */
+        memcpy(q + i * qd, qkv + i * l.qkv_w, sizeof(float) * (size_t)qd);
+        memcpy(k + i * kvd, qkv + i * l.qkv_w + qd, sizeof(float) * (size_t)kvd);
+        memcpy(v + i * kvd, qkv + i * l.qkv_w + qd + kvd, sizeof(float) * (size_t)kvd);
+    }
+    int64_t off = 0;
+    for (int i = 0; i < n_seg; off += lens[i], i++) {
+        const int n = (int)lens[i], start = (int)starts[i];
+        float *kc = w->k_cache + rows[i] * cache_row, *vc = w->v_cache + rows[i] * cache_row;
+        if ((st = ringshm_kv_append(kc, vc, k + off * kvd, v + off * kvd, cos, sin, n, hkv, s->max_seq_len, d, start,
+                                    s->n_pos)))
+            return st;
+        if ((st = ringshm_rope_apply(q + off * qd, q + off * qd, cos, sin, n, hq, d, start, s->n_pos))) return st;
+        if ((st = ringshm_attn_forward(attn + off * qd, q + off * qd, kc, vc, n, hq, hkv, s->max_seq_len, d, start)))
+            return st;
+    }
+    if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, NULL, x, hid, n_threads,
+                                  isa)))
+        return st;
+    if ((st = ringshm_rms_norm(h, x2, w->ffn_norm, t, hid, s->rms_eps))) return st;
+    if ((st = ringshm_qmat_matmul(w->type_gate_up, w->gate_up, w->gate_up_bytes, 2 * (int64_t)s->inter, hid, h, t,
+                                  gu, l.gu_w, NULL, NULL, 0, n_threads, isa)))
+        return st;
+    if ((st = ringshm_silu_mul(act, gu, t, s->inter))) return st;
+    return ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, x, hid, NULL, x2, hid,
+                               n_threads, isa);
+}

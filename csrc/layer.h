@@ -1,0 +1,57 @@
+/* ringshm_layer_forward: one Llama-family decoder layer on a ragged batch of segments, in one C call.
+ *
+ * Decode runs 30 layers per token, and calling ten kernels per layer from Python cost more than the layer's
+ * own arithmetic apart from the matmuls. This strings the same kernels together (matmul.h, kernels.h), in the
+ * same order, so a stage's per-layer overhead is one call:
+ *
+ *     h    = rms_norm(x, attn_norm)                                     [T, hidden]
+ *     qkv  = h . Wqkv^T (+ bqkv)                                        [T, q_dim + 2 kv_dim]
+ *     per segment s (row r, start p, n tokens, its tokens at offset o of the op):
+ *         kv_append(cache[r], rope(k), v) at positions p .. p + n - 1
+ *         attn[o .. o + n) = attention(rope(q), cache[r], p)
+ *     x2   = x + attn . Wo^T                                            [T, hidden]
+ *     gu   = rms_norm(x2, ffn_norm) . Wgate_up^T                        [T, 2 I]  rows [gate | up]
+ *     x    = x2 + (silu(gate) * up) . Wdown^T                           written over x
+ *
+ * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: rows, starts, lens [n_seg]
+ * int64; a row may appear in one segment only; each segment satisfies the KV rules of ringshm.model (checked
+ * by the caller; the kernels re-check what would go out of bounds). Caches: [max_rows, Hkv, S_max, D] fp32.
+ * cos, sin: [n_pos, D / 2]. work: at least ringshm_layer_work_floats(shape, T) floats of scratch.
+ * Every step is batch-invariant (each row reduced in a fixed order), so the result for a segment does not
+ * depend on the other segments of the op, and the matmuls split output rows over n_threads.
+ * Limits: hidden % 16 == 0 and inter % 8 == 0 (rows of the intermediates are whole 16-float vectors).
+ */
+#ifndef RINGSHM_LAYER_H
+#define RINGSHM_LAYER_H
+
+#include <stdint.h>
+
+/* CDEF BEGIN */
+struct ringshm_layer_shape {
+    int hidden, n_heads, n_kv_heads, head_dim, inter;
+    int max_rows, max_seq_len, n_pos; /* cache rows, positions per row, RoPE table rows */
+    float rms_eps;
+};
+
+/* One layer's weights (packed, matmul.h) and KV cache; pointers stay owned by the caller. */
+struct ringshm_layer_weights {
+    int type_qkv, type_o, type_gate_up, type_down;              /* ringshm_wtype */
+    const uint8_t *qkv, *o, *gate_up, *down;                    /* packed panels */
+    int64_t qkv_bytes, o_bytes, gate_up_bytes, down_bytes;
+    const float *bqkv;                                          /* [q_dim + 2 kv_dim] or NULL */
+    const float *attn_norm, *ffn_norm;                          /* [hidden] */
+    float *k_cache, *v_cache;                                   /* [max_rows, Hkv, S_max, D] */
+};
+
+/* Scratch floats ringshm_layer_forward needs for an op of t tokens (< 0 on a bad shape). */
+int64_t ringshm_layer_work_floats(const struct ringshm_layer_shape *s, int64_t t);
+
+/* Returns 0, a RINGSHM_MATMUL_ERR_* / RINGSHM_KERNEL_ERR_* status from the step that refused (before that
+ * step wrote anything), or RINGSHM_KERNEL_ERR_SHAPE for a bad shape or segment table (before anything). */
+int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
+                          int64_t t, const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
+                          const float *cos, const float *sin, float *work, int64_t work_floats, int n_threads,
+                          int isa);
+/* CDEF END */
+
+#endif /* RINGSHM_LAYER_H */
