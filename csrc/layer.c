@@ -18,7 +18,9 @@ struct layout {
 
 static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layout *l) {
     if (!s || t <= 0 || s->hidden <= 0 || s->hidden % 16 || s->inter <= 0 || s->inter % 8 || s->n_heads <= 0 ||
-        s->n_kv_heads <= 0 || s->head_dim <= 0 || s->max_rows <= 0 || s->max_seq_len <= 0)
+        s->n_kv_heads <= 0 || s->head_dim <= 0 || s->max_rows <= 0 || s->max_seq_len <= 0 || s->n_pos <= 0 ||
+        s->n_heads % s->n_kv_heads || s->head_dim % RINGSHM_ATTN_HEAD_DIM_MULTIPLE ||
+        s->head_dim > RINGSHM_ATTN_MAX_HEAD_DIM)
         return 0;
     const int64_t qd = (int64_t)s->n_heads * s->head_dim, kvd = (int64_t)s->n_kv_heads * s->head_dim;
     l->qkv_w = round16(qd + 2 * kvd), l->gu_w = 2 * (int64_t)s->inter;

@@ -2,9 +2,21 @@
  * The panel loops are in matmul_impl.inc, compiled once per ISA. */
 #include "matmul.h"
 
+#include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+typedef unsigned fpenv_t; /* MXCSR: flush-to-zero, denormals-are-zero, rounding */
+#define FPENV_GET(e) ((e) = _mm_getcsr())
+#define FPENV_SET(e) _mm_setcsr(e)
+#else
+#include <fenv.h>
+typedef fenv_t fpenv_t;
+#define FPENV_GET(e) fegetenv(&(e))
+#define FPENV_SET(e) fesetenv(&(e))
 #endif
 
 #include "isa.h"
@@ -59,7 +71,12 @@ static int is_quant(int type) { return type == RINGSHM_W_Q4_0 || type == RINGSHM
 
 static int shape_ok(int type, int64_t n, int64_t k) {
     return n > 0 && k > 0 && n < INT32_MAX && k < INT32_MAX && (!is_quant(type) || k % 32 == 0) &&
-           (type != RINGSHM_W_Q4_1 || k / 32 <= RINGSHM_MM_MAX_Q4_1_BLOCKS);
+           (type != RINGSHM_W_Q4_1 || k / 32 <= RINGSHM_MM_MAX_Q4_1_BLOCKS) &&
+           (n + 15) / 16 <= INT64_MAX / 2048 / ((k + 31) / 32); /* packed and file bytes fit an int64 */
+}
+
+static int overlap(const void *a, int64_t na, const void *b, int64_t nb) {
+    return (uintptr_t)a < (uintptr_t)b + (uint64_t)nb && (uintptr_t)b < (uintptr_t)a + (uint64_t)na;
 }
 
 int64_t ringshm_qmat_src_bytes(int type, int64_t n, int64_t k) {
@@ -140,6 +157,9 @@ int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, i
     if (!shape_ok(type, n, k) || m <= 0 || m >= INT32_MAX || ldo < n_panels * 16 || (residual && ldr < n))
         return RINGSHM_MATMUL_ERR_SHAPE;
     if (packed_bytes != ringshm_qmat_packed_bytes(type, n, k)) return RINGSHM_MATMUL_ERR_SIZE;
+    const int64_t out_bytes = ((m - 1) * ldo + n_panels * 16) * 4; /* out holds the running sums */
+    if (overlap(out, out_bytes, x, m * k * 4) || (residual && overlap(out, out_bytes, residual, ((m - 1) * ldr + n) * 4)))
+        return RINGSHM_MATMUL_ERR_ALIAS;
     const struct ringshm_mm_args a = {
         .type = type, .packed = packed, .n = n, .k = k, .m = m, .nb = (k + 31) / 32, .block_bytes = pb,
         .panel_bytes = (k + 31) / 32 * pb, .x = x, .out = out, .ldo = ldo, .bias = bias, .residual = residual,
@@ -149,10 +169,18 @@ int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, i
     if (nt > n_panels) nt = (int)n_panels;
 #ifdef _OPENMP
     if (nt > 1) {
+        /* The FP mode (FTZ / DAZ / rounding) is per thread and pool workers keep theirs: run every panel in the
+         * caller's, or a row's bits would depend on which thread computed it. */
+        fpenv_t caller;
+        FPENV_GET(caller);
 #pragma omp parallel num_threads(nt)
         {
+            fpenv_t saved;
+            FPENV_GET(saved);
+            FPENV_SET(caller);
             const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
             fn(&a, n_panels * t / T, n_panels * (t + 1) / T);
+            FPENV_SET(saved);
         }
         return RINGSHM_MATMUL_OK;
     }

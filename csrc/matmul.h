@@ -38,8 +38,9 @@
  * next to it in the op, or on the thread count. Threads split the panels (output rows), never K.
  * Algebraically this is x . (d q + m) summed over k, i.e. the fp32-dequantized product up to rounding order.
  *
- * Memory: the caller owns every buffer; nothing here allocates, prints or keeps state. Scratch (one block of
- * dequantized q for up to 8 panels, 16 KiB) is on the stack of each thread.
+ * Memory: the caller owns every buffer; nothing here allocates, prints or keeps state. Scratch is on the stack
+ * of each thread, about 68 KiB: one dequantized block of up to 8 panels (16 KiB) and Q4_1's block sums of x
+ * for a chunk of rows (48 KiB).
  */
 #ifndef RINGSHM_MATMUL_H
 #define RINGSHM_MATMUL_H
@@ -69,7 +70,8 @@ enum ringshm_matmul_status {
     RINGSHM_MATMUL_OK = 0,
     RINGSHM_MATMUL_ERR_TYPE = -32,  /* unknown weight type or ISA, or an ISA this CPU cannot run */
     RINGSHM_MATMUL_ERR_SHAPE = -33, /* M, N or K <= 0, K % 32 != 0 for a quantized type, ldo < 16 * panels */
-    RINGSHM_MATMUL_ERR_SIZE = -34   /* a buffer size given does not match what the shape needs */
+    RINGSHM_MATMUL_ERR_SIZE = -34,  /* a buffer size given does not match what the shape needs */
+    RINGSHM_MATMUL_ERR_ALIAS = -35  /* out overlaps x or residual */
 };
 
 int ringshm_isa_best(void);
@@ -92,8 +94,11 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
  *     packed    packed_bytes == ringshm_qmat_packed_bytes(type, n, k)
  *     x         [M, K] fp32, row stride K
  *     out       [M, ldo] fp32, ldo >= 16 * ceil(N / 16): columns [N, 16 * panels) are scratch, clobbered
- *     bias      [N] or NULL;  residual  [M, ldr] or NULL (ldr >= N); residual may be out itself (in place)
- *     n_threads threads that split the panels (OpenMP); <= 1 runs on the calling thread
+ *     bias      [N] or NULL;  residual  [M, ldr] or NULL (ldr >= N). Neither x nor residual may overlap out:
+ *               out holds the running sums between blocks (RINGSHM_MATMUL_ERR_ALIAS)
+ *     n_threads threads that split the panels (OpenMP); <= 1 runs on the calling thread. Every thread runs in
+ *               the caller's floating-point mode (MXCSR / FPCR: flush-to-zero, rounding), which is part of
+ *               the contract: the same mode gives the same bits
  *     isa       a ringshm_isa this CPU runs (ringshm_isa_best() or below)
  * Limits: M, N, K < 2^31; Q4_1: K <= 65536 (its block sums of x live on the stack). Returns RINGSHM_MATMUL_ERR_* before writing anything on bad arguments. */
 int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,

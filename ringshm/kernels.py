@@ -24,7 +24,7 @@ MAX_HEAD_DIM: int = lib.ringshm_attn_max_head_dim()
 HEAD_DIM_MULTIPLE = 16
 """The C attention takes head_dims that are a multiple of this (one 16-float vector); others run in torch."""
 
-_STATUS = {
+STATUS_TEXT = {
     lib.RINGSHM_KERNEL_ERR_SHAPE: "bad shape (a dimension <= 0, head_dim not a multiple of 16 or too large, "
     "or Hq not a multiple of Hkv)",
     lib.RINGSHM_KERNEL_ERR_RANGE: "positions or rows out of range (start + n past S_max, or row outside [0, R))",
@@ -35,7 +35,7 @@ def _check(status: int, what: str) -> None:
     """Map a C kernel status to an exception; Python checks run first, so reaching here is a bug or bad data."""
     if status == lib.RINGSHM_KERNEL_OK:
         return
-    msg = f"{what}: {_STATUS.get(status, f'unknown C status {status}')}"
+    msg = f"{what}: {STATUS_TEXT.get(status, f'unknown C status {status}')}"
     if status == lib.RINGSHM_KERNEL_ERR_RANGE:
         raise KVRangeError(msg)
     raise ValueError(msg)

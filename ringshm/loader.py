@@ -38,7 +38,7 @@ from ringshm.config import ModelConfig
 from ringshm.dequant import dequantize
 from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitecture
 from ringshm.gguf_index import GGUFIndex
-from ringshm.qmatmul import QUANTIZED, TYPE_NAMES, RawWeight
+from ringshm.qmatmul import RawWeight, native_ok
 
 # Architectures computed by ringshm.model, and whether their GGUF Q/K rows carry llama.cpp's reorder.
 GGUF_ARCHS = {"llama": True, "mistral": True, "qwen2": False}
@@ -173,7 +173,7 @@ class _GGUFSource:
         if len(t.shape) != 2:
             raise MissingTensor(f"tensor {name!r} in {self.path} is {len(t.shape)}-D, expected a 2-D weight")
         k, n = t.shape  # GGUF order: innermost (K) first
-        if t.qtype in TYPE_NAMES and (t.qtype not in QUANTIZED or k % 32 == 0):
+        if native_ok(t.qtype, n, k):
             with warnings.catch_warnings():  # a read-only map: the kernels only read it
                 warnings.filterwarnings("ignore", "The given NumPy array is not writable")
                 data = torch.from_numpy(self.index.raw(name))

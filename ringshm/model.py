@@ -44,6 +44,7 @@ from ringshm.errors import KVRangeError
 from ringshm.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
 from ringshm._C import ffi, lib
 from ringshm.qmatmul import BEST_ISA, PackedWeight, RawWeight, concat_rows, embed_rows
+from ringshm.qmatmul import status_text as qmatmul_status_text
 
 
 @dataclass
@@ -70,7 +71,8 @@ class _Layer:
         bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
         wqkv, w_gate_up = concat_rows([w.wq, w.wk, w.wv]), concat_rows([w.w_gate, w.w_up])
         if native:
-            self.attn_norm, self.ffn_norm = w.attn_norm.contiguous(), w.ffn_norm.contiguous()
+            self.attn_norm = w.attn_norm.to("cpu", torch.float32).contiguous()
+            self.ffn_norm = w.ffn_norm.to("cpu", torch.float32).contiguous()
             self.wqkv, self.wo = PackedWeight(wqkv, bqkv), PackedWeight(w.wo)
             self.w_gate_up, self.w_down = PackedWeight(w_gate_up), PackedWeight(w.w_down)
             return
@@ -298,10 +300,10 @@ class StageModel:
                 ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
         for li, c in enumerate(self._c_layers):
             status = lib.ringshm_layer_forward(self._c_shape, c, *args)
-            if status:
-                what = f"layer {self.layer_range.start + li}"
+            if status:  # the Python checks ran first: a refusal here is a bug or a corrupted cache table
+                why = kernels.STATUS_TEXT.get(status) or qmatmul_status_text(status)
                 raise (KVRangeError if status == lib.RINGSHM_KERNEL_ERR_RANGE else ValueError)(
-                    f"{what}: the C layer refused the op (status {status})")
+                    f"layer {self.layer_range.start + li}: the C layer refused the op: {why}")
         return h
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

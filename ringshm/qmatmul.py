@@ -41,7 +41,12 @@ _STATUS = {
     lib.RINGSHM_MATMUL_ERR_SHAPE: "bad shape (M, N or K <= 0, K not a multiple of 32 for a quantized type, or "
                                   "an output row stride below 16 * ceil(N / 16))",
     lib.RINGSHM_MATMUL_ERR_SIZE: "a buffer's size does not match the shape",
+    lib.RINGSHM_MATMUL_ERR_ALIAS: "the output overlaps x or the residual",
 }
+
+
+def status_text(status: int) -> str:
+    return _STATUS.get(status, f"C status {status}")
 
 
 def _check(status: int, what: str) -> None:
@@ -65,9 +70,16 @@ def row_bytes(qtype: int, k: int) -> int:
                          f"Q4_1, Q8_0); dequantize it to F32 first")
     n = lib.ringshm_qmat_src_bytes(qtype, 1, k)
     if n < 0:
-        raise ValueError(f"a {type_name(qtype)} row of K = {k} weights: K must be positive"
-                         + (" and a multiple of 32 (the block size)" if qtype in QUANTIZED else ""))
+        why = ("K must be in [1, 2^31 - 1)" if not 0 < k < 2**31 - 1
+               else "K must be a multiple of 32 (the block size)" if qtype in QUANTIZED and k % 32
+               else "Q4_1 takes K <= 65536 (its block sums of x live on the stack); dequantize it to F32")
+        raise ValueError(f"a {type_name(qtype)} row of K = {k} weights: {why}")
     return int(n)
+
+
+def native_ok(qtype: int, n: int, k: int) -> bool:
+    """Whether the matmul reads an ``[n, k]`` weight of ``qtype`` as it is (else dequantize it to F32)."""
+    return qtype in TYPE_NAMES and lib.ringshm_qmat_src_bytes(qtype, n, k) > 0
 
 
 @dataclass(frozen=True)
@@ -155,9 +167,9 @@ def embed_rows(w: RawWeight, ids: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: an id outside ``[0, n)`` (nothing is written).
     """
-    ids = ids.contiguous()
     if ids.dtype != torch.int64 or ids.dim() != 1:
         raise ValueError(f"embed_rows takes int64 ids [T], got {ids.dtype} {tuple(ids.shape)}")
+    ids = ids.to("cpu").contiguous()
     out = torch.empty((ids.numel(), w.k), dtype=torch.float32)
     data = w.data if w.data.is_contiguous() else w.data.contiguous()
     status = lib.ringshm_dequant_rows(w.qtype, ffi.cast("uint8_t *", data.data_ptr()), data.numel(), w.n, w.k,
@@ -166,7 +178,9 @@ def embed_rows(w: RawWeight, ids: torch.Tensor) -> torch.Tensor:
     if status == -3:
         bad = ids[(ids < 0) | (ids >= w.n)]
         raise ValueError(f"token id {int(bad[0])} outside the vocabulary [0, {w.n})")
-    _check(status, "embed_rows")
+    if status < 0:
+        raise ValueError(f"embed_rows of {type_name(w.qtype)} [{w.n}, {w.k}]: "
+                         + ("the bytes do not match the shape" if status == -2 else "bad type or shape"))
     return out
 
 
@@ -225,10 +239,12 @@ class PackedWeight:
         res_ptr, ldr = ffi.NULL, 0
         if residual is not None:
             if residual.dtype is not torch.float32 or tuple(residual.shape) != (m, self.n) \
-                    or residual.stride(1) != 1:
-                raise ValueError(f"residual must be fp32 [{m}, {self.n}] with contiguous rows, got "
-                                 f"{residual.dtype} {tuple(residual.shape)}")
-            res_ptr, ldr = ffi.cast("float *", residual.data_ptr()), residual.stride(0)
+                    or residual.device.type != "cpu":
+                raise ValueError(f"residual must be fp32 CPU [{m}, {self.n}], got {residual.dtype} "
+                                 f"{tuple(residual.shape)} on {residual.device}")
+            if residual.stride(1) != 1 or (m > 1 and residual.stride(0) < self.n):
+                residual = residual.contiguous()  # a broadcast or transposed view: one copy
+            res_ptr, ldr = ffi.cast("float *", residual.data_ptr()), max(residual.stride(0), self.n)
         out = torch.empty((m, self.n_padded), dtype=torch.float32)
         status = lib.ringshm_qmat_matmul(self.qtype, self._ptr, self.packed.numel(), self.n, self.k,
                                          ffi.cast("float *", x.data_ptr()), m, ffi.cast("float *", out.data_ptr()),

@@ -231,3 +231,56 @@ def test_silu_mul_is_close_to_torch_and_batch_invariant(inter):
     ref = torch.nn.functional.silu(g) * u
     assert ((out.double() - ref).abs() <= 1e-6 * (1 + ref.abs())).all()
     assert rows_match_alone(kernels.silu_mul, torch.randn(256, 2 * inter))
+
+
+# ---- findings of a hostile review (each reproduced on the code before its fix) ---------------------------
+
+
+def test_every_thread_count_gives_the_same_bits_in_the_callers_flush_to_zero_mode():
+    """The FP mode is per thread; OpenMP's pool workers keep their own unless the call hands them the caller's."""
+    pw = qm.PackedWeight(qm.RawWeight.from_tensor(torch.full((64, 32), 0.5)))
+    x = torch.full((1, 32), 1e-39)  # products are subnormal: flushed or not depending on the mode
+    pw.matmul(x, threads=2)  # the pool exists before the mode changes
+    was = torch.set_flush_denormal(True)
+    try:
+        one, two = pw.matmul(x, threads=1), pw.matmul(x, threads=2)
+    finally:
+        torch.set_flush_denormal(False)
+    assert was and torch.equal(one, two) and torch.equal(one, torch.zeros(1, 64))
+
+
+def test_an_output_overlapping_x_or_the_residual_is_refused_in_c():
+    pw = qm.PackedWeight(make_weight(qm.F32, 32, 64)[0])
+    x, res = torch.randn(3, 64), torch.randn(3, 32)
+
+    def call(out, residual):
+        p = ffi.cast("float *", out.data_ptr())
+        return lib.ringshm_qmat_matmul(pw.qtype, pw._ptr, pw.nbytes, 32, 64, ffi.cast("float *", x.data_ptr()), 3,
+                                       p, 32, ffi.NULL, ffi.cast("float *", residual.data_ptr()), 32, 1, 0)
+
+    assert call(res, res) == lib.RINGSHM_MATMUL_ERR_ALIAS  # the sums would overwrite the residual
+    assert call(x[:, :32], res) == lib.RINGSHM_MATMUL_ERR_ALIAS  # nor x
+    assert call(torch.empty(3, 32), res) == lib.RINGSHM_MATMUL_OK
+
+
+def test_ids_and_residuals_on_another_device_or_broadcast_are_handled_before_c():
+    raw = make_weight(qm.Q8_0, 10, 32)[0]
+    with pytest.raises(ValueError, match="on meta"):
+        qm.PackedWeight(raw).matmul(torch.randn(3, 32), residual=torch.empty(3, 10, device="meta"))
+    with pytest.raises((ValueError, RuntimeError, NotImplementedError)):
+        qm.embed_rows(raw, torch.tensor([1, 2], device="meta"))  # copied to the CPU first: no device pointer in C
+    pw, x, row = qm.PackedWeight(raw), torch.randn(3, 32), torch.randn(10)
+    assert torch.equal(pw.matmul(x, residual=row.expand(3, 10)), pw.matmul(x) + row)
+
+
+def test_a_q4_1_weight_too_wide_for_the_kernel_is_dequantized_at_load_with_a_reason():
+    assert not qm.native_ok(qm.Q4_1, 4, 65568) and qm.native_ok(qm.Q4_1, 4, 65536)
+    with pytest.raises(ValueError, match="K <= 65536"):
+        qm.row_bytes(qm.Q4_1, 65568)
+    assert lib.ringshm_qmat_packed_bytes(qm.F32, 2**31 - 2, 2**31 - 2) < 0  # sizes that overflow int64 are refused
+
+
+def test_the_c_layer_refuses_a_shape_it_cannot_attend_before_writing_the_cache():
+    shape = ffi.new("struct ringshm_layer_shape *", dict(hidden=16, n_heads=3, n_kv_heads=2, head_dim=16, inter=8,
+                                                         max_rows=1, max_seq_len=4, n_pos=4, rms_eps=1e-5))
+    assert lib.ringshm_layer_work_floats(shape, 1) == lib.RINGSHM_KERNEL_ERR_SHAPE  # 3 heads over 2 KV heads
