@@ -57,12 +57,16 @@ demo-ring: install
 test: install test-c
 	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
 
-# C-only: the ring under AddressSanitizer + UBSan, two threads hammering one ring.
+# C-only, under AddressSanitizer + UBSan: the ring with two threads hammering it, and the matmul's portable
+# path against a scalar reference of its contract (bit for bit, alone and batched, 1-3 threads).
+SAN := -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-omit-frame-pointer
 test-c:
 	mkdir -p csrc/build
-	$(CC) -std=c11 -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-omit-frame-pointer \
-		-pthread csrc/ring.c csrc/test_ring.c -o csrc/build/test_ring
+	$(CC) -std=c11 $(SAN) -pthread csrc/ring.c csrc/test_ring.c -o csrc/build/test_ring
 	./csrc/build/test_ring
+	$(CC) -std=gnu11 $(SAN) -Wno-psabi -fopenmp -DRINGSHM_PORTABLE_ONLY -Icsrc csrc/matmul.c csrc/simd_v1.c \
+		csrc/kernels.c csrc/test_matmul.c -lm -o csrc/build/test_matmul
+	./csrc/build/test_matmul
 
 bench: install
 	mkdir -p bench/results

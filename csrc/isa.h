@@ -4,14 +4,15 @@
  * time with its own target (#pragma GCC target) and its own name suffix (RS_ISA): _v4 = x86-64-v4 (AVX-512),
  * _v3 = x86-64-v3 (AVX2 + FMA + F16C), _v1 = the compiler's baseline (any CPU, arm64 included). The rest of the
  * extension is built for the baseline too, so the same build runs on every CPU of its architecture, and
- * ringshm_isa_best() (cpuid, once) picks the copy. On other architectures only _v1 exists.
+ * ringshm_isa_best() (cpuid, once) picks the copy. On other architectures only _v1 exists, and so with
+ * -DRINGSHM_PORTABLE_ONLY (the C-only sanitizer test, `make test-c`).
  */
 #ifndef RINGSHM_ISA_H
 #define RINGSHM_ISA_H
 
 #include <stdint.h>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(RINGSHM_PORTABLE_ONLY)
 #define RINGSHM_HAVE_X86_ISAS 1
 #else
 #define RINGSHM_HAVE_X86_ISAS 0

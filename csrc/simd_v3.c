@@ -1,5 +1,5 @@
 /* The SIMD code built for ISA level x86-64-v3 (see isa.h); empty on other architectures. */
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(RINGSHM_PORTABLE_ONLY)
 #define RINGSHM_ISA_SUFFIX v3
 #pragma GCC target("arch=x86-64-v3")
 /* GCC's RTL PRE spends minutes on the attention loops' spilled 64-byte vectors below AVX-512 (5 x the
