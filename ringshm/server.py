@@ -127,8 +127,13 @@ class _CountRequests:
 class _BodyLimit:
     """ASGI middleware: a request body over ``max_bytes`` gets the 413 of ``error()`` (OpenAI's shape). A
     declared ``Content-Length`` over it is refused unread; a chunked body is counted as it arrives and cut as
-    soon as it passes the cap (an HTTPException the app's handler answers), so it is never held whole.
+    soon as it passes the cap (an HTTPException the app's handler answers), so it is never held whole; the
+    rest is read and dropped (at most ``DRAIN_BYTES`` within ``DRAIN_S``) so that the client gets the 413,
+    not a connection reset.
     (FastAPI's own ``max_body_size`` answers a declared length with plain text, hence this.)"""
+
+    DRAIN_BYTES = 8 * 2**20  # what is read and dropped past the cap before answering, at most
+    DRAIN_S = 2.0
 
     def __init__(self, app, max_bytes: int, error: Callable[[], JSONResponse]):
         self.app, self.max_bytes, self.error = app, max_bytes, error
@@ -141,12 +146,24 @@ class _BodyLimit:
             return await self.error()(scope, receive, send)
         seen = 0
 
+        async def drain(message) -> None:
+            """Read (and drop) the rest of the body, up to DRAIN_BYTES: a socket closed with unread data in it
+            sends the client a reset, which can beat the 413 to the client."""
+            budget = self.DRAIN_BYTES
+            while message.get("more_body") and budget > 0:
+                message = await receive()
+                budget -= len(message.get("body", b""))
+
         async def counted():
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
+                    try:
+                        await asyncio.wait_for(drain(message), self.DRAIN_S)
+                    except asyncio.TimeoutError:
+                        pass
                     raise HTTPException(413, "request body too large")
             return message
 

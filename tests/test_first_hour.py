@@ -204,8 +204,10 @@ def test_engine_owned_by_an_async_engine_says_so(engine):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_to_generate_closes_the_engine_and_exits_with_the_conventional_code(sig):
+    # 20 ms per hop keeps the 400 tokens generating for ~25 s whatever the kernels' speed: the signal lands mid-run
     proc = subprocess.Popen([sys.executable, "-m", "ringshm", "generate", "--stages", "2", "--max-seq-len", "512",
-                             "--max-new-tokens", "400", "--chat", "Tell me a very long story about a lighthouse."],
+                             "--link-latency-ms", "20", "--max-new-tokens", "400", "--chat",
+                             "Tell me a very long story about a lighthouse."],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         assert proc.stdout.read(1), "no output"  # generating: every stage is up
