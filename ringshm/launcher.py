@@ -163,11 +163,13 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
             f"the dtype)")
 
 
-# libgomp (torch's OpenMP on Linux) keeps a worker spinning ~300k iterations after each parallel region. A stage
-# that has just finished an op then burns a core the next stage wants: on 2 cores, 3-stage decode measured
-# 56.6 ms/token with the default, 47.9 with 10k, 44.6 with 50k, 53.6 with 2k and 65.4 with OMP_WAIT_POLICY=
-# PASSIVE (every region then pays a wake-up). Children get 50k unless the caller set a spin count itself.
-_CHILD_ENV = {"GOMP_SPINCOUNT": "50000"}
+# libgomp (the OpenMP of torch and of ringshm's matmul) keeps a worker spinning after each parallel region. A
+# stage that has just finished an op then burns a core the next stage wants. With the quantized C matmul (120
+# short parallel regions per decode token, ~10 ms a token), on 2 cores, 3-stage / 1-stage decode tok/s measured
+# 0.73 with 50k (the value tuned for torch's fp32 GEMMs), 0.42 with 200k, 0.66-0.80 with 20k, 0.83-0.86 with
+# 10k, 0.97-1.03 with 5k, 0.95 with 2k and 0.88 with 0 (every region then pays a wake-up; 1 stage loses 12 %).
+# Children get 5k unless the caller set a spin count itself.
+_CHILD_ENV = {"GOMP_SPINCOUNT": "5000"}
 
 
 @contextmanager
