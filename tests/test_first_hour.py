@@ -201,6 +201,12 @@ def test_engine_owned_by_an_async_engine_says_so(engine):
 
 
 # ------------------------------------------------------------------------------- signals to `generate`
+def _sigint_as_in_a_terminal() -> None:
+    """A shell starts background jobs with SIGINT ignored, and Python then keeps it ignored (no
+    KeyboardInterrupt): a test run from such a job would see SIGINT do nothing. Give the child a terminal's."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
 def test_a_signal_to_generate_closes_the_engine_and_exits_with_the_conventional_code(sig):
@@ -208,7 +214,7 @@ def test_a_signal_to_generate_closes_the_engine_and_exits_with_the_conventional_
     proc = subprocess.Popen([sys.executable, "-m", "ringshm", "generate", "--stages", "2", "--max-seq-len", "512",
                              "--link-latency-ms", "20", "--max-new-tokens", "400", "--chat",
                              "Tell me a very long story about a lighthouse."],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=_sigint_as_in_a_terminal)
     try:
         assert proc.stdout.read(1), "no output"  # generating: every stage is up
         segments = [s for s in list_segments() if s.startswith(f"/ringshm-{proc.pid}-")]
