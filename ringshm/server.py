@@ -44,13 +44,14 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringshm.errors import StageDied, StageStalled
+from ringshm.server_middleware import BodyLimit, CountRequests, Metrics
 from ringshm.openai_schema import (RETRY_AFTER_S, ApiError, ChatRequest, CompletionRequest, RequestBody, bad_request,
                                    engine_error)
 from ringshm.segment import is_alive
@@ -58,116 +59,7 @@ from ringshm.serving import AsyncEngine, Chunk
 from ringshm.tokenizer import check_text, encode_chat
 
 log = logging.getLogger("ringshm.server")
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-
-
-# ------------------------------------------------------------------------------------------------ metrics
-class Metrics:
-    """The server's Prometheus metrics, in their own registry (several apps may live in one process)."""
-
-    def __init__(self, aengine: AsyncEngine, spec: bool):
-        self.registry = r = CollectorRegistry()
-        self.requests = Counter("ringshm_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.finished = Counter("ringshm_request_finished", "Generation requests that ended, by finish reason",
-                                ["finish_reason"], registry=r)
-        self.ttft = Histogram("ringshm_time_to_first_token_seconds", "Request arrival to first token", registry=r,
-                              buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
-        self.itl = Histogram("ringshm_inter_token_latency_seconds", "Time between consecutive tokens of a "
-                             "request", registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2))
-        self.prompt_tokens = Counter("ringshm_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
-        self.generation_tokens = Counter("ringshm_generation_tokens", "Tokens generated", registry=r)
-        self.step_running = Histogram("ringshm_step_running_requests", "Requests holding a KV row at each reply "
-                                      "the dispatcher takes (continuous batching)", registry=r,
-                                      buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
-        Gauge("ringshm_requests_running", "Requests holding a KV row", registry=r).set_function(
-            lambda: aengine.n_running)
-        Gauge("ringshm_requests_waiting", "Requests waiting for a KV row", registry=r).set_function(
-            lambda: aengine.n_waiting)
-        self.spec = spec
-        if spec:
-            self.draft_tokens = Counter("ringshm_spec_draft_tokens", "Draft tokens sent for verification",
-                                        registry=r)
-            self.accepted_tokens = Counter("ringshm_spec_accepted_tokens", "Draft tokens accepted", registry=r)
-        aengine.on_step = self.step_running.observe
-
-    def on_chunk(self, chunk: Chunk, previous_s: float | None) -> None:
-        if previous_s is not None:
-            self.itl.observe(chunk.time_s - previous_s)
-        self.generation_tokens.inc()
-        if chunk.result is not None:
-            self.ttft.observe(chunk.result.ttft_s)
-            self.finished.labels(chunk.finish_reason).inc()
-            if self.spec:
-                self.draft_tokens.inc(chunk.result.draft_tokens)
-                self.accepted_tokens.inc(chunk.result.accepted_tokens)
-
-
-class _CountRequests:
-    """ASGI middleware counting responses by endpoint and status (streaming-safe, unlike BaseHTTPMiddleware)."""
-
-    def __init__(self, app, metrics: Metrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        endpoint = path if path in ENDPOINTS else "other"
-
-        async def counting_send(message):
-            if message["type"] == "http.response.start":
-                self.metrics.requests.labels(endpoint, str(message["status"])).inc()
-            await send(message)
-
-        await self.app(scope, receive, counting_send)
-
-
-class _BodyLimit:
-    """ASGI middleware: a request body over ``max_bytes`` gets the 413 of ``error()`` (OpenAI's shape). A
-    declared ``Content-Length`` over it is refused unread; a chunked body is counted as it arrives and cut as
-    soon as it passes the cap (an HTTPException the app's handler answers), so it is never held whole; the
-    rest is read and dropped (at most ``DRAIN_BYTES`` within ``DRAIN_S``) so that the client gets the 413,
-    not a connection reset.
-    (FastAPI's own ``max_body_size`` answers a declared length with plain text, hence this.)"""
-
-    DRAIN_BYTES = 8 * 2**20  # what is read and dropped past the cap before answering, at most
-    DRAIN_S = 2.0
-
-    def __init__(self, app, max_bytes: int, error: Callable[[], JSONResponse]):
-        self.app, self.max_bytes, self.error = app, max_bytes, error
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            return await self.error()(scope, receive, send)
-        seen = 0
-
-        async def drain(message) -> None:
-            """Read (and drop) the rest of the body, up to DRAIN_BYTES: a socket closed with unread data in it
-            sends the client a reset, which can beat the 413 to the client."""
-            budget = self.DRAIN_BYTES
-            while message.get("more_body") and budget > 0:
-                message = await receive()
-                budget -= len(message.get("body", b""))
-
-        async def counted():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    try:
-                        await asyncio.wait_for(drain(message), self.DRAIN_S)
-                    except asyncio.TimeoutError:
-                        pass
-                    raise HTTPException(413, "request body too large")
-            return message
-
-        await self.app(scope, counted, send)
 
 
 def _field_path(loc) -> tuple[str | None, str]:
@@ -232,8 +124,8 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
                        "request_too_large")
         return JSONResponse(err.body(), status_code=413)
 
-    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes, error=too_large)
-    app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, error=too_large)
+    app.add_middleware(CountRequests, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
