@@ -288,7 +288,8 @@ class StageModel:
     def _native_layers(self, h: torch.Tensor, rows: Sequence[int], starts: Sequence[int], n: int) -> torch.Tensor:
         """Every layer on ``h [T, hidden]`` (segments of ``n`` tokens: segment i on ``rows[i]`` from
         ``starts[i]``), one ``ringshm_layer_forward`` call per layer. Returns a new ``[T, hidden]`` tensor."""
-        h = h.clone(memory_format=torch.contiguous_format)  # written in place; the input may be a ring record
+        if not self.is_first:  # written in place: a later stage's input may be a read-only ring record
+            h = h.clone(memory_format=torch.contiguous_format)
         t = h.shape[0]
         need = lib.ringshm_layer_work_floats(self._c_shape, t)
         if self._work.numel() < need:

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import uvicorn
 
-from fake_stage import EOS, OracleModel
+from fake_stage import OracleModel
 from ringshm.server import create_app
 from ringshm.serving import AsyncEngine
 from ringshm.stage import SLOT_OPS
