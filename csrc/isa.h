@@ -28,7 +28,7 @@ struct ringshm_mm_args; /* matmul_impl.inc */
 
 #define RINGSHM_ISA_DECLS(S)                                                                                   \
     void ringshm_attn_chunk_##S(float *out, const float *q, const float *kc, const float *vc, int n, int hq,  \
-                                int hkv, int smax, int d, int start);                                         \
+                                int hkv, int smax, int d, int start, int h0, int h1);                         \
     void ringshm_rms_norm_rows_##S(float *out, const float *x, const float *w, int64_t m, int64_t k,          \
                                    float eps);                                                                \
     void ringshm_silu_mul_rows_##S(float *out, const float *gu, int64_t m, int64_t inter);                   \

@@ -5,12 +5,18 @@
 #include <stddef.h>
 #include <string.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "fpenv.h"
 #include "isa.h"
 #include "matmul.h"
 
 #define VW RINGSHM_ATTN_HEAD_DIM_MULTIPLE
 
-typedef void (*attn_fn)(float *, const float *, const float *, const float *, int, int, int, int, int, int);
+typedef void (*attn_fn)(float *, const float *, const float *, const float *, int, int, int, int, int, int, int,
+                        int);
 typedef void (*rms_fn)(float *, const float *, const float *, int64_t, int64_t, float);
 typedef void (*silu_fn)(float *, const float *, int64_t, int64_t);
 
@@ -33,29 +39,63 @@ static int attn_shape_ok(int n, int hq, int hkv, int smax, int d) {
 }
 
 int ringshm_attn_max_head_dim(void) { return RINGSHM_ATTN_MAX_HEAD_DIM; }
+int ringshm_attn_max_segments(void) { return RINGSHM_ATTN_MAX_SEGMENTS; }
 
 int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const float *v_cache, int n,
                          int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim, int start) {
     if (!attn_shape_ok(n, n_q_heads, n_kv_heads, max_seq_len, head_dim)) return RINGSHM_KERNEL_ERR_SHAPE;
     if (start < 0 || start > max_seq_len - n) return RINGSHM_KERNEL_ERR_RANGE;
-    ISA_PICK(ringshm_attn_chunk)(out, q, k_cache, v_cache, n, n_q_heads, n_kv_heads, max_seq_len, head_dim, start);
+    ISA_PICK(ringshm_attn_chunk)(out, q, k_cache, v_cache, n, n_q_heads, n_kv_heads, max_seq_len, head_dim, start, 0,
+                                 n_kv_heads);
     return RINGSHM_KERNEL_OK;
 }
 
-int ringshm_attn_forward_batched(float *out, const float *q, const float *k_cache, const float *v_cache,
-                                 const int64_t *rows, const int64_t *starts, int n_batch, int n_cache_rows, int n,
-                                 int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim) {
-    if (n_batch < 0 || n_cache_rows <= 0 || !attn_shape_ok(n, n_q_heads, n_kv_heads, max_seq_len, head_dim))
+int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cache, const float *v_cache,
+                                  const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
+                                  int n_cache_rows, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim,
+                                  int n_threads) {
+    if (n_seg < 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS || n_cache_rows <= 0 ||
+        !attn_shape_ok(1, n_q_heads, n_kv_heads, max_seq_len, head_dim))
         return RINGSHM_KERNEL_ERR_SHAPE;
-    for (int b = 0; b < n_batch; b++)
-        if (rows[b] < 0 || rows[b] >= n_cache_rows || starts[b] < 0 || starts[b] > max_seq_len - n)
+    for (int i = 0; i < n_seg; i++) {
+        if (lens[i] < 1 || lens[i] > max_seq_len) return RINGSHM_KERNEL_ERR_SHAPE;
+        if (rows[i] < 0 || rows[i] >= n_cache_rows || starts[i] < 0 || starts[i] > max_seq_len - lens[i])
             return RINGSHM_KERNEL_ERR_RANGE;
+    }
+    if (n_seg == 0) return RINGSHM_KERNEL_OK;
     const attn_fn fn = ISA_PICK(ringshm_attn_chunk);
-    const size_t chunk = (size_t)n * n_q_heads * head_dim;           /* one entry of q / out */
+    const size_t tok = (size_t)n_q_heads * head_dim;                  /* one query / output token */
     const size_t row = (size_t)n_kv_heads * max_seq_len * head_dim; /* one cache row */
-    for (int b = 0; b < n_batch; b++)
-        fn(out + b * chunk, q + b * chunk, k_cache + rows[b] * row, v_cache + rows[b] * row, n, n_q_heads,
-           n_kv_heads, max_seq_len, head_dim, (int)starts[b]);
+    const int64_t n_items = (int64_t)n_seg * n_kv_heads;
+    int64_t offsets[RINGSHM_ATTN_MAX_SEGMENTS]; /* token offset of each segment */
+    for (int i = 0; i < n_seg; i++) offsets[i] = i ? offsets[i - 1] + lens[i - 1] : 0;
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (nt > n_items) nt = (int)n_items;
+#define ITEM(it)                                                                                                \
+    do {                                                                                                       \
+        const int i = (int)((it) / n_kv_heads), h = (int)((it) % n_kv_heads);                                   \
+        const int64_t o = offsets[i];                                                                          \
+        fn(out + o * tok, q + o * tok, k_cache + rows[i] * row, v_cache + rows[i] * row, (int)lens[i], n_q_heads, \
+           n_kv_heads, max_seq_len, head_dim, (int)starts[i], h, h + 1);                                        \
+    } while (0)
+#ifdef _OPENMP
+    if (nt > 1) {
+        fpenv_t caller;
+        FPENV_GET(caller);
+#pragma omp parallel num_threads(nt)
+        {
+            fpenv_t saved;
+            FPENV_GET(saved);
+            FPENV_SET(caller);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t it = 0; it < n_items; it++) ITEM(it);
+            FPENV_SET(saved);
+        }
+        return RINGSHM_KERNEL_OK;
+    }
+#endif
+    for (int64_t it = 0; it < n_items; it++) ITEM(it);
+#undef ITEM
     return RINGSHM_KERNEL_OK;
 }
 

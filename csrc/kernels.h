@@ -27,6 +27,8 @@
 #define RINGSHM_ATTN_MAX_HEAD_DIM 256
 /* head_dim must be a multiple of this (one 16-float vector). */
 #define RINGSHM_ATTN_HEAD_DIM_MULTIPLE 16
+/* Most segments of one ragged attention call (its per-call offsets table lives on the stack). */
+#define RINGSHM_ATTN_MAX_SEGMENTS 4096
 
 /* CDEF BEGIN */
 /* Status codes of the kernels; distinct from the ring's (-1 .. -7) so one table can map both. */
@@ -38,6 +40,8 @@ enum ringshm_kernel_status {
 
 /* Largest head_dim (D) the attention kernel accepts (RINGSHM_ATTN_MAX_HEAD_DIM). */
 int ringshm_attn_max_head_dim(void);
+/* Most segments of one ringshm_attn_forward_segments / ringshm_layer_forward call (RINGSHM_ATTN_MAX_SEGMENTS). */
+int ringshm_attn_max_segments(void);
 
 /* ringshm_rope_apply: rotate n x H vectors by RoPE at positions start .. start + n - 1.
  *
@@ -84,19 +88,23 @@ int ringshm_kv_append(float *k_cache, float *v_cache, const float *k, const floa
 int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const float *v_cache,
                          int n, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim, int start);
 
-/* ringshm_attn_forward_batched: ringshm_attn_forward for B chunks of the same n, each on its own cache row.
+/* ringshm_attn_forward_segments: ringshm_attn_forward for a ragged batch of segments, each on its own cache row.
  *
- *     q, out            [B, n, Hq, D]
- *     k_cache, v_cache  [R, Hkv, S_max, D]   the layer's whole cache
- *     rows, starts      [B] int64             entry b reads cache row rows[b], its queries sit at starts[b] ..
+ *     q, out            [T, Hq, D]            segment i's lens[i] queries follow segment i-1's (T = sum of lens)
+ *     k_cache, v_cache  [R, Hkv, S_max, D]    the layer's whole cache
+ *     rows, starts, lens [n_seg] int64        segment i reads cache row rows[i]; its queries sit at starts[i] ..
  *
- * out[b] = attn_forward(q[b], k_cache[rows[b]], v_cache[rows[b]], starts[b]). Rows may repeat.
- * All rows and starts are checked before anything is written: RINGSHM_KERNEL_ERR_RANGE if a row is outside
- * [0, R) or starts[b] < 0 or starts[b] + n > S_max.
+ * out[segment i] = attn_forward(q[segment i], k_cache[rows[i]], v_cache[rows[i]], starts[i]). The work items are
+ * (segment, kv head) pairs spread over up to n_threads OpenMP threads, each run in the caller's FP mode; an item
+ * is computed exactly as attn_forward computes it, so the bits do not depend on n_threads or on the other
+ * segments (batch invariance). Rows may repeat (reads only). Everything is checked before anything is written:
+ * RINGSHM_KERNEL_ERR_SHAPE for a bad shape, lens[i] < 1 or n_seg > RINGSHM_ATTN_MAX_SEGMENTS,
+ * RINGSHM_KERNEL_ERR_RANGE for a row outside [0, R) or starts[i] < 0 or starts[i] + lens[i] > S_max.
  */
-int ringshm_attn_forward_batched(float *out, const float *q, const float *k_cache, const float *v_cache,
-                                 const int64_t *rows, const int64_t *starts, int n_batch, int n_cache_rows,
-                                 int n, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim);
+int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cache, const float *v_cache,
+                                  const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
+                                  int n_cache_rows, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim,
+                                  int n_threads);
 /* ringshm_rms_norm: RMSNorm of each row (Zhang & Sennrich 2019; Hugging Face LlamaRMSNorm's order of ops).
  *
  *     x, out  [m, k] fp32 (out may be x: each row is read before it is written)     w  [k]

@@ -48,7 +48,8 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
                           const float *cos, const float *sin, float *work, int64_t work_floats, int n_threads,
                           int isa) {
     struct layout l;
-    if (!w || !layout_of(s, t, &l) || work_floats < l.total || n_seg <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
+    if (!w || !layout_of(s, t, &l) || work_floats < l.total || n_seg <= 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS)
+        return RINGSHM_KERNEL_ERR_SHAPE;
     int64_t sum = 0;
     for (int i = 0; i < n_seg; i++) {
         if (lens[i] <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
@@ -75,16 +76,18 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         memcpy(v + i * kvd, qkv + i * l.qkv_w + qd + kvd, sizeof(float) * (size_t)kvd);
     }
     int64_t off = 0;
-    for (int i = 0; i < n_seg; off += lens[i], i++) {
+    for (int i = 0; i < n_seg; off += lens[i], i++) { /* RoPE and KV-append per segment, on its own row */
         const int n = (int)lens[i], start = (int)starts[i];
         float *kc = w->k_cache + rows[i] * cache_row, *vc = w->v_cache + rows[i] * cache_row;
         if ((st = ringshm_kv_append(kc, vc, k + off * kvd, v + off * kvd, cos, sin, n, hkv, s->max_seq_len, d, start,
                                     s->n_pos)))
             return st;
         if ((st = ringshm_rope_apply(q + off * qd, q + off * qd, cos, sin, n, hq, d, start, s->n_pos))) return st;
-        if ((st = ringshm_attn_forward(attn + off * qd, q + off * qd, kc, vc, n, hq, hkv, s->max_seq_len, d, start)))
-            return st;
     }
+    /* then every segment's attention at once: (segment, kv head) items over the threads */
+    if ((st = ringshm_attn_forward_segments(attn, q, w->k_cache, w->v_cache, rows, starts, lens, n_seg, s->max_rows,
+                                            hq, hkv, s->max_seq_len, d, n_threads)))
+        return st;
     if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, NULL, x, hid, n_threads,
                                   isa)))
         return st;

@@ -7,14 +7,15 @@
  *     h    = rms_norm(x, attn_norm)                                     [T, hidden]
  *     qkv  = h . Wqkv^T (+ bqkv)                                        [T, q_dim + 2 kv_dim]
  *     per segment s (row r, start p, n tokens, its tokens at offset o of the op):
- *         kv_append(cache[r], rope(k), v) at positions p .. p + n - 1
- *         attn[o .. o + n) = attention(rope(q), cache[r], p)
+ *         kv_append(cache[r], rope(k), v) at positions p .. p + n - 1;  q[o .. o + n) = rope(q)
+ *     attn = attention of every segment on its row (ringshm_attn_forward_segments: threads over
+ *            (segment, kv head) items)
  *     x2   = x + attn . Wo^T                                            [T, hidden]
  *     gu   = rms_norm(x2, ffn_norm) . Wgate_up^T                        [T, 2 I]  rows [gate | up]
  *     x    = x2 + (silu(gate) * up) . Wdown^T                           written over x
  *
  * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: rows, starts, lens [n_seg]
- * int64; a row may appear in one segment only; each segment satisfies the KV rules of ringshm.model (checked
+ * int64, at most RINGSHM_ATTN_MAX_SEGMENTS; a row may appear in one segment only; each segment satisfies the KV rules of ringshm.model (checked
  * by the caller; the kernels re-check what would go out of bounds). Caches: [max_rows, Hkv, S_max, D] fp32.
  * cos, sin: [n_pos, D / 2]. work: at least ringshm_layer_work_floats(shape, T) floats of scratch.
  * Every step is batch-invariant (each row reduced in a fixed order), so the result for a segment does not

@@ -7,18 +7,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__x86_64__) || defined(__i386__)
-#include <xmmintrin.h>
-typedef unsigned fpenv_t; /* MXCSR: flush-to-zero, denormals-are-zero, rounding */
-#define FPENV_GET(e) ((e) = _mm_getcsr())
-#define FPENV_SET(e) _mm_setcsr(e)
-#else
-#include <fenv.h>
-typedef fenv_t fpenv_t;
-#define FPENV_GET(e) fegetenv(&(e))
-#define FPENV_SET(e) fesetenv(&(e))
-#endif
-
+#include "fpenv.h"
 #include "isa.h"
 #include "matmul_internal.h"
 

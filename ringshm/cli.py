@@ -2,14 +2,14 @@
 
     ringshm generate [--model PATH] [--stages N] [--prefill-chunk N] [--prefill-depth N]
                      [--max-new-tokens N] [--temperature T --seed S] [--chat] [--json] PROMPT
-    ringshm generate --batch-file prompts.txt [--mode rows|batch] [...]
+    ringshm generate --batch-file prompts.txt [...]
     ringshm serve [--host 127.0.0.1] [--port 8000] [--max-waiting 64] [engine options]
     ringshm --version;  python -m ringshm …  (the same command line)
 
 Text streams to stdout as it is generated; a one-line summary (TTFT, decode tok/s, stages) follows on
 stderr. With ``--json``, stdout holds exactly one JSON object: the result's fields. With ``--batch-file``
 (one prompt per line), every prompt is served at once; each answer is printed when the run ends as
-``[i] text``, and ``--json`` gives ``{"mode", "wall_s", "output_tok_s", "results": [...]}``. ``serve`` runs
+``[i] text``, and ``--json`` gives ``{"wall_s", "output_tok_s", "results": [...]}``. ``serve`` runs
 the OpenAI-compatible server (``ringshm.server``) until SIGTERM or Ctrl-C, then exits 0.
 """
 
@@ -44,8 +44,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="layers per stage, comma-separated, e.g. 10,10,10 (default: as even as possible)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where the stages compute")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights and activations")
-    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per prefill op")
-    p.add_argument("--prefill-depth", type=int, default=8, help="prefill ops in flight")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="most prompt tokens per prefill segment")
+    p.add_argument("--prefill-depth", type=int, default=8, help="step ops carrying prefill chunks in flight")
+    p.add_argument("--depth", type=int, default=None,
+                   help="step ops carrying decode/verify segments in flight (default: the stage count)")
+    p.add_argument("--max-step-tokens", type=int, default=None,
+                   help="token budget of one step op for prefill chunks (default: --prefill-chunk)")
     p.add_argument("--max-seq-len", type=int, default=2048,
                    help="KV positions per row, prompt + output (capped at the model's context length)")
     p.add_argument("--max-rows", type=int, default=8, help="KV rows per stage: streams live at once")
@@ -64,7 +68,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
         except ValueError:
             raise ValueError(f"--layer-split must be comma-separated integers, got {a.layer_split!r}") from None
     return dict(model=a.model, stages=a.stages, layer_split=split, device=a.device, dtype=a.dtype,
-                prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, max_seq_len=a.max_seq_len,
+                prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, depth=a.depth,
+                max_step_tokens=a.max_step_tokens, max_seq_len=a.max_seq_len,
                 max_rows=a.max_rows, op_timeout_s=a.op_timeout, link_latency_ms=a.link_latency_ms)
 
 
@@ -84,8 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch-file", default=None,
                      help="a file with one prompt per line (blank lines skipped), served at once; answers are "
                           "printed under their line numbers")
-    gen.add_argument("--mode", default=None, choices=["rows", "batch"],
-                     help="with --batch-file only: rows (de-lockstep) or batch (lockstep) (default: rows)")
     gen.add_argument("--max-new-tokens", type=int, default=128, help="most tokens to generate")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: no cut)")
@@ -141,15 +144,15 @@ def _generate_batch(a: argparse.Namespace) -> int:
     if not prompts:
         raise ValueError(f"--batch-file {a.batch_file} holds no prompt (one per line)")
     with Engine(progress=not a.json, **_engine_kwargs(a)) as engine:
-        out = engine.generate_batch(prompts, a.mode or "rows", a.max_new_tokens, **_sampling(a))
+        out = engine.generate_batch(prompts, a.max_new_tokens, **_sampling(a))
     if a.json:
-        print(json.dumps({"mode": out.mode, "wall_s": out.wall_s, "output_tok_s": out.output_tok_s,
+        print(json.dumps({"wall_s": out.wall_s, "output_tok_s": out.output_tok_s,
                           "stage_busy_s": out.stage_busy_s, "results": [r.to_dict() for r in out.results]}))
         return 0
     for (line_no, _), r in zip(lines, out.results):
         print(f"--- [line {line_no}] ({r.finish_reason}, {r.n_output_tokens} tokens)\n{r.text}")
     ttfts = ", ".join(f"{r.ttft_s * 1e3:.0f}" for r in out.results)
-    print(f"[{len(prompts)} streams, mode {out.mode} | {out.output_tok_s:.1f} tok/s aggregate | "
+    print(f"[{len(prompts)} streams | {out.output_tok_s:.1f} tok/s aggregate | "
           f"TTFT ms: {ttfts}]", file=sys.stderr)
     return 0
 
@@ -172,9 +175,6 @@ def _generate(a: argparse.Namespace) -> int:
         raise ValueError("give either a PROMPT or --batch-file, not both")
     if not a.batch_file and not a.prompt:
         raise ValueError("give a PROMPT (non-empty) or --batch-file")
-    if a.mode is not None and not a.batch_file:
-        raise ValueError("--mode applies to --batch-file runs only (one PROMPT is served alone): drop --mode or "
-                         "give --batch-file")
     _check_early(a)
     if a.batch_file:
         return _generate_batch(a)

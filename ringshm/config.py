@@ -78,8 +78,13 @@ class EngineConfig:
         layer_split: layers per stage (e.g. ``(10, 10, 10)``), summing to the model's layer count; None =
             as even as possible, earlier stages taking the remainder.
         device: "cpu", or "cuda" (stage i on GPU ``i % torch.cuda.device_count()``).
-        prefill_chunk: prompt tokens per prefill op (chunked prefill).
-        prefill_depth: prefill ops in flight at once (1 = serial; more pipelines the stages).
+        prefill_chunk: most prompt tokens per prefill segment (chunked prefill).
+        prefill_depth: step ops carrying prefill chunks in flight at once (1 = serial; more pipelines the
+            stages).
+        depth: step ops carrying decode / verify segments in flight at once: the pipeline's micro-batches
+            (``ringshm.scheduler``). None = the stage count, so every stage can hold one.
+        max_step_tokens: token budget of one step op for prefill chunks (decode and verify segments always
+            go in). None = ``prefill_chunk``.
         max_seq_len: positions per KV row (prompt + generated); capped at the model's context length.
         max_rows: KV rows per stage, i.e. streams that can be live at once.
         dtype: weights and activations, "float32" or "bfloat16" (the KV cache stays fp32).
@@ -98,6 +103,8 @@ class EngineConfig:
     device: str = "cpu"
     prefill_chunk: int = 256
     prefill_depth: int = 8
+    depth: int | None = None
+    max_step_tokens: int | None = None
     max_seq_len: int = 2048
     max_rows: int = 8
     dtype: str = "float32"
@@ -106,8 +113,11 @@ class EngineConfig:
     link_latency_ms: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("stages", "prefill_chunk", "prefill_depth", "max_seq_len", "max_rows"):
+        for name in ("stages", "prefill_chunk", "prefill_depth", "max_seq_len", "max_rows", "depth",
+                     "max_step_tokens"):
             value = getattr(self, name)
+            if value is None and name in ("depth", "max_step_tokens"):
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.dtype not in DTYPES:
@@ -124,6 +134,22 @@ class EngineConfig:
             raise ValueError("op_timeout_s and startup_timeout_s must be > 0")
         if not 0 <= self.link_latency_ms <= 10_000:
             raise ValueError(f"link_latency_ms must be in [0, 10000], got {self.link_latency_ms!r}")
+
+    @property
+    def step_depth(self) -> int:
+        """``depth``, or the stage count when unset."""
+        return self.stages if self.depth is None else self.depth
+
+    @property
+    def step_tokens(self) -> int:
+        """``max_step_tokens``, or ``prefill_chunk`` when unset."""
+        return self.prefill_chunk if self.max_step_tokens is None else self.max_step_tokens
+
+    @property
+    def max_op_tokens(self) -> int:
+        """The most tokens one step op can carry: the prefill budget plus one verify segment of the longest
+        draft (``MAX_SPEC_K`` + 1 tokens) per row. The rings and the stages' checks are sized by it."""
+        return self.step_tokens + self.max_rows * (MAX_SPEC_K + 1)
 
     def layer_ranges(self, n_layers: int) -> list[range]:
         """Each stage's contiguous layer range for a model of ``n_layers``.
@@ -149,6 +175,7 @@ class EngineConfig:
 
 
 SPEC_METHODS = (None, "ngram")
+MAX_SPEC_K = 16  # most draft tokens per verify segment (it bounds a step op's size, EngineConfig.max_op_tokens)
 
 
 @dataclass(frozen=True)
@@ -163,7 +190,8 @@ class GenerationParams:
         chat: apply the model's chat template to a string prompt.
         prefill_depth: prefill ops in flight for this request (default: the engine's).
         spec: None, or "ngram" for lossless speculative decoding with prompt-lookup drafts (greedy only).
-        spec_k: most draft tokens per verify op. spec_depth: verify ops in flight per stream.
+        spec_k: most draft tokens per verify segment (1 .. ``MAX_SPEC_K``). spec_depth: verify segments in
+            flight per stream.
         spec_ngram: longest suffix n-gram the drafter matches.
 
     Raises:
@@ -213,3 +241,5 @@ class GenerationParams:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.spec_k > MAX_SPEC_K:
+            raise ValueError(f"spec_k must be at most {MAX_SPEC_K} (drafts per verify segment), got {self.spec_k}")

@@ -1,19 +1,17 @@
 """The coordinator's side of the ring: sending ops with sequence numbers, checking every reply against the op
-it must answer, the pipelined prefill shared by every mode, and the solo decode loop.
+it must answer, and the per-request state (``Stream``) the scheduler (``ringshm.scheduler``) drives.
 
 Replies come back in send order because every stage applies ops in arrival order (DESIGN.md). The
-coordinator does not trust that blindly: each reply must carry the (seq, row, op) of the oldest op in
-flight, or ``ReplyMismatch`` is raised (the seed project matched prefill replies by FIFO order alone).
+coordinator does not trust that blindly: each reply must carry the seq, op and segment table of the oldest op
+in flight, or ``ReplyMismatch`` is raised (the seed project matched prefill replies by FIFO order alone).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
 
 from ringshm import errors, messages as m
 from ringshm.errors import KVCacheOverflow, ReplyMismatch, RingTimeout, StageError
@@ -27,7 +25,7 @@ POLL_S = 0.1  # a wait on the ring re-checks every stage process at least this o
 class _Pending:
     seq: int
     op: int
-    row: int
+    segments: list[m.Segment]
     tag: object
 
 
@@ -73,7 +71,7 @@ class Link:
         view = self._wait(lambda t: self.to_first.reserve(n, timeout_s=t), "room in stage 0's input ring")
         m.encode_into(view, msg)
         self.to_first.commit(n)
-        self.pending.append(_Pending(msg.seq, msg.op, msg.row, tag))
+        self.pending.append(_Pending(msg.seq, msg.op, msg.segments, tag))
 
     def recv(self, timeout_s: float | None = None) -> tuple[m.Message, object]:
         """The reply to the oldest op in flight (tensors copied out of the ring) and that op's tag.
@@ -81,7 +79,7 @@ class Link:
         ``timeout_s`` (default ``op_timeout_s``) bounds the wait.
 
         Raises:
-            ReplyMismatch: the reply answers another op. StageError (KVCacheOverflow for KV range errors):
+            ReplyMismatch: the reply answers another op (seq, op or segment table differ). StageError (KVCacheOverflow for KV range errors):
             a stage failed the op. StageDied, RingTimeout: as ``send``.
         """
         if not self.pending:
@@ -95,9 +93,10 @@ class Link:
             self.from_last.release()
         m.hold_until_delivered(reply, self.link_latency_ms)
         want = self.pending.popleft()
-        if reply.seq != want.seq or reply.row != want.row or not reply.is_reply:
-            raise ReplyMismatch(f"expected the reply to seq {want.seq} ({m.OP_NAMES.get(want.op)}, row "
-                                f"{want.row}), got seq {reply.seq} ({m.OP_NAMES.get(reply.op)}, row {reply.row})")
+        if reply.seq != want.seq or reply.segments != want.segments or not reply.is_reply:
+            raise ReplyMismatch(f"expected the reply to seq {want.seq} ({m.OP_NAMES.get(want.op)}, segments "
+                                f"{_rows(want.segments)}), got seq {reply.seq} ({m.OP_NAMES.get(reply.op)}, "
+                                f"segments {_rows(reply.segments)})")
         if reply.op == m.ERROR:
             exc = _remote_error(reply)
             exc.tag = want.tag  # which request the failed op belonged to
@@ -141,6 +140,12 @@ class Link:
                 raise
 
 
+def _rows(segments: list[m.Segment]) -> str:
+    """A segment table as ``row@start+n`` items, for error messages."""
+    return "[" + ", ".join(f"{g.row}@{g.start}+{g.n_tokens}" for g in segments[:8]) + (
+        ", ..." if len(segments) > 8 else "") + "]"
+
+
 def _remote_error(reply: m.Message) -> StageError:
     text = reply.error_text()
     remote_type = text.split(":", 1)[0]
@@ -150,12 +155,14 @@ def _remote_error(reply: m.Message) -> StageError:
     return StageError(message, reply.aux, remote_type)
 
 
-@dataclass
+@dataclass(eq=False)
 class Stream:
     """One request as the coordinator drives it: its KV row, prompt, sampler, stop rules and timings.
 
-    ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length" (max_new_tokens) or
-    "cancelled".
+    ``row``: its KV row while admitted (-1 while it waits). ``n_prefilled``: prompt tokens already sent in
+    prefill chunks. ``n_in_flight``: step ops in flight that carry a segment of it (its row is freed only at
+    0). ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
+    (max_new_tokens) or "cancelled".
     """
 
     index: int
@@ -170,6 +177,8 @@ class Stream:
     token_times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     spec: object = None  # a SpecDecoder when the stream decodes speculatively (ringshm.spec_decode)
+    n_prefilled: int = 0
+    n_in_flight: int = 0
 
     @property
     def done(self) -> bool:
@@ -180,8 +189,13 @@ class Stream:
         """Position of the next token to feed (the last committed one)."""
         return len(self.prompt) + len(self.tokens) - 1
 
+    @property
+    def decoding(self) -> bool:
+        """Past its prefill: the whole prompt answered and the first token committed."""
+        return bool(self.tokens) and not self.done
+
     def cancel(self) -> None:
-        """End the stream now (the caller stops sending its ops)."""
+        """End the stream now (the scheduler stops sending its segments)."""
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
 
@@ -207,127 +221,3 @@ class TokenEvent:
     stream: int
     token_id: int
     text: str
-
-
-def _next_token(stream: Stream, reply: m.Message, i: int) -> int:
-    """The token for entry ``i`` of a reply: ids ``[n]`` (one row; the last position counts) or ``[B, 1]``,
-    logits ``[vocab]`` or ``[B, vocab]``."""
-    ids, logits = reply.tensors[0], reply.tensors[1] if len(reply.tensors) > 1 else None
-    if ids.dim() == 2:
-        return stream.sampler(int(ids[i, -1]), None if logits is None else logits[i])
-    return stream.sampler(int(ids[-1]), logits)
-
-
-def _flags(stream: Stream) -> int:
-    return 0 if stream.sampler.greedy else m.WANT_LOGITS
-
-
-@dataclass(frozen=True)
-class PrefillTag:
-    """Tag of a prefill op in flight: its stream, and whether it carries the prompt's last chunk."""
-
-    stream: Stream
-    last: bool
-
-    def has(self, s: Stream) -> bool:
-        return self.stream is s
-
-
-@dataclass(frozen=True)
-class DecodeTag:
-    """Tag of a decode op in flight: the streams of its rows, in row-table order."""
-
-    streams: tuple[Stream, ...]
-
-    def has(self, s: Stream) -> bool:
-        return s in self.streams
-
-
-class PrefillPipeline:
-    """Pipelined chunked prefill, the one helper solo, batch and rows modes share.
-
-    Every (stream, chunk) pair is queued in order; up to ``depth`` prefill ops are kept in flight; replies are
-    taken in FIFO order, and on each one the next op is sent before any other work, so the stages never idle
-    on the coordinator. A stream is finalised when its last chunk's reply lands: its first token (and TTFT),
-    ending it right there on EOS, a stop string or ``max_new_tokens == 1``. Token-identical to ``depth == 1``
-    because stages apply ops in arrival order.
-    """
-
-    def __init__(self, link: Link, chunk: int, depth: int, job: int = 0):
-        self.link, self.chunk, self.depth, self.job = link, chunk, depth, job
-        self.queue: deque[tuple[Stream, int]] = deque()
-        self.in_flight = 0
-
-    @property
-    def idle(self) -> bool:
-        return not self.queue and self.in_flight == 0
-
-    def add(self, stream: Stream) -> None:
-        """Queue every chunk of ``stream``'s prompt and fill the window."""
-        self.queue.extend((stream, start) for start in range(0, len(stream.prompt), self.chunk))
-        self.fill()
-
-    def drop(self, stream: Stream) -> None:
-        """Forget the chunks of ``stream`` not yet sent (a cancelled request)."""
-        self.queue = deque(p for p in self.queue if p[0] is not stream)
-
-    def fill(self) -> None:
-        while self.queue and self.in_flight < self.depth:
-            s, start = self.queue.popleft()
-            toks = s.prompt[start : start + self.chunk]
-            last = start + len(toks) >= len(s.prompt)
-            self.link.send(m.Message(m.PREFILL, job=self.job, row=s.row, start=start, n_tokens=len(toks),
-                                     flags=_flags(s) if last else 0, rows=[(s.row, start)],
-                                     tensors=[torch.tensor(toks, dtype=torch.int64)]), tag=PrefillTag(s, last))
-            self.in_flight += 1
-
-    def on_reply(self, reply: m.Message, tag: PrefillTag) -> TokenEvent | None:
-        """Handle the reply to one of our ops: send the next op first, then finalise the stream if this was
-        its last chunk (returns its first token) — unless the stream was cancelled meanwhile."""
-        self.in_flight -= 1
-        self.fill()
-        s = tag.stream
-        if not tag.last or s.done:
-            return None
-        token = _next_token(s, reply, 0)
-        return TokenEvent(s.index, token, s.commit(token))
-
-
-def prefill(link: Link, streams: list[Stream], chunk: int, depth: int, job: int = 0) -> Iterator[TokenEvent]:
-    """Run a ``PrefillPipeline`` over ``streams`` alone; yields each stream's first token as it lands."""
-    pipe = PrefillPipeline(link, chunk, depth, job)
-    for s in streams:
-        pipe.add(s)
-    while not pipe.idle:
-        reply, tag = link.recv()
-        ev = pipe.on_reply(reply, tag)
-        if ev is not None:
-            yield ev
-
-
-def decode_op(streams: list[Stream], job: int = 0) -> m.Message:
-    """One DECODE op for ``streams`` in lockstep: solo shape (ids ``[1]``) for one stream, else ids ``[B, 1]``
-    with each row at its own position."""
-    rows = [(s.row, s.position) for s in streams]
-    flags = m.WANT_LOGITS if any(not s.sampler.greedy for s in streams) else 0
-    ids = torch.tensor([s.tokens[-1] for s in streams], dtype=torch.int64)
-    return m.Message(m.DECODE, job=job, row=rows[0][0], start=rows[0][1], n_tokens=1, flags=flags, rows=rows,
-                     tensors=[ids if len(streams) == 1 else ids.view(-1, 1)])
-
-
-def commit_decode(reply: m.Message, tag: DecodeTag) -> list[TokenEvent]:
-    """Sample and commit one token per stream of a decode reply (cancelled streams are skipped)."""
-    events = []
-    for i, s in enumerate(tag.streams):
-        if not s.done:
-            token = _next_token(s, reply, i)
-            events.append(TokenEvent(s.index, token, s.commit(token)))
-    return events
-
-
-def decode_solo(link: Link, stream: Stream, job: int = 0) -> Iterator[TokenEvent]:
-    """Decode one stream after its prefill: one single-row DECODE op per token until it finishes."""
-    while not stream.done:
-        link.send(decode_op([stream], job), tag=DecodeTag((stream,)))
-        reply, tag = link.recv()
-        yield from commit_decode(reply, tag)

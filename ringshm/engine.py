@@ -1,5 +1,6 @@
 """``Engine``: the public API. It starts a ``StageGroup`` (the stage processes and their rings,
-``ringshm.launcher``) and serves requests over it: solo, batch and rows modes, speculative decoding.
+``ringshm.launcher``) and serves requests over it through the one ``Scheduler`` (``ringshm.scheduler``): one
+request alone, many at once (continuous batching over ``max_rows`` KV rows), speculative decoding.
 
 ``close()`` (idempotent, also run by the context manager and, failing both, when the engine is
 garbage-collected or the interpreter exits) stops the stages, reaps them and unlinks every segment.
@@ -12,14 +13,14 @@ import time
 from collections.abc import Callable, Iterator
 
 from ringshm.config import EngineConfig, GenerationParams
-from ringshm.coordinator import Link, Stream, TokenEvent, decode_solo, prefill
+from ringshm.coordinator import Link, Stream, TokenEvent
 from ringshm.errors import EngineOwned
 from ringshm.launcher import StageGroup, check_memory, checkpoint_bytes_per_weight
 from ringshm.results import BatchResult, GenerationResult, result_of
 from ringshm.sampling import Sampler, TextStream
-from ringshm.scheduler import RowsRun, run_batch
+from ringshm.scheduler import Scheduler, StepStats
 from ringshm.spec import NGramDrafter, SpecStats
-from ringshm.spec_decode import SpecDecoder, decode_solo_spec
+from ringshm.spec_decode import SpecDecoder
 
 
 class Engine:
@@ -160,9 +161,19 @@ class Engine:
             s.spec = SpecDecoder(s, NGramDrafter(p.spec_k, p.spec_ngram), p.spec_depth)
         return s
 
-    def _depth(self, p: GenerationParams) -> int:
+    def _prefill_depth(self, p: GenerationParams) -> int:
         """The prefill depth of one request: the engine's unless overridden (A/B runs on one engine)."""
         return self.config.prefill_depth if p.prefill_depth is None else p.prefill_depth
+
+    def scheduler(self, streams: list[Stream] = (), prefill_depth: int | None = None,
+                  depth: int | None = None) -> Scheduler:
+        """A ``Scheduler`` over this engine's ring with the engine's limits (``prefill_depth`` and ``depth``
+        override the engine's for one run) and a fresh job id."""
+        cfg = self.config
+        self._job += 1
+        return Scheduler(self._link, list(streams), cfg.max_rows, cfg.prefill_chunk,
+                         cfg.prefill_depth if prefill_depth is None else prefill_depth,
+                         cfg.step_depth if depth is None else depth, cfg.step_tokens, self._job)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> Iterator[TokenEvent]:
         """Generate, yielding a ``TokenEvent`` (token id and text delta) per committed token.
@@ -172,7 +183,7 @@ class Engine:
         """
         self._check_usable()
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
-        return self._run_solo(self._make_stream(0, 0, prompt, p), self._depth(p))
+        return self._run_solo(self._make_stream(0, -1, prompt, p), self._prefill_depth(p))
 
     def _check_usable(self) -> None:
         """Raise when this engine cannot take a request from its caller now (closed, or owned)."""
@@ -182,16 +193,10 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine is closed")
 
-    def _run_solo(self, s: Stream, depth: int) -> Iterator[TokenEvent]:
+    def _run_solo(self, s: Stream, prefill_depth: int) -> Iterator[TokenEvent]:
         self._check_usable()
-        self._job += 1
         try:
-            yield from prefill(self._link, [s], self.config.prefill_chunk, depth, self._job)
-            if s.spec is not None:
-                s.spec.job = self._job
-                yield from decode_solo_spec(self._link, s.spec)
-            else:
-                yield from decode_solo(self._link, s, self._job)
+            yield from self.scheduler([s], prefill_depth)
         finally:
             self._link.drain()
 
@@ -216,10 +221,10 @@ class Engine:
         """
         self._check_usable()
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
-        s = self._make_stream(0, 0, prompt, p)
+        s = self._make_stream(0, -1, prompt, p)
         busy0 = self._busy()
         busy_first = work_first = None
-        for ev in self._run_solo(s, self._depth(p)):
+        for ev in self._run_solo(s, self._prefill_depth(p)):
             if busy_first is None:
                 busy_first, work_first = self._busy(), self._link.work_s
             if on_token is not None:
@@ -235,43 +240,36 @@ class Engine:
         return self._group.ops()
 
     # ------------------------------------------------------------------------------------- many streams
-    def stream_batch(self, prompts: list, mode: str = "rows", max_new_tokens: int = 128, *,
-                     decode_depth: int = 1, **params) -> "BatchStream":
+    def stream_batch(self, prompts: list, max_new_tokens: int = 128, *, depth: int | None = None,
+                     **params) -> "BatchStream":
         """Serve many prompts at once; iterate the returned ``BatchStream`` for ``TokenEvent``s (``.stream``
         is the prompt's index) as tokens are committed. Arguments as ``generate_batch``; bad input raises
         here, before anything is sent."""
         self._check_usable()
-        if mode not in ("rows", "batch"):
-            raise ValueError(f"mode must be 'rows' or 'batch', got {mode!r}")
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings or token-id lists")
-        if mode == "batch" and len(prompts) > self.config.max_rows:
-            raise ValueError(f"batch mode needs one KV row per prompt: {len(prompts)} prompts > max_rows "
-                             f"{self.config.max_rows}; use mode='rows' (it queues) or a larger max_rows")
-        if not isinstance(decode_depth, int) or decode_depth < 1:
-            raise ValueError(f"decode_depth must be an int >= 1, got {decode_depth!r}")
+        if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
+            raise ValueError(f"depth must be an int >= 1 or None, got {depth!r}")
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
-        if mode == "batch" and p.spec is not None:
-            raise ValueError("batch mode decodes in lockstep without speculation: use mode='rows' with spec")
-        streams = [self._make_stream(i, i if mode == "batch" else -1, prompt, p) for i, prompt in enumerate(prompts)]
-        return BatchStream(self, streams, mode, self._depth(p), decode_depth)
+        streams = [self._make_stream(i, -1, prompt, p) for i, prompt in enumerate(prompts)]
+        return BatchStream(self, streams, self._prefill_depth(p), depth)
 
-    def generate_batch(self, prompts: list, mode: str = "rows", max_new_tokens: int = 128, *,
-                       decode_depth: int = 1, on_token: Callable[[TokenEvent], None] | None = None,
-                       **params) -> BatchResult:
+    def generate_batch(self, prompts: list, max_new_tokens: int = 128, *, depth: int | None = None,
+                       on_token: Callable[[TokenEvent], None] | None = None, **params) -> BatchResult:
         """Generate for every prompt over the same stages; one result per prompt, in input order.
+
+        Every step op carries every stream that is ready (``ringshm.scheduler``); prompts beyond ``max_rows``
+        wait for a free KV row. Each stream gets exactly the tokens ``generate`` gives it alone.
 
         Args:
             prompts: strings or token-id lists (as ``generate``).
-            mode: "rows" (de-lockstep: each stream its own ops; more prompts than max_rows queue for a free
-                row; speculation allowed) or "batch" (lockstep decode; at most max_rows prompts).
-            decode_depth: batch mode only: lockstep micro-batches in flight (see ``ringshm.scheduler``).
+            depth: decode micro-batches in flight for this run (default: the engine's ``depth``).
             **params: as ``generate`` (stream i samples with ``seed + i``).
 
         Raises:
             ValueError: bad input (any prompt), before anything is sent. StageDied, StageError: as generate.
         """
-        run = self.stream_batch(prompts, mode, max_new_tokens, decode_depth=decode_depth, **params)
+        run = self.stream_batch(prompts, max_new_tokens, depth=depth, **params)
         for ev in run:
             if on_token is not None:
                 on_token(ev)
@@ -283,10 +281,10 @@ class BatchStream:
     stream ``i`` and leaves the others running; ``result()`` after the run gives the ``BatchResult``.
     Abandoning the iteration early drains what is in flight."""
 
-    def __init__(self, engine: Engine, streams: list[Stream], mode: str, depth: int, decode_depth: int):
-        self.engine, self.streams, self.mode = engine, streams, mode
-        self.depth, self.decode_depth = depth, decode_depth
-        self._rows: RowsRun | None = None
+    def __init__(self, engine: Engine, streams: list[Stream], prefill_depth: int, depth: int | None):
+        self.engine, self.streams = engine, streams
+        self.prefill_depth, self.depth = prefill_depth, depth
+        self._run: Scheduler | None = None
         self._t0 = self._t1 = 0.0
         self._busy0: list[float] = []
         self._busy1: list[float] = []
@@ -294,37 +292,29 @@ class BatchStream:
     def __iter__(self) -> Iterator[TokenEvent]:
         eng = self.engine
         eng._check_usable()
-        eng._job += 1
-        for s in self.streams:
-            if s.spec is not None:
-                s.spec.job = eng._job
-        cfg = eng.config
         self._t0, self._busy0 = time.perf_counter(), eng._busy()
         try:
-            if self.mode == "rows":
-                self._rows = RowsRun(eng._link, self.streams, cfg.max_rows, cfg.prefill_chunk, self.depth, eng._job)
-                yield from self._rows
-            else:
-                yield from run_batch(eng._link, self.streams, cfg.prefill_chunk, self.depth, self.decode_depth,
-                                     eng._job)
+            self._run = eng.scheduler(self.streams, self.prefill_depth, self.depth)
+            yield from self._run
         finally:
             eng._link.drain()
             self._t1, self._busy1 = time.perf_counter(), eng._busy()
 
     def cancel(self, index: int) -> None:
         """End stream ``index`` (finish_reason "cancelled"); the others go on."""
-        if self._rows is not None:
-            self._rows.cancel(index)
+        if self._run is not None:
+            self._run.cancel(index)
         else:
             self.streams[index].cancel()
 
     def result(self) -> BatchResult:
-        """Per-stream results (input order), wall time and aggregate output tok/s of the finished run."""
+        """Per-stream results (input order), wall time, aggregate output tok/s and step counters of the run."""
         results = [result_of(s) for s in self.streams]
         wall = max(self._t1 - self._t0, 1e-9)
         spec = SpecStats()
         for s in self.streams:
             if s.spec is not None:
                 spec.add(s.spec.stats)
-        return BatchResult(results, self.mode, wall, sum(r.n_output_tokens for r in results) / wall,
-                           [b - b0 for b, b0 in zip(self._busy1, self._busy0)], spec)
+        return BatchResult(results, wall, sum(r.n_output_tokens for r in results) / wall,
+                           [b - b0 for b, b0 in zip(self._busy1, self._busy0)], spec,
+                           self._run.stats if self._run is not None else StepStats())

@@ -257,22 +257,23 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out.transpose(0, 1).to(q.dtype)  # [n, Hq, D]
 
 
-def attention_batched_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                                starts: torch.Tensor) -> torch.Tensor:
-    """Torch form of ``attention_batched``: one ``attention_reference`` per entry. Same contract."""
-    out = [attention_reference(q[b], k_cache[int(r)], v_cache[int(r)], int(s))
-           for b, (r, s) in enumerate(zip(rows.tolist(), starts.tolist()))]
-    return torch.stack(out) if out else torch.empty_like(q)
+def attention_segments_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                                 starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """Torch form of ``attention_segments``: one ``attention_reference`` per segment. Same contract."""
+    out, o = [], 0
+    for r, s, n in zip(rows.tolist(), starts.tolist(), lens.tolist()):
+        out.append(attention_reference(q[o:o + n], k_cache[r], v_cache[r], s))
+        o += n
+    return torch.cat(out) if out else torch.empty_like(q)
 
 
 def _check_attention_shapes(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             cache_dims: int) -> tuple[int, int, int, int, int]:
-    """Shared checks; returns (n, Hq, Hkv, S_max, D)."""
-    q_dims = cache_dims  # q [n, Hq, D] goes with a row [Hkv, S_max, D]; q [B, n, Hq, D] with [R, Hkv, S_max, D]
-    q_shape = "[n, Hq, D]" if cache_dims == 3 else "[B, n, Hq, D]"
+    """Shared checks of q ``[n, Hq, D]`` against one cache row ``[Hkv, S_max, D]`` (``cache_dims`` 3) or the
+    layer's cache ``[R, Hkv, S_max, D]`` (4); returns (n, Hq, Hkv, S_max, D)."""
     cache_shape = "[Hkv, S_max, D] (cache[row])" if cache_dims == 3 else "[R, Hkv, S_max, D] (the layer's cache)"
-    if q.dim() != q_dims:
-        raise ValueError(f"{what}: q must be {q_shape}, got {tuple(q.shape)}")
+    if q.dim() != 3:
+        raise ValueError(f"{what}: q must be [n, Hq, D], got {tuple(q.shape)}")
     if k_cache.dim() != cache_dims or v_cache.shape != k_cache.shape:
         raise ValueError(f"{what}: k_cache and v_cache must both be {cache_shape}, "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
@@ -333,50 +334,60 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
     return out
 
 
-def attention_batched(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                      starts: torch.Tensor) -> torch.Tensor:
-    """Lockstep attention for B cache rows, each with its own start (batched decode / verify, same n for all).
+MAX_SEGMENTS: int = lib.ringshm_attn_max_segments()
+
+
+def attention_segments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                       starts: torch.Tensor, lens: torch.Tensor, n_threads: int | None = None) -> torch.Tensor:
+    """Attention of a ragged batch of segments, each on its own cache row (a step op's attention).
 
     Args:
-        q: ``[B, n, Hq, D]``, already rotated; entry b's query j sits at position ``starts[b] + j``.
+        q: ``[T, Hq, D]``, already rotated: segment i's ``lens[i]`` queries follow segment i-1's; its query j
+            sits at position ``starts[i] + j``.
         k_cache, v_cache: the layer's whole cache ``[R, Hkv, S_max, D]``, contiguous, same dtype/device as q.
-        rows: int64 ``[B]``, the cache row of each entry, in ``[0, R)`` (may repeat).
-        starts: int64 ``[B]``, each entry's start, ``0 <= starts[b] <= S_max - n``.
+        rows, starts, lens: int64 ``[n_seg]`` (CPU): each segment's cache row in ``[0, R)`` (may repeat), start
+            ``>= 0`` and token count ``>= 1``, ``starts[i] + lens[i] <= S_max``, ``sum(lens) == T``,
+            ``n_seg <= MAX_SEGMENTS``.
+        n_threads: OpenMP threads over (segment, kv head) items (default: torch's intra-op threads).
 
-    ``out[b] == attention(q[b], k_cache[rows[b]], v_cache[rows[b]], starts[b])`` (bitwise on the C path).
+    ``out[segment i] == attention(q[segment i], k_cache[rows[i]], v_cache[rows[i]], starts[i])``, bitwise on the C
+    path, whatever ``n_threads`` and the other segments (csrc/kernels.h).
 
     Returns:
-        ``[B, n, Hq, D]``, q's dtype and device.
+        ``[T, Hq, D]``, q's dtype and device.
 
     Raises:
-        ValueError: as ``attention``; rows/starts not int64 ``[B]`` or not on the CPU for the C path.
-        KVRangeError (a ValueError): a row outside ``[0, R)``, a start < 0 or ``starts[b] + n > S_max``.
+        ValueError: as ``attention``; rows/starts/lens not int64 ``[n_seg]`` CPU tensors, a length < 1, lengths
+            that do not sum to T, or too many segments.
+        KVRangeError (a ValueError): a row outside ``[0, R)``, a start < 0 or ``starts[i] + lens[i] > S_max``.
             Nothing is computed.
     """
-    n, hq, hkv, smax, d = _check_attention_shapes("attention_batched", q, k_cache, v_cache, cache_dims=4)
-    b, r = q.shape[0], k_cache.shape[0]
-    for name, t in (("rows", rows), ("starts", starts)):
-        if t.dtype != torch.int64 or t.shape != (b,):
-            raise ValueError(f"attention_batched: {name} must be int64 [B] = [{b}], got {t.dtype} {tuple(t.shape)}")
-    if b == 0 or n == 0:
+    _, hq, hkv, smax, d = _check_attention_shapes("attention_segments", q, k_cache, v_cache, cache_dims=4)
+    n_seg = rows.shape[0] if rows.dim() == 1 else -1
+    for name, t in (("rows", rows), ("starts", starts), ("lens", lens)):
+        if t.dtype != torch.int64 or t.shape != (n_seg,) or t.device.type != "cpu":
+            raise ValueError(f"attention_segments: {name} must be int64 CPU [n_seg] = [{n_seg}], got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if n_seg > MAX_SEGMENTS:
+        raise ValueError(f"attention_segments: at most {MAX_SEGMENTS} segments per call, got {n_seg}")
+    if bool((lens < 1).any()) or int(lens.sum()) != q.shape[0]:
+        raise ValueError(f"attention_segments: lens must be >= 1 and sum to T = {q.shape[0]}, got {lens.tolist()}")
+    n_rows = k_cache.shape[0]
+    if bool((rows < 0).any() | (rows >= n_rows).any() | (starts < 0).any() | (starts + lens > smax).any()):
+        raise KVRangeError(f"attention_segments: rows must lie in [0, {n_rows}) and starts + lens in [0, {smax}]; "
+                           f"got rows {rows.tolist()}, starts {starts.tolist()}, lens {lens.tolist()}")
+    if n_seg == 0:
         return torch.empty_like(q)
     if not (_c_path(q) and _attn_c_ok(d)):
-        if bool((rows < 0).any() | (rows >= r).any() | (starts < 0).any() | (starts + n > smax).any()):
-            raise KVRangeError(f"attention_batched: rows must lie in [0, {r}) and starts in [0, {smax - n}]; "
-                               f"got rows {rows.tolist()}, starts {starts.tolist()}")
-        return attention_batched_reference(q, k_cache, v_cache, rows, starts)
-    if rows.device.type != "cpu" or starts.device.type != "cpu":
-        raise ValueError("attention_batched: rows and starts must be CPU tensors for a CPU cache")
-    q, rows, starts = q.contiguous(), rows.contiguous(), starts.contiguous()
+        return attention_segments_reference(q, k_cache, v_cache, rows, starts, lens)
+    q = q.contiguous()
+    rows, starts, lens = rows.contiguous(), starts.contiguous(), lens.contiguous()
     out = torch.empty_like(q)
-    status = lib.ringshm_attn_forward_batched(
-        _f32p(out), _f32p(q), _f32p(k_cache), _f32p(v_cache),
-        ffi.cast("int64_t *", rows.data_ptr()), ffi.cast("int64_t *", starts.data_ptr()),
-        b, r, n, hq, hkv, smax, d)
-    if status == lib.RINGSHM_KERNEL_ERR_RANGE:
-        raise KVRangeError(f"attention_batched: rows must lie in [0, {r}) and starts in [0, {smax - n}]; "
-                           f"got rows {rows.tolist()}, starts {starts.tolist()}")
-    _check(status, "attention_batched")
+    i64 = lambda t: ffi.cast("int64_t *", t.data_ptr())  # noqa: E731
+    status = lib.ringshm_attn_forward_segments(
+        _f32p(out), _f32p(q), _f32p(k_cache), _f32p(v_cache), i64(rows), i64(starts), i64(lens), n_seg, n_rows,
+        hq, hkv, smax, d, torch.get_num_threads() if n_threads is None else n_threads)
+    _check(status, "attention_segments")
     return out
 
 

@@ -44,23 +44,23 @@ def _pow2(n: int) -> int:
 def ring_capacities(cfg: EngineConfig, hidden: int, vocab: int) -> list[int]:
     """Data bytes of each ring (``stages + 1``), sized from what its records can be, as powers of two.
 
-    Ring 0 carries token ids (int64), the rings between stages hidden states ([n, hidden], at most 4 bytes
-    each), the last ring replies (token ids, plus fp32 logits ``[rows, vocab]`` when a request samples).
-    Up to ``prefill_depth`` prefill ops (``prefill_chunk`` tokens) and ``max_rows`` decode ops are in flight
-    at once; each ring holds that much plus one largest record (the wasted tail when a record wraps). With the
-    defaults and SmolLM2 (hidden 576, vocab 49152): 128 KiB, 8 MiB per hop between stages, 8 MiB.
-    A fuller ring only makes its producer wait (backpressure); the coordinator drains the last one.
+    A step op carries at most ``cfg.max_op_tokens`` tokens: ring 0 their ids (int64), the rings between stages
+    their hidden states (``[T, hidden]``, 4 bytes each), the last ring the replies (ids, plus fp32 logits
+    ``[n, vocab]`` of the segments that sample). Up to ``prefill_depth + depth`` ops are in flight. The last
+    ring must hold every reply in flight: the coordinator drains it only between sends, so a full one would
+    block the stages while the coordinator waits to send. A sampling stream has one op in flight, so all
+    replies together carry at most ``max_rows`` logits rows. The other rings only need room for a few records:
+    when one is full its producer waits (backpressure) while the consumer keeps draining it. With the
+    defaults and SmolLM2 (hidden 576, vocab 49152): 128 KiB, 4 MiB per hop between stages, 4 MiB.
     """
-    tokens = max(cfg.prefill_chunk, cfg.max_rows)
-    in_flight = cfg.prefill_depth + cfg.max_rows + 1
+    tokens = cfg.max_op_tokens
+    in_flight = cfg.prefill_depth + cfg.step_depth + 1
     ids = tokens * 8 + RECORD_OVERHEAD
     first = _pow2(in_flight * ids + ids)
     hidden_rec = tokens * hidden * 4 + RECORD_OVERHEAD
-    middle = _pow2((cfg.prefill_depth + 1) * hidden_rec + cfg.max_rows * (hidden * 4 + RECORD_OVERHEAD)
-                   + hidden_rec)
-    reply = vocab * 4 + RECORD_OVERHEAD  # one row's logits (a prefill's last position, a rows-mode decode)
-    largest_reply = cfg.max_rows * vocab * 4 + RECORD_OVERHEAD  # a lockstep batch decode's logits
-    last = _pow2(in_flight * reply + largest_reply)
+    middle = _pow2(3 * hidden_rec)  # one being read, one being written, one waiting
+    logits = cfg.max_rows * vocab * 4
+    last = _pow2(in_flight * (ids + RECORD_OVERHEAD) + 2 * logits)  # 2 x: the tail wasted when a record wraps
     return [first] + [middle] * (cfg.stages - 1) + [last]
 
 
@@ -244,7 +244,8 @@ class StageGroup:
                                  layer_stop=layers.stop, max_rows=cfg.max_rows, max_seq_len=max_seq_len,
                                  dtype=cfg.dtype, device=cfg.device, in_ring=self.rings[i].name,
                                  out_ring=self.rings[i + 1].name, cores=cores,
-                                 ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms)
+                                 ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms,
+                                 max_op_tokens=cfg.max_op_tokens)
                 with _child_env(i % n_gpus if n_gpus else None):
                     p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors), daemon=True,
                                     name=f"ringshm-stage-{i}")

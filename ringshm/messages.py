@@ -1,23 +1,31 @@
-"""Every op and tag on the wire, and the record codec. No pickle: a fixed binary header, a row table, tensor
-descriptors, then raw tensor bytes written straight into the ring record and read back zero-copy.
+"""Every op and tag on the wire, and the record codec. No pickle: a fixed binary header, a segment table,
+tensor descriptors, then raw tensor bytes written straight into the ring record and read back zero-copy.
 
 Record layout (little-endian, every section 8-byte aligned):
 
     +--------------------------------------------------------------------------------------------+
-    | header (HEADER.size = 56 bytes)                                                            |
+    | header (HEADER.size = 48 bytes)                                                            |
     |   magic u16 | version u8 | op u8 | flags u16 | n_tensors u8 | pad u8                       |
-    |   job u32 | epoch u32 | seq u64 | row i32 | start i32 | n_tokens i32 | n_rows i32 | aux i64 |
-    |   sent_ns u64 (CLOCK_MONOTONIC when the sender encoded it; drives simulated link latency)  |
+    |   job u32 | n_segments i32 | seq u64 | n_tokens i64 (T, the tokens of all segments)        |
+    |   aux i64 | sent_ns u64 (CLOCK_MONOTONIC when the sender encoded it; drives link latency)  |
     +--------------------------------------------------------------------------------------------+
-    | row table: n_rows x (row i32, start i32)   (lockstep batch ops; one entry for single-row)  |
+    | segment table: n_segments x (row i32, start i32, n_tokens i32, want u32)                   |
     +--------------------------------------------------------------------------------------------+
     | tensor descriptors: n_tensors x (dtype u8, ndim u8, pad u16, shape 4 x i32, nbytes u64)    |
     +--------------------------------------------------------------------------------------------+
     | tensor bytes, each starting on a 64-byte boundary of the record                            |
     +--------------------------------------------------------------------------------------------+
 
-A reply repeats the op's job, epoch, seq, row, start and row table with ``flags | REPLY``; an error reply
-has ``op = ERROR`` and one uint8 tensor holding ``"<ExceptionName>: <message>"`` in UTF-8.
+The one compute op is ``STEP``: a segment is ``n_tokens`` consecutive positions of one KV row from ``start``
+(a decode is a 1-token segment, a speculative verify k+1 tokens, a prefill chunk n tokens; one op may mix
+them, a row at most once). Its tensor holds every segment's tokens in table order: int64 ids ``[T]`` into
+stage 0, fp32 hidden states ``[T, hidden]`` between stages (``HIDDEN`` set). ``want`` says what the last
+stage returns for the segment; its reply carries ``ids`` int64 ``[Σ outputs]`` (nothing for ``WANT_NONE``,
+1 for ``WANT_LAST``, ``n_tokens`` for ``WANT_ALL``, in table order) and, when any segment has
+``WANT_LOGITS``, fp32 ``[n_logit_segments, vocab]`` logits of those segments' last positions.
+
+A reply repeats the op's job, seq and segment table with ``flags | REPLY``; an error reply has ``op = ERROR``,
+``aux`` = the failing stage, and one uint8 tensor holding ``"<ExceptionName>: <message>"`` in UTF-8.
 """
 
 from __future__ import annotations
@@ -26,30 +34,34 @@ import struct
 import time
 import warnings
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
 # ---------------------------------------------------------------------------------------------- op codes
-RESET = 1  # clear rows: row table = the rows; no tensor; reply: empty
-PREFILL = 2  # a chunk of prompt tokens for one row; reply: argmax at the last position
-VERIFY = 3  # n tokens for one row; reply: argmax at every position (speculative decoding)
-DECODE = 4  # one token per row for a lockstep batch of rows; reply: argmax per row
+RESET = 1  # forget rows: segment table = the rows (n_tokens 0); no tensor; reply: empty
+STEP = 2  # the compute op: a segment table and one tensor (see the module docstring)
 SHUTDOWN = 5  # the stage forwards it and exits its loop
 PING = 6  # startup / liveness: every stage forwards it; reply carries nothing
 ERROR = 0x7F  # a stage failed an op: payload names the exception
 
-OP_NAMES = {RESET: "reset", PREFILL: "prefill", VERIFY: "verify", DECODE: "decode", SHUTDOWN: "shutdown",
-            PING: "ping", ERROR: "error"}
+OP_NAMES = {RESET: "reset", STEP: "step", SHUTDOWN: "shutdown", PING: "ping", ERROR: "error"}
 
 # ------------------------------------------------------------------------------------------------- flags
 REPLY = 1 << 0  # set by the last stage on what it sends back to the coordinator
-WANT_LOGITS = 1 << 1  # last stage appends the last position's fp32 logits (sampling)
 HIDDEN = 1 << 3  # the tensor is hidden states (between stages), not token ids
 
+# ---------------------------------------------------------------------------------- what a segment wants
+WANT_NONE = 0  # nothing (a prefill chunk that is not the prompt's last)
+WANT_LAST = 1  # the argmax at the segment's last position (decode, a prompt's last chunk)
+WANT_ALL = 2  # the argmax at every position (speculative verify)
+WANT_LOGITS = 4  # with WANT_LAST: also the last position's fp32 logits (sampling)
+WANT_MASK = WANT_LAST | WANT_ALL | WANT_LOGITS
+
 MAGIC = 0x5352  # "RS"
-VERSION = 1
-HEADER = struct.Struct("<HBBHBxIIQiiiiqQ")
-ROW_ENTRY = struct.Struct("<ii")
+VERSION = 2  # 2: one STEP op with a segment table replaced PREFILL / VERIFY / DECODE and the row table
+HEADER = struct.Struct("<HBBHBxIiQqqQ")
+SEGMENT = struct.Struct("<iiiI")
 TENSOR_DESC = struct.Struct("<BBxx4iQ")
 TENSOR_ALIGN = 64
 MAX_NDIM = 4
@@ -66,13 +78,27 @@ class ProtocolError(ValueError):
     """A record that does not decode: bad magic or version, or sizes that disagree with the record."""
 
 
+class Segment(NamedTuple):
+    """One entry of a STEP op's segment table: ``n_tokens`` positions of KV row ``row`` from ``start``, and
+    what the last stage returns for it (``WANT_*``)."""
+
+    row: int
+    start: int
+    n_tokens: int
+    want: int = WANT_NONE
+
+    def n_outputs(self) -> int:
+        """Argmax ids the reply carries for this segment."""
+        return self.n_tokens if self.want & WANT_ALL else 1 if self.want & WANT_LAST else 0
+
+
 def _align(n: int, a: int = 8) -> int:
     return (n + a - 1) // a * a
 
 
 @dataclass
 class Message:
-    """One op or reply. ``rows`` is the row table: ``[(row, start), ...]``; single-row ops have one entry.
+    """One op or reply. ``segments``: the segment table (``Segment`` tuples); RESET lists its rows there.
 
     ``tensors``: CPU tensors to send, or (decoded) zero-copy views over the ring record that are valid
     only until the record is released: copy what you keep.
@@ -80,14 +106,10 @@ class Message:
 
     op: int
     job: int = 0
-    epoch: int = 0
     seq: int = 0
-    row: int = 0
-    start: int = 0
-    n_tokens: int = 0
     flags: int = 0
-    aux: int = 0  # op-specific integer (e.g. the stage index of an error)
-    rows: list[tuple[int, int]] = field(default_factory=list)
+    aux: int = 0  # op-specific integer (the stage index of an error)
+    segments: list[Segment] = field(default_factory=list)
     tensors: list[torch.Tensor] = field(default_factory=list)
     sent_ns: int = 0  # set by encode_into; read back by decode
 
@@ -95,17 +117,25 @@ class Message:
     def is_reply(self) -> bool:
         return bool(self.flags & REPLY)
 
+    @property
+    def n_tokens(self) -> int:
+        """T: the tokens of every segment."""
+        return sum(s.n_tokens for s in self.segments)
+
     def reply(self, tensors: list[torch.Tensor], flags: int = 0) -> "Message":
-        """A reply to this op: same job/epoch/seq/row/start/rows, ``REPLY`` set."""
-        return Message(self.op, self.job, self.epoch, self.seq, self.row, self.start, self.n_tokens,
-                       (self.flags & ~HIDDEN) | REPLY | flags, self.aux, self.rows, tensors)
+        """A reply to this op: same job/seq/segments, ``REPLY`` set."""
+        return Message(self.op, self.job, self.seq, (self.flags & ~HIDDEN) | REPLY | flags, self.aux,
+                       self.segments, tensors)
+
+    def forward(self, tensors: list[torch.Tensor]) -> "Message":
+        """This op for the next stage, carrying ``tensors`` (hidden states) instead of its own."""
+        return Message(self.op, self.job, self.seq, self.flags | HIDDEN, self.aux, self.segments, tensors)
 
     def error(self, exc: BaseException, stage: int) -> "Message":
         """An error reply naming ``exc`` (class and message) and the stage that raised it (in ``aux``)."""
         text = f"{type(exc).__name__}: {exc}".encode("utf-8", "replace")
         payload = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else torch.zeros(0, dtype=torch.uint8)
-        return Message(ERROR, self.job, self.epoch, self.seq, self.row, self.start, self.n_tokens,
-                       self.flags | REPLY, stage, self.rows, [payload])
+        return Message(ERROR, self.job, self.seq, self.flags | REPLY, stage, self.segments, [payload])
 
     def error_text(self) -> str:
         """The ``"<ExceptionName>: <message>"`` of an ERROR message."""
@@ -114,7 +144,7 @@ class Message:
 
 def _layout(msg: Message) -> tuple[int, list[int]]:
     """Total record bytes and the offset of each tensor's bytes."""
-    off = HEADER.size + _align(ROW_ENTRY.size * len(msg.rows)) + TENSOR_DESC.size * len(msg.tensors)
+    off = HEADER.size + _align(SEGMENT.size * len(msg.segments)) + TENSOR_DESC.size * len(msg.tensors)
     offsets = []
     for t in msg.tensors:
         off = _align(off, TENSOR_ALIGN)
@@ -142,13 +172,13 @@ def encode_into(buf: memoryview, msg: Message) -> int:
     total, offsets = _layout(msg)
     if len(buf) < total:
         raise ValueError(f"buffer of {len(buf)} bytes cannot hold a {total}-byte record")
-    HEADER.pack_into(buf, 0, MAGIC, VERSION, msg.op, msg.flags, len(msg.tensors), msg.job, msg.epoch,
-                     msg.seq, msg.row, msg.start, msg.n_tokens, len(msg.rows), msg.aux, time.monotonic_ns())
+    HEADER.pack_into(buf, 0, MAGIC, VERSION, msg.op, msg.flags, len(msg.tensors), msg.job, len(msg.segments),
+                     msg.seq, msg.n_tokens, msg.aux, time.monotonic_ns())
     off = HEADER.size
-    for r, s in msg.rows:
-        ROW_ENTRY.pack_into(buf, off, r, s)
-        off += ROW_ENTRY.size
-    off = HEADER.size + _align(ROW_ENTRY.size * len(msg.rows))
+    for seg in msg.segments:
+        SEGMENT.pack_into(buf, off, *seg)
+        off += SEGMENT.size
+    off = HEADER.size + _align(SEGMENT.size * len(msg.segments))
     for t in msg.tensors:
         if t.dim() > MAX_NDIM or t.dtype not in _DTYPE_CODE:
             raise ValueError(f"cannot send a {t.dim()}-d {t.dtype} tensor (at most {MAX_NDIM} dims of "
@@ -177,20 +207,23 @@ def decode(buf: memoryview) -> Message:
     """Parse a record; tensors are zero-copy views over ``buf`` (valid until it is released).
 
     Raises:
-        ProtocolError: bad magic/version, or a row table / tensor that runs past the record.
+        ProtocolError: bad magic/version, or a segment table / tensor that runs past the record, or a
+            segment table whose token count disagrees with the header's.
     """
     if len(buf) < HEADER.size:
         raise ProtocolError(f"record of {len(buf)} bytes is shorter than the {HEADER.size}-byte header")
-    (magic, version, op, flags, n_tensors, job, epoch, seq, row, start, n_tokens, n_rows, aux,
-     sent_ns) = HEADER.unpack_from(buf, 0)
+    magic, version, op, flags, n_tensors, job, n_seg, seq, n_tokens, aux, sent_ns = HEADER.unpack_from(buf, 0)
     if magic != MAGIC or version != VERSION:
         raise ProtocolError(f"record magic/version {magic:#x}/{version}, expected {MAGIC:#x}/{VERSION}")
-    if n_rows < 0 or n_tensors > MAX_TENSORS:
-        raise ProtocolError(f"record claims {n_rows} rows and {n_tensors} tensors")
-    desc_off = HEADER.size + _align(ROW_ENTRY.size * n_rows)
+    if n_seg < 0 or n_tensors > MAX_TENSORS:
+        raise ProtocolError(f"record claims {n_seg} segments and {n_tensors} tensors")
+    desc_off = HEADER.size + _align(SEGMENT.size * n_seg)
     if desc_off + TENSOR_DESC.size * n_tensors > len(buf):
-        raise ProtocolError("row table or tensor descriptors run past the record")
-    rows = [ROW_ENTRY.unpack_from(buf, HEADER.size + i * ROW_ENTRY.size) for i in range(n_rows)]
+        raise ProtocolError("segment table or tensor descriptors run past the record")
+    segments = [Segment._make(e) for e in SEGMENT.iter_unpack(buf[HEADER.size: HEADER.size + SEGMENT.size * n_seg])]
+    if sum(seg.n_tokens for seg in segments) != n_tokens:
+        raise ProtocolError(f"segment table holds {sum(seg.n_tokens for seg in segments)} tokens, the header "
+                            f"says {n_tokens}")
     tensors = []
     off = desc_off + TENSOR_DESC.size * n_tensors
     for i in range(n_tensors):
@@ -208,7 +241,7 @@ def decode(buf: memoryview) -> Message:
         t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off) if numel else torch.empty(0, dtype=dtype)
         tensors.append(t.view(shape))
         off += nbytes
-    return Message(op, job, epoch, seq, row, start, n_tokens, flags, aux, rows, tensors, sent_ns)
+    return Message(op, job, seq, flags, aux, segments, tensors, sent_ns)
 
 
 def hold_until_delivered(msg: Message, link_latency_ms: float) -> None:

@@ -51,9 +51,9 @@ from ringshm.qmatmul import status_text as qmatmul_status_text
 class StageOutput:
     """What the last stage returns for one op.
 
-    ``token_ids``: int64 argmax ids, ``[n]`` (all positions) or ``[1]`` (last only) for a single row;
-    ``[B, n]`` or ``[B, 1]`` for a batch. ``logits``: fp32 logits of the last position, ``[vocab]`` or
-    ``[B, vocab]``, only when asked for.
+    ``token_ids``: int64 argmax ids ``[Σ outputs]`` (``step``; ``[n]`` or ``[1]`` from ``forward``).
+    ``logits``: fp32 last-position logits ``[n_logit_segments, vocab]`` (``forward``: ``[vocab]``), only when
+    asked for.
     """
 
     token_ids: torch.Tensor
@@ -203,100 +203,122 @@ class StageModel:
 
     # ---- forward ---------------------------------------------------------------------------------
 
+    def check_segments(self, segments: Sequence[Sequence[int]], n_tokens: int) -> list[tuple[int, int, int, int]]:
+        """Validate a segment table against this stage's KV cache before anything is written.
+
+        ``segments``: ``(row, start, n_tokens, want)`` entries (``ringshm.messages.Segment``); ``n_tokens``: the
+        op's token count T. Returns the table as plain int tuples.
+
+        Raises:
+            KVRangeError: a segment's row outside the cache, its start past the row's written length, or its
+                positions past ``max_seq_len`` (the message names the segment).
+            ValueError: an empty table, a segment of < 1 token, a row in two segments, a ``want`` with
+                unknown bits, or segment tokens that do not add up to T.
+        """
+        from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_MASK
+
+        if not segments:
+            raise ValueError("a step op needs at least one segment")
+        table = [tuple(int(v) for v in seg) for seg in segments]
+        seen: dict[int, int] = {}
+        for i, (row, start, n, want) in enumerate(table):
+            where = f"segment {i} (row {row}, start {start}, {n} tokens)"
+            if n < 1 or want & ~WANT_MASK or (want & WANT_LOGITS and not want & (WANT_LAST | WANT_ALL)):
+                raise ValueError(f"{where}: needs n_tokens >= 1 and a want of WANT_* bits (LOGITS only with "
+                                 f"LAST or ALL), got want {want:#x}")
+            if row in seen:
+                raise ValueError(f"{where}: row {row} is already segment {seen[row]}; a row may appear once per op")
+            seen[row] = i
+            try:
+                self._check_op(row, start, n)
+            except KVRangeError as exc:
+                raise KVRangeError(f"{where}: {exc}") from None
+        if sum(n for _, _, n, _ in table) != n_tokens:
+            raise ValueError(f"the segments hold {sum(n for _, _, n, _ in table)} tokens, the op carries {n_tokens}")
+        return table
+
+    def step(self, x: torch.Tensor, segments: Sequence[Sequence[int]]) -> torch.Tensor | StageOutput:
+        """Run one step op: a ragged batch of segments, each ``n ≥ 1`` positions of its own KV row.
+
+        ``x``: int64 token ids ``[T]`` on the first stage, else hidden states ``[T, hidden]`` (``dtype``), the
+        segments' tokens one after another in table order. ``segments``: ``(row, start, n_tokens, want)``
+        (``ringshm.messages.Segment``; ``want`` of ``WANT_*``). Matmuls, norms and the FFN run over all T
+        tokens at once; RoPE, KV-append and attention per segment on its row. Each segment writes KV at
+        ``[start, start+n)`` of its row and sets the row's length to ``start + n``.
+
+        Returns hidden states ``[T, hidden]``, or on the last stage a ``StageOutput``: ``token_ids`` int64
+        ``[Σ outputs]`` (per segment in table order: none for ``WANT_NONE``, the last position's argmax for
+        ``WANT_LAST``, every position's for ``WANT_ALL``) and ``logits`` fp32 ``[n, vocab]`` of the last
+        position of the n segments with ``WANT_LOGITS`` (None when none asks). On the native path a segment's
+        bytes do not depend on the other segments (batch invariance, module docstring).
+
+        Raises:
+            KVRangeError / ValueError: as ``check_segments`` (nothing is written), or ``x`` of the wrong shape
+                or dtype for this stage.
+        """
+        h = self._input(x)  # [T, hidden]
+        table = self.check_segments(segments, h.shape[0])
+        rows = [r for r, _, _, _ in table]
+        starts = [s for _, s, _, _ in table]
+        lens = [n for _, _, n, _ in table]
+        if self.native:
+            h = self._native_layers(h, rows, starts, lens)
+        else:
+            for li, layer in enumerate(self.layers):
+                h = self._layer(layer, li, h, lambda q, k, v, li=li: self._attend_segments(li, q, k, v, table))
+        for r, s, n in zip(rows, starts, lens):
+            self.length[r] = s + n
+        if not self.is_last:
+            return h
+        return self._head(h, table)
+
     def forward(self, x: torch.Tensor, row: int, start: int, *, all_positions: bool = False,
                 return_logits: bool = False) -> torch.Tensor | StageOutput:
-        """Run a chunk of ``n ≥ 1`` positions of one row, starting at absolute position ``start``.
+        """``step`` with one segment: ``n ≥ 1`` positions of ``row`` from ``start`` (a local convenience).
 
-        ``x``: int64 token ids ``[n]`` on the first stage, else hidden states ``[n, hidden]`` (``dtype``).
-        Returns hidden states ``[n, hidden]``, or on the last stage a ``StageOutput`` with argmax ids at all
-        ``n`` positions (``all_positions``, for verify) or the last one (prefill / decode), and the last
-        position's fp32 logits ``[vocab]`` when ``return_logits``. Writes KV at ``[start, start+n)`` of
-        ``row`` and sets its length to ``start + n``.
+        ``x``: int64 ids ``[n]`` (first stage) or hidden states ``[n, hidden]``. Returns ``[n, hidden]``, or on
+        the last stage a ``StageOutput`` with argmax ids ``[n]`` (``all_positions``) or ``[1]``, and the last
+        position's fp32 logits ``[vocab]`` when ``return_logits``.
 
         Raises:
-            KVRangeError: bad row, ``start`` past the row's length, or ``start + n > max_seq_len``.
-            ValueError: ``x`` of the wrong shape or dtype for this stage.
+            as ``step``.
         """
-        h = self._input(x, batched=False)  # [n, hidden]
-        n = h.shape[0]
-        self._check_op(row, start, n)
-        if self.native:
-            h = self._native_layers(h, [row], [start], n)
-        else:
-            for li, layer in enumerate(self.layers):
-                h = self._layer(layer, li, h, lambda q, k, v, li=li: self._attend_row(li, q, k, v, row, start))
-        self.length[row] = start + n
-        if not self.is_last:
-            return h
-        return self._head(h.unsqueeze(0), all_positions, return_logits, squeeze=True)
+        from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS
 
-    def forward_batch(self, x: torch.Tensor, rows: Sequence[int], starts: Sequence[int], *,
-                      all_positions: bool = False, return_logits: bool = False) -> torch.Tensor | StageOutput:
-        """Run a lockstep batch: ``B`` distinct rows, each its own ``start``, all with the same ``n``.
-
-        ``x``: int64 token ids ``[B, n]`` on the first stage, else hidden states ``[B, n, hidden]``.
-        Returns ``[B, n, hidden]``, or on the last stage a ``StageOutput`` with ids ``[B, n]`` / ``[B, 1]``
-        and logits ``[B, vocab]``. Each row follows the rules of ``forward``; all are checked before any
-        is written.
-
-        Raises:
-            KVRangeError: as ``forward``, for any row. ValueError: repeated rows, or a shape mismatch.
-        """
-        h = self._input(x, batched=True)  # [B, n, hidden]
-        b, n = h.shape[0], h.shape[1]
-        rows, starts = [int(r) for r in rows], [int(s) for s in starts]
-        if len(rows) != b or len(starts) != b:
-            raise ValueError(f"batch of {b} needs {b} rows and starts, got {len(rows)} and {len(starts)}")
-        if len(set(rows)) != b:
-            raise ValueError(f"rows of a lockstep batch must be distinct, got {rows}")
-        for r, s in zip(rows, starts):
-            self._check_op(r, s, n)
-        flat = h.reshape(b * n, -1)  # [B*n, hidden]
-        if self.native:
-            flat = self._native_layers(flat, rows, starts, n)
-        else:
-            rows_t = torch.tensor(rows, dtype=torch.int64)
-            starts_t = torch.tensor(starts, dtype=torch.int64)
-            for li, layer in enumerate(self.layers):
-                flat = self._layer(layer, li, flat, lambda q, k, v, li=li: self._attend_batch(
-                    li, q, k, v, rows, starts, rows_t, starts_t, b, n))
-        for r, s in zip(rows, starts):
-            self.length[r] = s + n
-        h = flat.reshape(b, n, -1)  # [B, n, hidden]
-        if not self.is_last:
-            return h
-        return self._head(h, all_positions, return_logits, squeeze=False)
+        want = (WANT_ALL if all_positions else WANT_LAST) | (WANT_LOGITS if return_logits else 0)
+        out = self.step(x, [(row, start, x.shape[0], want)])
+        if isinstance(out, StageOutput) and out.logits is not None:
+            out.logits = out.logits[0]
+        return out
 
     __call__ = forward
 
-    def _input(self, x: torch.Tensor, batched: bool) -> torch.Tensor:
-        want = 2 if batched else 1
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
-            if x.dim() != want or x.dtype != torch.int64 or x.shape[-1] < 1:
-                raise ValueError(f"first stage takes int64 token ids of {'[B, n]' if batched else '[n]'}, "
-                                 f"n ≥ 1; got {x.dtype} {tuple(x.shape)}")
+            if x.dim() != 1 or x.dtype != torch.int64 or x.shape[0] < 1:
+                raise ValueError(f"first stage takes int64 token ids of [T], T ≥ 1; got {x.dtype} {tuple(x.shape)}")
             if self.native:
-                flat = embed_rows(self.embed, x.reshape(-1))  # [B*n, hidden]
-                return flat.reshape(*x.shape, -1)
+                return embed_rows(self.embed, x)  # [T, hidden]
             return F.embedding(x.to(self.device), self.embed)
         hidden = self.config.hidden
-        if x.dim() != want + 1 or x.shape[-1] != hidden or x.shape[-2] < 1:
-            raise ValueError(f"stage takes hidden states of {'[B, n, ' if batched else '[n, '}{hidden}], "
-                             f"n ≥ 1; got {tuple(x.shape)}")
+        if x.dim() != 2 or x.shape[1] != hidden or x.shape[0] < 1:
+            raise ValueError(f"stage takes hidden states of [T, {hidden}], T ≥ 1; got {tuple(x.shape)}")
         return x.to(device=self.device, dtype=self.dtype)
 
-    def _native_layers(self, h: torch.Tensor, rows: Sequence[int], starts: Sequence[int], n: int) -> torch.Tensor:
-        """Every layer on ``h [T, hidden]`` (segments of ``n`` tokens: segment i on ``rows[i]`` from
-        ``starts[i]``), one ``ringshm_layer_forward`` call per layer. Returns a new ``[T, hidden]`` tensor."""
+    def _native_layers(self, h: torch.Tensor, rows: Sequence[int], starts: Sequence[int],
+                       lens: Sequence[int]) -> torch.Tensor:
+        """Every layer on ``h [T, hidden]`` (segment i: ``lens[i]`` tokens on ``rows[i]`` from ``starts[i]``),
+        one ``ringshm_layer_forward`` call per layer. Returns a new ``[T, hidden]`` tensor."""
         if not self.is_first:  # written in place: a later stage's input may be a read-only ring record
             h = h.clone(memory_format=torch.contiguous_format)
         t = h.shape[0]
         need = lib.ringshm_layer_work_floats(self._c_shape, t)
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
-        seg = torch.tensor([list(rows), list(starts), [n] * len(rows)], dtype=torch.int64)  # [3, n_seg]
+        n_seg = len(rows)
+        seg = torch.tensor([list(rows), list(starts), list(lens)], dtype=torch.int64)  # [3, n_seg]
         sp = ffi.cast("int64_t *", seg.data_ptr())
-        args = (ffi.cast("float *", h.data_ptr()), t, sp, sp + len(rows), sp + 2 * len(rows), len(rows),
+        args = (ffi.cast("float *", h.data_ptr()), t, sp, sp + n_seg, sp + 2 * n_seg, n_seg,
                 ffi.cast("float *", self.cos.data_ptr()), ffi.cast("float *", self.sin.data_ptr()),
                 ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
         for li, c in enumerate(self._c_layers):
@@ -337,31 +359,37 @@ class StageModel:
         q = kernels.apply_rope(q.contiguous(), start, self.cos, self.sin)
         return kernels.attention(q, kc, vc, start)  # [n, Hq, D]
 
-    def _attend_batch(self, li: int, q, k, v, rows, starts, rows_t, starts_t, b: int, n: int) -> torch.Tensor:
-        cfg = self.config
-        q = q.reshape(b, n, cfg.n_heads, cfg.head_dim)  # [B, n, Hq, D]
-        k = k.reshape(b, n, cfg.n_kv_heads, cfg.head_dim)  # [B, n, Hkv, D]
-        v = v.reshape(b, n, cfg.n_kv_heads, cfg.head_dim)
-        kc, vc = self.k_cache[li], self.v_cache[li]  # [R, Hkv, S_max, D]
-        qr = torch.empty_like(q)
-        for i, (r, s) in enumerate(zip(rows, starts)):
-            kernels.kv_append(kc[r], vc[r], k[i].contiguous(), v[i].contiguous(), s, self.cos, self.sin)
-            qr[i] = kernels.apply_rope(q[i].contiguous(), s, self.cos, self.sin)
-        return kernels.attention_batched(qr, kc, vc, rows_t, starts_t)  # [B, n, Hq, D]
+    def _attend_segments(self, li: int, q, k, v, table) -> torch.Tensor:
+        """Attention of every segment on its own row (torch path): ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` →
+        ``[T, Hq, D]``."""
+        out, o = [], 0
+        for row, start, n, _ in table:
+            out.append(self._attend_row(li, q[o:o + n], k[o:o + n], v[o:o + n], row, start))
+            o += n
+        return torch.cat(out) if len(out) > 1 else out[0]
 
-    def _head(self, h: torch.Tensor, all_positions: bool, return_logits: bool, squeeze: bool) -> StageOutput:
-        """Final norm + LM head on ``h [B, n, hidden]``, only at the positions asked for."""
-        sel = h if all_positions else h[:, -1:]  # [B, n or 1, hidden]
-        normed = self._rms_norm(sel, self.norm)  # [B, n or 1, hidden]
+    def _head(self, h: torch.Tensor, table) -> StageOutput:
+        """Final norm + LM head on ``h [T, hidden]``, only at the positions the segments want."""
+        from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS
+
+        sel, logit_rows, o = [], [], 0
+        for _, _, n, want in table:
+            if want & WANT_ALL:
+                sel.extend(range(o, o + n))
+            elif want & WANT_LAST:
+                sel.append(o + n - 1)
+            if want & WANT_LOGITS and want & (WANT_ALL | WANT_LAST):
+                logit_rows.append(len(sel) - 1)
+            o += n
+        if not sel:
+            return StageOutput(torch.zeros(0, dtype=torch.int64))
+        normed = self._rms_norm(h[sel], self.norm)  # [n_sel, hidden]
         if self.native:
-            logits = self.lm_head.matmul(normed.reshape(-1, normed.shape[-1])).reshape(*normed.shape[:-1], -1)
+            logits = self.lm_head.matmul(normed)  # [n_sel, vocab]
         else:
-            logits = F.linear(normed, self.lm_head).float()  # [B, n or 1, vocab]
-        ids = logits.argmax(dim=-1)  # [B, n or 1]
-        last = logits[:, -1] if return_logits else None  # [B, vocab]
-        if squeeze:
-            return StageOutput(ids[0], None if last is None else last[0])
-        return StageOutput(ids, last)
+            logits = F.linear(normed, self.lm_head).float()
+        ids = logits.argmax(dim=-1)  # [n_sel]
+        return StageOutput(ids, logits[logit_rows] if logit_rows else None)
 
 
 def run_stages(stages: Sequence[StageModel], x: torch.Tensor, row: int, start: int, *,

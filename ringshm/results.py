@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ringshm.coordinator import Stream
+from ringshm.scheduler import StepStats
 from ringshm.spec import SpecStats
 
 
@@ -51,16 +52,17 @@ class BatchResult:
 
     ``wall_s``: from the call to the last token; ``output_tok_s``: every stream's output tokens over wall_s
     (the aggregate throughput); ``stage_busy_s``: each stage's busy seconds over the whole batch (per-stream
-    results leave theirs empty: lockstep and interleaved ops serve several streams at once); ``spec``: the
-    speculation counters summed over the streams.
+    results leave theirs empty: a step op serves several streams at once); ``spec``: the speculation
+    counters summed over the streams; ``steps``: the scheduler's op counters (ops, segments, tokens, ops
+    with more than one segment).
     """
 
     results: list[GenerationResult]
-    mode: str
     wall_s: float
     output_tok_s: float
     stage_busy_s: list[float] = field(default_factory=list)
     spec: SpecStats = field(default_factory=SpecStats)  # summed over the streams that speculated
+    steps: StepStats = field(default_factory=StepStats)
 
     def __len__(self) -> int:
         return len(self.results)

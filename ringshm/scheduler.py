@@ -1,72 +1,113 @@
-"""Many streams over one ring: ``batch`` (lockstep) and ``rows`` (de-lockstep) modes, both prefilling through
-the one ``PrefillPipeline``.
+"""The one scheduler: every entry point (``Engine.generate``, ``generate_batch``, ``AsyncEngine`` and the
+server) drives its streams through a ``Scheduler``; one stream alone is the special case of one.
 
-batch: after every prompt is prefilled, one DECODE op per step carries every live row, each at its own
-    position; finished rows leave the batch. Rule for ``decode_depth`` (steps in flight): a row's next input is
-    its previous output, so a row can never have two decode ops in flight. Batch mode decodes without
-    speculation. The live rows are split into
-    ``decode_depth`` groups (round-robin) and each group keeps one lockstep op in flight: micro-batches that
-    pipeline through the stages. ``decode_depth = 1`` is plain lockstep.
-rows: each stream sends its own solo-shaped ops tagged with its KV row, so streams interleave on the ring and
-    advance independently (speculatively too: each stream with its own drafter, epoch and verify chain). A stream's first decode op goes out as soon as its prefill ends (other streams may
-    still be prefilling); its next op as soon as its previous reply arrived (one op in flight per stream). A
-    finished or cancelled stream frees its row, and a waiting request takes it (continuous batching).
+Each time it may send (after every reply, and when requests arrive), it builds one ``STEP`` op from every
+admitted stream that has work and nothing blocking it:
 
-Every stage applies ops in arrival order and every row has its own KV, so rows mode gives each stream
-exactly the tokens solo gives it. Batch mode's lockstep matmuls may round differently (tie-aware).
+    1. decode and verify segments first: a plain stream past its prefill with no op in flight adds its last
+       token (1-token segment); a speculative stream adds its next verify segment (``SpecDecoder``:
+       ``[last token, drafts...]``, chained under the epoch rule of ``ringshm.spec_decode``);
+    2. then prefill chunks of admitted streams, in admission order, one chunk per stream, each at most
+       ``prefill_chunk`` tokens, until the op holds ``max_step_tokens`` tokens.
+
+A row appears at most once per op. Prefill chunks do not depend on replies, so one stream's chunks may fill
+several ops in flight (the seed's pipelined prefill); a decode's input is the previous reply's output, so a
+plain stream never has two ops in flight. Two windows bound what is in flight: at most ``depth`` ops that
+carry decode/verify segments (the pipeline's micro-batches) and at most ``prefill_depth`` ops that carry
+prefill chunks; an op with both counts against both, and a kind whose window is full waits for the next op.
+Waiting requests take free KV rows (``max_rows``) in arrival order; a finished or cancelled stream frees its
+row once no op of it is in flight.
+
+Every stage applies ops in arrival order, every row has its own KV, and the kernels compute each token's
+row the same way whatever else shares the op (batch invariance, ``ringshm.model``), so every stream gets
+exactly the bytes it gets alone, whatever its batch-mates, the depths, the chunking or the token budget.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass
 
-from ringshm.coordinator import (DecodeTag, Link, PrefillPipeline, PrefillTag, Stream, TokenEvent, commit_decode,
-                                 decode_op, prefill)
+import torch
+
+from ringshm import messages as m
+from ringshm.coordinator import Link, Stream, TokenEvent
+from ringshm.errors import ReplyMismatch
 from ringshm.spec_decode import VerifyTag
 
-
-def run_batch(link: Link, streams: list[Stream], chunk: int, depth: int, decode_depth: int = 1,
-              job: int = 0) -> Iterator[TokenEvent]:
-    """Lockstep mode; ``streams`` already hold distinct rows. Yields tokens as they are committed."""
-    yield from prefill(link, streams, chunk, depth, job)
-    live = [s for s in streams if not s.done]
-    groups = [live[g::decode_depth] for g in range(decode_depth)]
-    for group in groups:
-        if group:
-            link.send(decode_op(group, job), tag=DecodeTag(tuple(group)))
-    while link.in_flight:
-        reply, tag = link.recv()
-        yield from commit_decode(reply, tag)
-        group = [s for s in tag.streams if not s.done]
-        if group:  # the same group's next step: each row still has at most one op in flight
-            link.send(decode_op(group, job), tag=DecodeTag(tuple(group)))
+PREFILL, DECODE, VERIFY = 0, 1, 2  # what a segment is to the coordinator (the stage only sees the table)
 
 
-class RowsRun:
-    """Rows mode over a queue of requests: iterate for ``TokenEvent``s; ``cancel(i)`` ends stream ``i``
-    without disturbing the others; ``submit(stream)`` adds a request while the run goes on.
+@dataclass(frozen=True, eq=False)
+class StepTag:
+    """The coordinator's side of one step op in flight: per segment its stream, kind and, for a verify
+    segment, its ``VerifyTag``; whether the op counts against the decode and the prefill window."""
 
-    Streams wait for a free KV row (``max_rows`` of them); a stream that finishes or is cancelled frees its
-    row once no op of it is in flight, and the oldest waiting stream takes it.
+    streams: tuple[Stream, ...]
+    kinds: tuple[int, ...]
+    verifies: tuple[VerifyTag | None, ...]
+    decode: bool
+    prefill: bool
+
+    def has(self, s: Stream) -> bool:
+        return s in self.streams
+
+
+@dataclass
+class StepStats:
+    """Counters over a scheduler's life: step ops sent, segments and tokens they carried, and ops that
+    carried more than one segment (batched steps)."""
+
+    ops: int = 0
+    segments: int = 0
+    tokens: int = 0
+    multi_segment_ops: int = 0
+
+
+class Scheduler:
+    """Streams over one ring: iterate for ``TokenEvent``s, or call ``step`` from a dispatcher loop;
+    ``submit`` adds a request while the run goes on, ``cancel`` ends one without disturbing the others.
+
+    Args:
+        link: the coordinator's ``Link`` (the scheduler owns it while it runs).
+        streams: requests to start with (``row`` is assigned here).
+        max_rows: KV rows of the stages (streams live at once).
+        prefill_chunk: most prompt tokens per prefill segment. prefill_depth: ops with prefill chunks in
+            flight. depth: ops with decode/verify segments in flight. max_step_tokens: token budget of one
+            op for prefill chunks (decode and verify segments always go in). job: the job id on the wire.
+
+    Raises:
+        ValueError: a limit < 1.
     """
 
-    def __init__(self, link: Link, streams: list[Stream], max_rows: int, chunk: int, depth: int, job: int = 0):
+    def __init__(self, link: Link, streams: list[Stream], max_rows: int, prefill_chunk: int, prefill_depth: int,
+                 depth: int, max_step_tokens: int, job: int = 0):
+        for name, v in (("max_rows", max_rows), ("prefill_chunk", prefill_chunk), ("prefill_depth", prefill_depth),
+                        ("depth", depth), ("max_step_tokens", max_step_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.link, self.job = link, job
-        self.pipe = PrefillPipeline(link, chunk, depth, job)
+        self.chunk, self.prefill_depth, self.depth, self.max_step_tokens = (prefill_chunk, prefill_depth, depth,
+                                                                            max_step_tokens)
         self.waiting: deque[Stream] = deque()
         self.free_rows = list(range(max_rows))
-        self.busy: dict[int, Stream] = {}  # row -> stream holding it
+        self.active: list[Stream] = []  # holding a row, in admission order
         self.streams: dict[int, Stream] = {}
+        self.n_decode_ops = self.n_prefill_ops = 0  # ops in flight counting against each window
+        self.stats = StepStats()
+        self.last_segments = 0  # segments of the op the last reply answered
         for s in streams:
-            self.submit(s, admit=False)
+            self.submit(s, send=False)
 
-    def submit(self, stream: Stream, admit: bool = True) -> None:
-        """Queue a request; it starts as soon as a row is free."""
+    # --------------------------------------------------------------------------------------- public API
+    def submit(self, stream: Stream, send: bool = True) -> None:
+        """Queue a request; it starts as soon as a row is free (and, with ``send``, at once if one is)."""
         self.streams[stream.index] = stream
         self.waiting.append(stream)
-        if admit:
+        if send:
             self._admit()
+            self._fill()
 
     def cancel(self, index: int) -> None:
         """End stream ``index`` now: finish_reason "cancelled"; its row is freed once nothing of it is in
@@ -77,41 +118,30 @@ class RowsRun:
         s.cancel()
         if s in self.waiting:
             self.waiting.remove(s)
+            self.streams.pop(s.index, None)
         else:
-            self.pipe.drop(s)
             self._maybe_free(s)
 
     def __iter__(self) -> Iterator[TokenEvent]:
         self._admit()
+        self._fill()
         while self.link.in_flight:
             yield from self.step()
 
     def step(self, timeout_s: float | None = None) -> list[TokenEvent]:
-        """Take the next reply (waiting at most ``timeout_s``, default the link's op timeout), send what it
-        makes possible (the stream's next op, waiting requests into freed rows), then return its tokens.
-        For a dispatcher that interleaves ``submit``/``cancel`` with replies (``ringshm.serving``).
+        """Take the next reply (waiting at most ``timeout_s``, default the link's op timeout), commit its
+        tokens, send the ops it makes possible, and return the tokens.
 
         Raises:
             RingTimeout: no reply within timeout_s (nothing is lost: call again). StageDied, StageError,
-            ReplyMismatch: as ``Link.recv``.
+            ReplyMismatch: as ``Link.recv`` (also a reply whose outputs do not fit its segment table).
         """
         self._admit()
+        self._fill()
         reply, tag = self.link.recv(timeout_s)
-        if isinstance(tag, PrefillTag):
-            s = tag.stream
-            events = [ev] if (ev := self.pipe.on_reply(reply, tag)) is not None else []
-            if tag.last:
-                self._next(s)
-        elif isinstance(tag, VerifyTag):
-            s = tag.decoder.stream
-            events = tag.decoder.on_reply(reply, tag, self.link)  # sends the stream's next ops
-        else:
-            (s,) = tag.streams
-            events = commit_decode(reply, tag)
-            self._next(s)
-        if s.done:
-            self._maybe_free(s)
-        self._admit()  # next ops out before the caller sees the tokens
+        events = self._on_reply(reply, tag)
+        self._admit()
+        self._fill()  # next ops out before the caller sees the tokens
         return events
 
     @property
@@ -124,23 +154,110 @@ class RowsRun:
         while self.waiting and self.free_rows:
             s = self.waiting.popleft()
             s.row = self.free_rows.pop(0)
-            self.busy[s.row] = s
-            self.pipe.add(s)
+            self.active.append(s)
 
-    def _next(self, s: Stream) -> None:
-        if s.done:
-            return
-        if s.spec is not None:
-            s.spec.fill(self.link)
-        else:
-            self.link.send(decode_op([s], self.job), tag=DecodeTag((s,)))
+    def _fill(self) -> None:
+        """Send step ops while a window has room and some stream has work (module docstring)."""
+        while self.n_decode_ops < self.depth or self.n_prefill_ops < self.prefill_depth:
+            segs: list[m.Segment] = []
+            ids: list[int] = []
+            streams: list[Stream] = []
+            kinds: list[int] = []
+            verifies: list[VerifyTag | None] = []
+            if self.n_decode_ops < self.depth:
+                for s in self.active:
+                    if not s.decoding:
+                        continue
+                    if s.spec is not None:
+                        v = s.spec.next_segment()
+                        if v is None:
+                            continue
+                        segs.append(m.Segment(s.row, v.start, len(v.inputs), m.WANT_ALL))
+                        ids.extend(v.inputs)
+                        kinds.append(VERIFY)
+                    else:
+                        if s.n_in_flight:
+                            continue
+                        v = None
+                        segs.append(m.Segment(s.row, s.position, 1, _want(s)))
+                        ids.append(s.tokens[-1])
+                        kinds.append(DECODE)
+                    streams.append(s)
+                    verifies.append(v)
+            has_decode = bool(segs)
+            budget = self.max_step_tokens - len(ids)
+            if self.n_prefill_ops < self.prefill_depth:
+                for s in self.active:
+                    if budget <= 0:
+                        break
+                    left = len(s.prompt) - s.n_prefilled
+                    if left <= 0 or s.done:
+                        continue
+                    n = min(self.chunk, left, budget)
+                    last = n == left
+                    segs.append(m.Segment(s.row, s.n_prefilled, n, _want(s) if last else m.WANT_NONE))
+                    ids.extend(s.prompt[s.n_prefilled: s.n_prefilled + n])
+                    s.n_prefilled += n
+                    budget -= n
+                    streams.append(s)
+                    kinds.append(PREFILL)
+                    verifies.append(None)
+            if not segs:
+                return
+            has_prefill = PREFILL in kinds
+            for s in streams:
+                s.n_in_flight += 1
+            self.n_decode_ops += has_decode
+            self.n_prefill_ops += has_prefill
+            st = self.stats
+            st.ops, st.segments, st.tokens = st.ops + 1, st.segments + len(segs), st.tokens + len(ids)
+            st.multi_segment_ops += len(segs) > 1
+            self.link.send(m.Message(m.STEP, job=self.job, segments=segs,
+                                     tensors=[torch.tensor(ids, dtype=torch.int64)]),
+                           tag=StepTag(tuple(streams), tuple(kinds), tuple(verifies), has_decode, has_prefill))
+
+    def _on_reply(self, reply: m.Message, tag: StepTag) -> list[TokenEvent]:
+        """Commit what one step reply carries, segment by segment, and free the rows of finished streams."""
+        self.last_segments = len(tag.streams)
+        self.n_decode_ops -= tag.decode
+        self.n_prefill_ops -= tag.prefill
+        for s in tag.streams:
+            s.n_in_flight -= 1
+        ids = reply.tensors[0].tolist() if reply.tensors else []
+        logits = reply.tensors[1] if len(reply.tensors) > 1 else None
+        n_out = sum(seg.n_outputs() for seg in reply.segments)
+        n_logits = sum(1 for seg in reply.segments if seg.want & m.WANT_LOGITS)
+        if len(ids) != n_out or (logits.shape[0] if logits is not None else 0) != n_logits:
+            raise ReplyMismatch(f"seq {reply.seq}: the segment table asks for {n_out} ids and {n_logits} logit "
+                                f"rows, the reply carries {len(ids)} and "
+                                f"{0 if logits is None else logits.shape[0]}")
+        events: list[TokenEvent] = []
+        pos = li = 0
+        for seg, s, kind, v in zip(reply.segments, tag.streams, tag.kinds, tag.verifies):
+            out = ids[pos: pos + seg.n_outputs()]
+            pos += len(out)
+            lg = None
+            if seg.want & m.WANT_LOGITS:
+                lg, li = logits[li], li + 1
+            if kind == VERIFY:
+                events.extend(s.spec.on_reply(out, v))
+            elif out and not s.done:  # a decode, or a prompt's last chunk: the next token
+                token = s.sampler(out[-1], lg)
+                events.append(TokenEvent(s.index, token, s.commit(token)))
+            if s.done:
+                self._maybe_free(s)
+        return events
 
     def _maybe_free(self, s: Stream) -> None:
         """Free the row of a finished stream once no op of it is in flight."""
-        if self.busy.get(s.row) is not s:
+        if s.n_in_flight or s.row < 0 or s not in self.active:
             return
-        if any(p.tag.has(s) for p in self.link.pending):
-            return
-        del self.busy[s.row]
+        self.active.remove(s)
         self.free_rows.append(s.row)
-        self.streams.pop(s.index, None)  # a long-running run (a server) must not keep every past request
+        self.streams.pop(s.index, None)  # a long-running scheduler (a server) must not keep every past request
+
+
+def _want(s: Stream) -> int:
+    """What a stream's decode or last prefill chunk asks of the last stage: the argmax, plus the logits when
+    it samples."""
+    return m.WANT_LAST if s.sampler.greedy else m.WANT_LAST | m.WANT_LOGITS

@@ -33,6 +33,9 @@ class Metrics:
         self.step_running = Histogram("ringshm_step_running_requests", "Requests holding a KV row at each reply "
                                       "the dispatcher takes (continuous batching)", registry=r,
                                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+        self.step_segments = Histogram("ringshm_step_segments", "Segments (requests) carried by each step op the "
+                                       "dispatcher takes a reply to", registry=r,
+                                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
         Gauge("ringshm_requests_running", "Requests holding a KV row", registry=r).set_function(
             lambda: aengine.n_running)
         Gauge("ringshm_requests_waiting", "Requests waiting for a KV row", registry=r).set_function(
@@ -42,7 +45,11 @@ class Metrics:
             self.draft_tokens = Counter("ringshm_spec_draft_tokens", "Draft tokens sent for verification",
                                         registry=r)
             self.accepted_tokens = Counter("ringshm_spec_accepted_tokens", "Draft tokens accepted", registry=r)
-        aengine.on_step = self.step_running.observe
+        aengine.on_step = self.on_step
+
+    def on_step(self, n_running: int, n_segments: int) -> None:
+        self.step_running.observe(n_running)
+        self.step_segments.observe(n_segments)
 
     def on_chunk(self, chunk: Chunk, previous_s: float | None) -> None:
         if previous_s is not None:

@@ -1,15 +1,15 @@
 """``AsyncEngine``: an asyncio API over one ``Engine``, with a dispatcher thread that owns the ring.
 
     task ─stream()─▶ validate (GenerationParams, Engine._make_stream) ─▶ inbox ─▶ dispatcher thread
-    task ◀─ asyncio.Queue ◀─ loop.call_soon_threadsafe ◀─ Chunks ◀─ RowsRun.step() ◀─ ring
+    task ◀─ asyncio.Queue ◀─ loop.call_soon_threadsafe ◀─ Chunks ◀─ Scheduler.step() ◀─ ring
 
-The ring calls block, so one background thread owns the ring exclusively and runs one ``RowsRun`` (rows mode,
-``ringshm.scheduler``) for the engine's whole life: between replies it admits submitted requests (they take a
+The ring calls block, so one background thread owns the ring exclusively and runs one ``Scheduler``
+(``ringshm.scheduler``) for the engine's whole life: between replies it admits submitted requests (they take a
 free KV row, or wait for one: continuous batching up to ``max_rows``) and applies cancellations; while
-something is in flight it takes one reply per ``step``, otherwise it sleeps on the inbox. Each committed token
-goes to its request's ``asyncio.Queue`` on the loop that made the request, so any number of tasks (on any
-number of loops) may call ``stream`` / ``complete`` at once. Rows mode gives every stream exactly the tokens
-``Engine.generate`` gives it alone, whatever else runs beside it.
+something is in flight it takes one reply per ``step``, otherwise it sleeps on the inbox. Every step op
+carries every ready request. Each committed token goes to its request's ``asyncio.Queue`` on the loop that
+made the request, so any number of tasks (on any number of loops) may call ``stream`` / ``complete`` at once.
+Every stream gets exactly the tokens ``Engine.generate`` gives it alone, whatever else runs beside it.
 
 Failures: bad input raises ``ValueError`` in the caller, before anything is queued. More than ``max_rows +
 max_waiting`` open requests raise ``QueueFull``; a request that waits longer than ``max_queue_wait_s`` for a
@@ -39,7 +39,7 @@ from ringshm.errors import (EngineClosed, EngineOwned, PeerDied, QueueFull, Queu
                             StageDied, StageStalled)
 from ringshm.results import GenerationResult, result_of
 from ringshm.sampling import TextStream
-from ringshm.scheduler import RowsRun
+from ringshm.scheduler import Scheduler, StepStats
 
 log = logging.getLogger("ringshm.serving")
 STEP_TIMEOUT_S = 0.05  # the longest the dispatcher waits on the ring before it looks at its inbox again
@@ -162,8 +162,8 @@ class AsyncEngine:
     Args:
         engine: a started ``Engine``; the ``AsyncEngine`` owns its ring from now on and closes it.
         max_waiting: requests that may wait for a KV row beyond the ``max_rows`` running ones.
-        on_step: called from the dispatcher thread after every reply with the number of running requests
-            (a metrics hook; keep it cheap).
+        on_step: called from the dispatcher thread after every reply with the number of running requests and
+            the number of segments the answered step op carried (a metrics hook; keep it cheap).
         max_queue_wait_s: the longest a request may wait for a KV row; then it fails with ``QueueTimeout``
             (None: no limit).
 
@@ -176,7 +176,7 @@ class AsyncEngine:
             ``engine``.
     """
 
-    def __init__(self, engine, max_waiting: int = 64, on_step: Callable[[int], None] | None = None,
+    def __init__(self, engine, max_waiting: int = 64, on_step: Callable[[int, int], None] | None = None,
                  max_queue_wait_s: float | None = None):
         from ringshm.tokenizer import load_tokenizer
 
@@ -205,6 +205,7 @@ class AsyncEngine:
         self._closing = False
         self._dead: StageDied | None = None
         self._active: dict[int, _Request] = {}  # dispatcher thread only
+        self.step_stats = StepStats()  # step ops sent over the engine's life (every scheduler run adds to it)
         self._thread = threading.Thread(target=self._dispatch, name="ringshm-dispatcher", daemon=True)
         self._thread.start()
 
@@ -306,11 +307,10 @@ class AsyncEngine:
             self._dead = self._dead or exc
             raise
 
-    def _new_run(self) -> RowsRun:
-        eng = self.engine
-        eng._job += 1
-        cfg = eng.config
-        return RowsRun(eng._link, [], cfg.max_rows, cfg.prefill_chunk, cfg.prefill_depth, eng._job)
+    def _new_run(self) -> Scheduler:
+        run = self.engine.scheduler()
+        run.stats = self.step_stats
+        return run
 
     def _dispatch(self) -> None:
         """The dispatcher thread: the only code that touches the ring while the AsyncEngine lives."""
@@ -344,7 +344,7 @@ class AsyncEngine:
                 self._count_running()
                 if self.on_step is not None:
                     try:
-                        self.on_step(self._n_running)
+                        self.on_step(self._n_running, run.last_segments)
                     except Exception:  # a metrics hook must not fail the requests
                         log.exception("on_step hook failed")
             except PeerDied as exc:  # StageDied, or a ring closed by a stage that is exiting
@@ -359,7 +359,7 @@ class AsyncEngine:
         if self._stalled is None:
             link.drain()
 
-    def _watch_stall(self, run: RowsRun, last_reply: float, op_timeout_s: float) -> None:
+    def _watch_stall(self, run: Scheduler, last_reply: float, op_timeout_s: float) -> None:
         """No reply yet: name a stage that has had an op waiting and applied none for ``op_timeout_s``.
 
         Stage i has work while the stage before it (stage 0: the coordinator) has passed on more ops than i
@@ -394,7 +394,7 @@ class AsyncEngine:
         log.error("%s", self._stalled)
         self._fail_all(run, self._stalled)
 
-    def _expire_waiting(self, run: RowsRun) -> None:
+    def _expire_waiting(self, run: Scheduler) -> None:
         """Fail with ``QueueTimeout`` every request that has waited for a KV row past ``max_queue_wait_s``."""
         if self.max_queue_wait_s is None:
             return
@@ -415,7 +415,7 @@ class AsyncEngine:
         """``exc`` as a ``StageDied`` (``Link`` already waited for the gone stage to be named)."""
         return exc if isinstance(exc, StageDied) else StageDied(f"a stage is gone: {exc}")
 
-    def _drain_inbox(self, run: RowsRun, block: bool, stop_at: float | None) -> float | None:
+    def _drain_inbox(self, run: Scheduler, block: bool, stop_at: float | None) -> float | None:
         """Apply every queued command (waiting for one when ``block``); returns the stop deadline, if any."""
         try:
             cmd = self._inbox.get(timeout=1.0) if block else self._inbox.get_nowait()
@@ -434,22 +434,20 @@ class AsyncEngine:
             except queue.Empty:
                 return stop_at
 
-    def _submit(self, run: RowsRun, req: _Request) -> None:
+    def _submit(self, run: Scheduler, req: _Request) -> None:
         if self._dead is not None or self._stalled is not None:
             self._finish(run, req, [_copy_error(self._dead or self._stalled)])
             return
         self._active[req.id] = req
-        if req.stream.spec is not None:
-            req.stream.spec.job = run.job
         run.submit(req.stream)
 
-    def _cancel(self, run: RowsRun, req: _Request) -> None:
+    def _cancel(self, run: Scheduler, req: _Request) -> None:
         if self._active.get(req.id) is req:
             if self._dead is None:
                 run.cancel(req.id)  # frees its row once nothing of it is in flight
             self._finish(run, req, [])
 
-    def _finish(self, run: RowsRun, req: _Request, items: list) -> None:
+    def _finish(self, run: Scheduler, req: _Request, items: list) -> None:
         """Forget a finished, cancelled or failed request and post its last items."""
         self._active.pop(req.id, None)
         self._count_running()  # before the caller can see the end of its request
@@ -458,14 +456,14 @@ class AsyncEngine:
         if items:
             self._post(run, req, items)
 
-    def _post(self, run: RowsRun, req: _Request, items: list) -> None:
+    def _post(self, run: Scheduler, req: _Request, items: list) -> None:
         try:
             req.loop.call_soon_threadsafe(_put_all, req.queue, items)
         except RuntimeError:  # the request's event loop is closed: nobody will read it
             if self._active.get(req.id) is req:
                 self._cancel(run, req)
 
-    def _deliver(self, run: RowsRun, events: list) -> None:
+    def _deliver(self, run: Scheduler, events: list) -> None:
         now = time.perf_counter()
         chunks: dict[int, list[Chunk]] = {}
         for ev in events:
@@ -481,7 +479,7 @@ class AsyncEngine:
             else:
                 self._post(run, req, items)
 
-    def _fail_all(self, run: RowsRun, exc: BaseException) -> None:
+    def _fail_all(self, run: Scheduler, exc: BaseException) -> None:
         """Finish every open request with (a copy of) ``exc``, cancelling its row in ``run``."""
         for req in list(self._active.values()):
             if self._dead is None and not req.stream.done:

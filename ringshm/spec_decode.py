@@ -1,13 +1,17 @@
-"""Speculative decode of one stream over the ring: a chain of up to ``spec_depth`` verify ops in flight.
+"""Speculative decode of one stream: the verify segments it adds to step ops, a chain of up to ``spec_depth``
+of them in flight (each in its own step op; the scheduler, ``ringshm.scheduler``, asks for one per op).
 
-The first op of a chain feeds ``[last committed token, drafts...]`` at the stream's position. Each further op
+The first segment of a chain feeds ``[last committed token, drafts...]`` at the stream's position. Each further op
 is built on the previous one's drafts as if they were all accepted: its first token is the drafter's guess
 of the previous op's bonus token, and it starts where the previous op's tokens end. When a reply shows a
 rejection (or a bonus other than the guess), the stream's epoch goes up: every op still in flight was built
 on the rejected tail and carries the old epoch, so its reply is recognised as stale and dropped, never
 committed. The next op starts at the first uncommitted position; the KV cache is indexed by position, so it
 simply overwrites what rejected or stale ops wrote there, and stages apply ops in order, so nothing reads
-those positions before it. Solo and rows modes use this; each stream has its own drafter and epoch.
+those positions before it. Each stream has its own drafter and epoch.
+
+With the batch-invariant kernels a verify segment computes, at each position, the same bits as a 1-token
+decode there, so a speculative stream commits exactly the tokens of plain greedy decoding.
 
 Draft length adapts per stream, because a rejected draft costs a wider op and a rejected chain costs whole
 ops: after a full accept the next proposal may be longer (doubling up to ``k``), after a rejection it is
@@ -19,13 +23,9 @@ depth-2 chains ran at 0.57 x plain decode with 2 % acceptance).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import torch
-
-from ringshm import messages as m
-from ringshm.coordinator import Link, Stream, TokenEvent
+from ringshm.coordinator import Stream, TokenEvent
 from ringshm.spec import NGramDrafter, SpecStats, accept
 
 PROBE_EVERY = 8  # plain decode steps before a stream whose drafts kept failing tries one draft token again
@@ -47,15 +47,15 @@ class VerifyTag:
 
 @dataclass(eq=False)
 class SpecDecoder:
-    """Drives one stream's decode with n-gram drafts: ``fill`` sends ops, ``on_reply`` commits tokens.
+    """Drives one stream's decode with n-gram drafts: ``next_segment`` makes its next verify segment,
+    ``on_reply`` commits what the reply accepts.
 
-    ``depth``: verify ops of the current epoch kept in flight (1: no pipelining).
+    ``depth``: verify segments of the current epoch kept in flight (1: no pipelining).
     """
 
     stream: Stream
     drafter: NGramDrafter
     depth: int = 1
-    job: int = 0
     epoch: int = 0
     stats: SpecStats = field(default_factory=SpecStats)
     in_flight: deque = field(default_factory=deque)  # VerifyTags, oldest first, stale ones included
@@ -74,46 +74,47 @@ class SpecDecoder:
         if known < committed:
             self.drafter.extend((s.prompt + s.tokens)[known:committed])
 
-    def fill(self, link: Link) -> None:
-        """Send ops until ``depth`` ops of the current epoch are in flight or nothing can be drafted."""
+    def next_segment(self) -> VerifyTag | None:
+        """The stream's next verify segment (first position and tokens fed), remembered as in flight; None
+        when it must wait: prefill not answered, the chain full, or the chain's tail not worth building on.
+
+        The caller puts it in a step op with ``WANT_ALL`` and hands the argmax ids back to ``on_reply``.
+        """
         s = self.stream
+        if not s.decoding:
+            return None
         self._sync()
         chain = [t for t in self.in_flight if t.epoch == self.epoch]
-        while not s.done and len(chain) < self.depth:
-            if chain and not self.confident:
-                break
-            if chain:  # build on the tail of the chain, as if every draft in it were accepted
-                tail = list(chain[0].inputs[1:]) + [t for op in chain[1:] for t in op.inputs]
-                guess = self.drafter.propose(tail)
-                if not guess:
-                    break
-                first, start = guess[0], chain[-1].start + len(chain[-1].inputs)
-                tail.append(first)
-            else:
-                first, start, tail = s.tokens[-1], s.position, []
-            budget = s.max_new_tokens - len(s.tokens) - len(tail)  # tokens this op may still commit
-            if budget <= 0:
-                break
-            drafts = self.drafter.propose(tail)[: min(self.k_now, budget - 1)] if self.k_now else []
-            inputs = (first, *drafts)
-            op = m.VERIFY if drafts else m.DECODE
-            tag = VerifyTag(self, self.epoch, start, inputs)
-            link.send(m.Message(op, job=self.job, epoch=self.epoch, row=s.row, start=start, n_tokens=len(inputs),
-                                rows=[(s.row, start)], tensors=[torch.tensor(inputs, dtype=torch.int64)]), tag=tag)
-            self.in_flight.append(tag)
-            chain.append(tag)
-            if not drafts and not chain[:-1]:
-                break  # a plain decode step: the next input is its output
+        if len(chain) >= self.depth:
+            return None
+        if chain:  # build on the tail of the chain, as if every draft in it were accepted
+            if not self.confident or len(chain[-1].inputs) == 1:
+                return None  # a plain decode step's next input is its output: nothing to build on
+            tail = list(chain[0].inputs[1:]) + [t for op in chain[1:] for t in op.inputs]
+            guess = self.drafter.propose(tail)
+            if not guess:
+                return None
+            first, start = guess[0], chain[-1].start + len(chain[-1].inputs)
+            tail.append(first)
+        else:
+            first, start, tail = s.tokens[-1], s.position, []
+        budget = s.max_new_tokens - len(s.tokens) - len(tail)  # tokens this segment may still commit
+        if budget <= 0:
+            return None
+        drafts = self.drafter.propose(tail)[: min(self.k_now, budget - 1)] if self.k_now else []
+        tag = VerifyTag(self, self.epoch, start, (first, *drafts))
+        self.in_flight.append(tag)
+        return tag
 
-    def on_reply(self, reply: m.Message, tag: VerifyTag, link: Link) -> list[TokenEvent]:
-        """Commit what a current-epoch reply accepts, drop a stale one, then send the next ops."""
+    def on_reply(self, argmax_ids: list[int], tag: VerifyTag) -> list[TokenEvent]:
+        """Commit what a current-epoch segment's argmax ids (one per fed token) accept; drop a stale one."""
         oldest = self.in_flight.popleft()
         assert oldest is tag, "verify replies of one stream come back in send order"
         s = self.stream
-        if tag.epoch != self.epoch or s.done or reply.epoch != tag.epoch:
+        if tag.epoch != self.epoch or s.done:
             return []  # built on a rejected tail (or the stream ended): never committed
         drafts = list(tag.inputs[1:])
-        committed = accept(drafts, reply.tensors[0].reshape(-1).tolist())
+        committed = accept(drafts, argmax_ids)
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += len(committed) - 1
         self.stats.verify_steps += 1
@@ -127,10 +128,7 @@ class SpecDecoder:
         nxt = next((t for t in self.in_flight if t.epoch == self.epoch), None)
         if nxt is not None and (s.done or nxt.start != s.position or nxt.inputs[0] != s.tokens[-1]):
             self.epoch += 1  # the chain was built on a tail the model rejected
-        if not s.done:
-            self.fill(link)
         return events
-
 
     def _adapt(self, n_drafts: int, n_accepted: int) -> None:
         """Next draft length from this verify's outcome (see the module docstring)."""
@@ -146,12 +144,3 @@ class SpecDecoder:
             self.plain_steps += 1
             if self.plain_steps >= PROBE_EVERY:
                 self.k_now, self.plain_steps = 1, 0
-
-
-def decode_solo_spec(link: Link, decoder: SpecDecoder) -> Iterator[TokenEvent]:
-    """Decode one stream (after its prefill) speculatively until it finishes and nothing is in flight."""
-    decoder.fill(link)
-    while decoder.in_flight:
-        reply, tag = link.recv()
-        yield from decoder.on_reply(reply, tag, link)
-

@@ -2,8 +2,8 @@
 ``StageModel`` and puts the result on its output ring, strictly in arrival order.
 
 Arrival order is the invariant the coordinator relies on: because every stage applies ops in the order it
-received them, keeping many ops in flight (pipelined prefill, de-lockstep rows, speculative verify) gives
-exactly the serial result.
+received them, keeping many step ops in flight (pipelined prefill, decode micro-batches, speculative verify
+chains) gives exactly the serial result.
 
 A failed op (bad row, KV overflow) becomes an ERROR reply that every later stage forwards untouched; the
 stage keeps serving. A stage whose upstream peer dies or closes its ring exits (``PeerDied``), so a killed
@@ -41,6 +41,7 @@ class StageSpec:
     cores: int  # CPU cores the stages share; intra-op threads are picked per op from them (pick_threads)
     ring_timeout_s: float
     link_latency_ms: float = 0.0
+    max_op_tokens: int = 1 << 20  # the op budget (EngineConfig.max_op_tokens): larger step ops are refused
 
 
 ERROR_BYTES = 2048  # per stage in the shared error buffer: "<type>: <message>", UTF-8, NUL-padded
@@ -149,7 +150,7 @@ def serve(model, spec: StageSpec, rin, rout, status) -> None:
             threads = pick_threads(status, spec, threads)
             status[base + SLOT_ACTIVE] = 1.0
             try:
-                out = apply(model, msg, spec.index == spec.n_stages - 1)
+                out = apply(model, msg, spec.index == spec.n_stages - 1, spec.max_op_tokens)
             except Exception as exc:
                 out = msg.error(exc, spec.index)
             finally:
@@ -187,37 +188,31 @@ def pick_threads(status, spec: StageSpec, current: int) -> int:
     return want
 
 
-def apply(model, msg, is_last: bool):
+def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20):
     """Apply one op to ``model`` and build the message to send on (hidden states, or the reply).
 
     Raises:
-        ValueError / KVRangeError: a malformed op or a bad row/position (sent back as an ERROR reply).
+        ValueError / KVRangeError: a malformed op, a step op over ``max_op_tokens`` tokens, or a bad segment
+            table (sent back as an ERROR reply naming the segment).
     """
     from ringshm import messages as m
 
     if msg.op == m.RESET:
-        model.reset([r for r, _ in msg.rows])
+        model.reset([seg.row for seg in msg.segments])
         return msg.reply([]) if is_last else msg
-    if msg.op not in (m.PREFILL, m.VERIFY, m.DECODE):
+    if msg.op != m.STEP:
         raise ValueError(f"unknown op code {msg.op}")
     if len(msg.tensors) != 1:
-        raise ValueError(f"{m.OP_NAMES[msg.op]} op carries {len(msg.tensors)} tensors, expected 1")
+        raise ValueError(f"a step op carries one tensor, got {len(msg.tensors)}")
+    if msg.n_tokens > max_op_tokens:
+        raise ValueError(f"a step op of {msg.n_tokens} tokens is over the op budget of {max_op_tokens}")
     x = msg.tensors[0]
     if model.device.type != "cpu":
         x = x.to(model.device)  # the one copy to the stage's device
-    want_logits = bool(msg.flags & m.WANT_LOGITS)
-    all_positions = msg.op == m.VERIFY
-    if msg.op == m.DECODE and len(msg.rows) > 1:  # lockstep batch: x [B, 1] ids or [B, 1, hidden]
-        rows = [r for r, _ in msg.rows]
-        starts = [s for _, s in msg.rows]
-        out = model.forward_batch(x, rows, starts, all_positions=False, return_logits=want_logits)
-    else:  # one row (a one-row decode is sent in solo shape): x [n] ids or [n, hidden]
-        out = model.forward(x, msg.row, msg.start, all_positions=all_positions, return_logits=want_logits)
+    out = model.step(x, msg.segments)
     if not is_last:
-        h = out if out.device.type == "cpu" else out.cpu()
-        return m.Message(msg.op, msg.job, msg.epoch, msg.seq, msg.row, msg.start, msg.n_tokens,
-                         msg.flags | m.HIDDEN, msg.aux, msg.rows, [h.contiguous()])
+        return msg.forward([(out if out.device.type == "cpu" else out.cpu()).contiguous()])
     tensors = [out.token_ids.cpu().contiguous()]
-    if want_logits and out.logits is not None:
+    if out.logits is not None:
         tensors.append(out.logits.float().cpu().contiguous())
     return msg.reply(tensors)

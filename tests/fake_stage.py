@@ -3,9 +3,9 @@ model that answers like an oracle, so losslessness is an exact equality and a ru
 
 ``OracleModel`` holds scripted sequences T (keyed by their first token). A row's KV "content" is the tokens
 written to it; the answer at position p is T[p + 1] when the row's tokens 0..p equal T's, else ``WRONG``.
-So any op applied to the wrong row, out of order, or over positions never written shows up as a wrong token.
-Reading past what a row holds raises ``KVRangeError`` (an ERROR reply), exactly as ``StageModel`` does.
-Every frame the stage sees is recorded as (op, row, start, n_tokens, rows).
+So any segment applied to the wrong row, out of order, or over positions never written shows up as a wrong
+token. Reading past what a row holds raises ``KVRangeError`` (an ERROR reply), exactly as ``StageModel`` does.
+``RecordingModel`` records every step op the stage sees as a tuple of its segments ``(row, start, n)``.
 """
 
 from __future__ import annotations
@@ -49,33 +49,38 @@ class OracleModel:
         for r in rows:
             self.content[r] = []
 
-    def forward(self, x, row, start, *, all_positions=False, return_logits=False):
+    def step(self, x, segments):
+        """``StageModel.step`` over scripts: the same table checks (all before anything is written), the same
+        outputs per ``want``."""
         ids = [int(t) for t in x.reshape(-1)]
-        if not 0 <= row < self.max_rows:
-            raise KVRangeError(f"row {row} outside [0, {self.max_rows})")
-        if start > len(self.content[row]):
-            raise KVRangeError(f"row {row}: start {start} reads KV positions never written "
-                               f"({len(self.content[row])} held)")
-        if start + len(ids) > self.max_seq_len:
-            raise KVRangeError(f"row {row}: positions past max_seq_len {self.max_seq_len}")
-        self.content[row] = self.content[row][:start] + ids
-        answers = [self._answer(self.content[row][: start + i + 1]) for i in range(len(ids))]
-        out = answers if all_positions else answers[-1:]
+        if sum(g[2] for g in segments) != len(ids) or not segments:
+            raise ValueError(f"the segments hold {sum(g[2] for g in segments)} tokens, the op carries {len(ids)}")
+        rows = [g[0] for g in segments]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"a row may appear once per op, got rows {rows}")
+        for i, (row, start, n, _) in enumerate(segments):
+            if not 0 <= row < self.max_rows:
+                raise KVRangeError(f"segment {i}: row {row} outside [0, {self.max_rows})")
+            if start > len(self.content[row]):
+                raise KVRangeError(f"segment {i}: row {row}: start {start} reads KV positions never written "
+                                   f"({len(self.content[row])} held)")
+            if start + n > self.max_seq_len:
+                raise KVRangeError(f"segment {i}: row {row}: positions past max_seq_len {self.max_seq_len}")
+        out, o = [], 0
+        for row, start, n, want in segments:
+            self.content[row] = self.content[row][:start] + ids[o: o + n]
+            o += n
+            if want & m.WANT_ALL:
+                out += [self._answer(self.content[row][: start + i + 1]) for i in range(n)]
+            elif want & m.WANT_LAST:
+                out.append(self._answer(self.content[row]))
         return StageOutput(torch.tensor(out, dtype=torch.int64))
-
-    def forward_batch(self, x, rows, starts, *, all_positions=False, return_logits=False):
-        outs = [self.forward(x[i], r, s).token_ids for i, (r, s) in enumerate(zip(rows, starts))]
-        return StageOutput(torch.stack(outs))  # [B, 1]
 
 
 class RecordingModel(OracleModel):
-    def forward(self, x, row, start, **kw):
-        self.frames.append(("one", row, start, int(x.numel())))
-        return super().forward(x, row, start, **kw)
-
-    def forward_batch(self, x, rows, starts, **kw):
-        self.frames.append(("batch", tuple(rows), tuple(starts)))
-        return OracleModel.forward_batch(self, x, rows, starts, **kw)
+    def step(self, x, segments):
+        self.frames.append(tuple((g[0], g[1], g[2]) for g in segments))
+        return super().step(x, segments)
 
 
 class SwappingRing:
@@ -102,6 +107,21 @@ class SwappingRing:
         self.ring.close()
 
 
+class TamperingRing(SwappingRing):
+    """Wraps the stage's output ring: reply ``tamper_at`` goes out with its first segment's start moved by one
+    (a reply that answers another segment table)."""
+
+    def commit(self, n=None):
+        self.count += 1
+        data = bytes(self._buf)
+        if self.count == self.swap_at:
+            msg = m.decode(memoryview(data))
+            g = msg.segments[0]
+            msg.segments = [g._replace(start=g.start + 1)] + msg.segments[1:]
+            data = m.encode(msg)
+        self.ring.send(data, timeout_s=5)
+
+
 @dataclass
 class FakeRing:
     """A coordinator ``Link`` wired to one fake stage running ``serve`` in a thread."""
@@ -124,13 +144,15 @@ class FakeRing:
             r.unlink()
 
 
-def start_fake_ring(model: OracleModel, swap_at: int | None = None) -> FakeRing:
+def start_fake_ring(model: OracleModel, swap_at: int | None = None, tamper_at: int | None = None,
+                    max_op_tokens: int = 1 << 20) -> FakeRing:
     to_stage, from_stage = Ring.create(1 << 20), Ring.create(1 << 20)
     spec = StageSpec(index=0, n_stages=1, model_path="", layer_start=0, layer_stop=1, max_rows=model.max_rows,
                      max_seq_len=model.max_seq_len, dtype="float32", device="cpu", in_ring=to_stage.name,
-                     out_ring=from_stage.name, cores=1, ring_timeout_s=5)
+                     out_ring=from_stage.name, cores=1, ring_timeout_s=5, max_op_tokens=max_op_tokens)
     status = [0.0] * N_SLOTS
-    out = from_stage if swap_at is None else SwappingRing(from_stage, swap_at)
+    out = (SwappingRing(from_stage, swap_at) if swap_at is not None else
+           TamperingRing(from_stage, tamper_at) if tamper_at is not None else from_stage)
 
     def run():
         try:

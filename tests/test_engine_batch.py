@@ -1,6 +1,7 @@
-"""Batch and rows modes on the real model over 3 stage processes (issue 5): B = 4 multi-chunk prompts of
-different lengths, prefill_depth 1 vs 8. Rows mode and batch mode both equal solo byte for byte (the CPU
-kernels are batch-invariant), and solo equals the oracle tie-aware."""
+"""Many streams on the real model over 3 stage processes: B = 4 multi-chunk prompts of different lengths
+through the one scheduler, prefill_depth 1 vs 8 and decode depth 1 vs 3. Every stream equals solo byte for
+byte (the CPU kernels are batch-invariant), and solo equals the oracle tie-aware. The seeded random schedules
+are tests/test_engine_step.py."""
 
 from __future__ import annotations
 
@@ -45,17 +46,12 @@ def solo(engine, prompt_ids) -> list[list[int]]:
     return [engine.generate(p, max_new_tokens=N_NEW).token_ids for p in prompt_ids]
 
 
-@pytest.mark.parametrize("depth", [1, 8])
-def test_rows_mode_gives_each_stream_exactly_its_solo_tokens(engine, prompt_ids, solo, depth):
-    out = engine.generate_batch(prompt_ids, mode="rows", max_new_tokens=N_NEW, prefill_depth=depth)
+@pytest.mark.parametrize("prefill_depth, depth", [(1, 1), (8, 3)])
+def test_a_batch_gives_each_stream_exactly_its_solo_tokens(engine, prompt_ids, solo, prefill_depth, depth):
+    out = engine.generate_batch(prompt_ids, max_new_tokens=N_NEW, prefill_depth=prefill_depth, depth=depth)
     assert [r.token_ids for r in out.results] == solo
+    assert out.steps.multi_segment_ops > 0, "streams shared no step op"
     assert engine.in_flight == 0
-
-
-@pytest.mark.parametrize("depth", [1, 8])
-def test_batch_mode_gives_each_stream_exactly_its_solo_tokens(engine, prompt_ids, solo, depth):
-    out = engine.generate_batch(prompt_ids, mode="batch", max_new_tokens=N_NEW, prefill_depth=depth)
-    assert [r.token_ids for r in out.results] == solo
 
 
 def test_solo_matches_the_oracle(prompt_ids, solo, oracle_greedy, assert_greedy_matches):
@@ -65,8 +61,8 @@ def test_solo_matches_the_oracle(prompt_ids, solo, oracle_greedy, assert_greedy_
 
 
 def test_batch_results_carry_per_stream_ttft_and_the_aggregate_throughput(engine, prompt_ids):
-    out = engine.generate_batch(prompt_ids, mode="rows", max_new_tokens=4)
-    assert len(out) == 4 and out.mode == "rows"
+    out = engine.generate_batch(prompt_ids, max_new_tokens=4)
+    assert len(out) == 4 and out.steps.ops > 0
     assert all(r.ttft_s > 0 for r in out.results)
     total = sum(r.n_output_tokens for r in out.results)
     assert out.output_tok_s == pytest.approx(total / out.wall_s)
@@ -74,7 +70,7 @@ def test_batch_results_carry_per_stream_ttft_and_the_aggregate_throughput(engine
 
 
 def test_streamed_batch_events_rebuild_every_result(engine, prompt_ids):
-    run = engine.stream_batch(prompt_ids[:3], mode="rows", max_new_tokens=6)
+    run = engine.stream_batch(prompt_ids[:3], max_new_tokens=6)
     seen: dict[int, list[int]] = {}
     for ev in run:
         seen.setdefault(ev.stream, []).append(ev.token_id)
@@ -82,16 +78,14 @@ def test_streamed_batch_events_rebuild_every_result(engine, prompt_ids):
     assert [seen[i] for i in range(3)] == [r.token_ids for r in result.results]
 
 
-def test_more_prompts_than_rows_queue_in_rows_mode_and_are_refused_in_batch_mode(engine, prompt_ids, solo):
+def test_more_prompts_than_rows_queue_for_a_free_row(engine, prompt_ids, solo):
     six = prompt_ids + prompt_ids[:2]
-    out = engine.generate_batch(six, mode="rows", max_new_tokens=N_NEW)
+    out = engine.generate_batch(six, max_new_tokens=N_NEW)
     assert [r.token_ids for r in out.results] == solo + solo[:2]
-    with pytest.raises(ValueError, match="max_rows"):
-        engine.generate_batch(six, mode="batch")
 
 
 def test_cancelling_one_stream_leaves_its_batch_mates_exact(engine, prompt_ids, solo):
-    run = engine.stream_batch(prompt_ids, mode="rows", max_new_tokens=N_NEW)
+    run = engine.stream_batch(prompt_ids, max_new_tokens=N_NEW)
     for ev in run:
         if ev.stream == 2:
             run.cancel(2)
@@ -108,7 +102,7 @@ def test_stage_killed_during_a_batched_prefill_raises_stage_died_within_2s(model
 
     def run():
         try:
-            engine.generate_batch([long_prompt] * 4, mode="batch", max_new_tokens=4, prefill_depth=1)
+            engine.generate_batch([long_prompt] * 4, max_new_tokens=4, prefill_depth=1)
         except BaseException as exc:  # handed to the main thread
             outcome["exc"] = exc
         outcome["t"] = time.monotonic()

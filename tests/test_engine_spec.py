@@ -1,7 +1,7 @@
 """Speculative decoding on the real model over 3 stage processes (issue 6): output equals plain greedy on the
-golden prompts and on copy-heavy prompts, in solo and rows modes. Verify ops run n > 1 positions through one
-matmul where decode runs one, so a divergence from the oracle is allowed only at a float tie, recorded by
-conftest.assert_greedy_matches."""
+golden prompts and on copy-heavy prompts, alone and sharing step ops. The kernels are batch-invariant, so a
+verify segment gives each position the bits a decode gives it: speculation equals plain greedy byte for byte;
+against the oracle a divergence is allowed only at a float tie (conftest.assert_greedy_matches)."""
 
 from __future__ import annotations
 
@@ -50,19 +50,19 @@ def test_speculation_on_copy_heavy_prompts_equals_plain_greedy_and_accepts_draft
         assert spec.acceptance_rate > 0.5 and spec.mean_accepted_length > 2, spec
 
 
-def test_rows_mode_speculation_gives_each_stream_exactly_its_solo_speculative_tokens(engine, prompts):
+def test_speculating_streams_sharing_step_ops_each_get_exactly_their_solo_tokens(engine, prompts):
     texts = [engine.encode(t, chat=True) for t in copy_prompts()] + [p.tolist() for p in prompts[:2]]
     solo = [engine.generate(ids, max_new_tokens=N_NEW, spec="ngram", spec_k=4, spec_depth=2).token_ids
             for ids in texts]
-    out = engine.generate_batch(texts, mode="rows", max_new_tokens=N_NEW, spec="ngram", spec_k=4, spec_depth=2)
+    out = engine.generate_batch(texts, max_new_tokens=N_NEW, spec="ngram", spec_k=4, spec_depth=2)
     assert [r.token_ids for r in out.results] == solo
+    assert solo == [engine.generate(ids, max_new_tokens=N_NEW).token_ids for ids in texts], \
+        "a verify segment computes each position's bits as a decode does: speculation commits plain greedy's bytes"
     assert out.spec.verify_steps > 0 and out.spec.accepted_tokens > 0
 
 
-def test_speculation_refuses_sampling_and_batch_mode_with_a_clear_error(engine):
+def test_speculation_refuses_sampling_with_a_clear_error(engine):
     with pytest.raises(ValueError, match="greedy-only"):
         engine.generate("hi", spec="ngram", temperature=0.7)
-    with pytest.raises(ValueError, match="without speculation"):
-        engine.generate_batch(["a", "b"], mode="batch", spec="ngram")
     with pytest.raises(ValueError, match="spec must be"):
         engine.generate("hi", spec="medusa")

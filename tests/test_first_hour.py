@@ -64,10 +64,10 @@ def test_help_of_every_option_shows_its_default(command):
         assert help_text[:40] in text
 
 
-def test_mode_without_batch_file_is_refused_before_anything_starts(capsys):
+def test_a_bad_depth_is_refused_before_anything_starts(capsys):
     t0 = time.monotonic()
-    assert main(["generate", "--mode", "batch", "Hello"]) == 2
-    assert "--mode applies to --batch-file" in capsys.readouterr().err
+    assert main(["generate", "--depth", "0", "Hello"]) == 2
+    assert "depth must be an int >= 1" in capsys.readouterr().err
     assert time.monotonic() - t0 < 5
 
 

@@ -129,42 +129,47 @@ def test_attention_bf16_runs_the_torch_path_and_keeps_the_dtype():
     torch.testing.assert_close(got.float(), kernels.attention(q, k_cache, v_cache, 5), atol=3e-2, rtol=3e-2)
 
 
-# --- attention_batched ------------------------------------------------------------------------------------------
+# --- attention_segments ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("hq,hkv,d,n", [(9, 3, 64, 1), (9, 3, 64, 8), (8, 1, 32, 7), (4, 4, 128, 3)])
-def test_attention_batched_equals_attention_per_entry_with_its_own_row_and_start(hq, hkv, d, n):
-    g = _gen(hq + d + n)
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (8, 1, 32), (4, 4, 128)])
+@pytest.mark.parametrize("n_threads", [1, 2, 3])
+def test_attention_segments_equals_attention_per_segment_whatever_the_threads(hq, hkv, d, n_threads):
+    g = _gen(hq + d)
     n_rows, smax = 5, 90
     k_cache = torch.randn(n_rows, hkv, smax, d, generator=g)
     v_cache = torch.randn(n_rows, hkv, smax, d, generator=g)
-    rows = torch.tensor([3, 0, 3, 4], dtype=torch.int64)  # row 3 twice, rows 1 and 2 unused
-    starts = torch.tensor([17, 0, 82, 40], dtype=torch.int64) % (smax - n + 1)
-    q = torch.randn(4, n, hq, d, generator=g)
-    got = kernels.attention_batched(q, k_cache, v_cache, rows, starts)
-    assert got.shape == (4, n, hq, d)
-    for b in range(4):
-        r, s = int(rows[b]), int(starts[b])
-        assert torch.equal(got[b], kernels.attention(q[b], k_cache[r], v_cache[r], s))
-        torch.testing.assert_close(got[b], kernels.attention_reference(q[b], k_cache[r], v_cache[r], s),
-                                   atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(got, kernels.attention_batched_reference(q, k_cache, v_cache, rows, starts),
+    rows = torch.tensor([3, 0, 3, 4], dtype=torch.int64)  # row 3 twice (reads only), rows 1 and 2 unused
+    starts = torch.tensor([17, 0, 82, 40], dtype=torch.int64)
+    lens = torch.tensor([1, 8, 7, 3], dtype=torch.int64)  # a decode, a prefill chunk, a verify, ...
+    q = torch.randn(int(lens.sum()), hq, d, generator=g)
+    got = kernels.attention_segments(q, k_cache, v_cache, rows, starts, lens, n_threads)
+    assert got.shape == q.shape
+    o = 0
+    for r, s, n in zip(rows.tolist(), starts.tolist(), lens.tolist()):
+        assert torch.equal(got[o:o + n], kernels.attention(q[o:o + n], k_cache[r], v_cache[r], s))  # bitwise
+        o += n
+    torch.testing.assert_close(got, kernels.attention_segments_reference(q, k_cache, v_cache, rows, starts, lens),
                                atol=ATOL, rtol=RTOL)
 
 
-@pytest.mark.parametrize("rows,starts", [([0, 5], [0, 0]), ([-1, 0], [0, 0]), ([0, 1], [0, 30]), ([0, 1], [-1, 0])])
-def test_attention_batched_rejects_a_row_or_start_out_of_range(rows, starts):
+@pytest.mark.parametrize("rows,starts,lens", [([0, 5], [0, 0], [1, 1]), ([-1, 0], [0, 0], [1, 1]),
+                                              ([0, 1], [0, 30], [1, 3]), ([0, 1], [-1, 0], [2, 2])])
+def test_attention_segments_rejects_a_row_or_start_out_of_range(rows, starts, lens):
     k_cache = torch.zeros(5, 1, 32, 16)
-    q = torch.zeros(2, 3, 2, 16)
+    q = torch.zeros(sum(lens), 2, 16)
     with pytest.raises(KVRangeError):
-        kernels.attention_batched(q, k_cache, k_cache.clone(), torch.tensor(rows), torch.tensor(starts))
+        kernels.attention_segments(q, k_cache, k_cache.clone(), torch.tensor(rows), torch.tensor(starts),
+                                   torch.tensor(lens))
 
 
-def test_attention_batched_rejects_rows_that_are_not_int64():
+@pytest.mark.parametrize("lens, match", [([0, 2], "lens"), ([1, 2], "sum to T"), (None, "int64")])
+def test_attention_segments_rejects_a_bad_segment_table(lens, match):
     k_cache = torch.zeros(2, 1, 8, 16)
-    with pytest.raises(ValueError, match="int64"):
-        kernels.attention_batched(torch.zeros(1, 1, 1, 16), k_cache, k_cache, torch.tensor([0], dtype=torch.int32),
-                                  torch.tensor([0]))
+    rows = torch.tensor([0, 1])
+    lens_t = torch.tensor(lens) if lens is not None else torch.tensor([1, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        kernels.attention_segments(torch.zeros(2, 1, 16), k_cache, k_cache, rows, torch.tensor([0, 0]), lens_t)
 
 
 # --- RoPE and kv_append -----------------------------------------------------------------------------------------

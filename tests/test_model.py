@@ -123,19 +123,26 @@ def test_writing_past_max_seq_len_raises_and_changes_nothing(small):
     snap = _snapshot(small)
     with pytest.raises(KVRangeError, match="max_seq_len 16"):
         small.forward(torch.arange(7), 0, 10)
-    with pytest.raises(KVRangeError, match="max_seq_len 16"):
-        small.forward_batch(torch.zeros(2, 7, dtype=torch.int64), [1, 0], [0, 10])
+    with pytest.raises(KVRangeError, match="segment 1 .*max_seq_len 16"):  # nothing written, not even row 1
+        small.step(torch.zeros(14, dtype=torch.int64), [(1, 0, 7, 0), (0, 10, 7, 1)])
     assert _same(small, snap)
     small.forward(torch.arange(6), 0, 10)  # up to the last position is fine
     assert small.length[0] == 16
 
 
 @torch.inference_mode()
-def test_a_row_outside_the_cache_or_repeated_in_a_batch_is_refused(small):
+def test_a_bad_segment_table_is_refused_naming_the_segment(small):
     with pytest.raises(KVRangeError, match="row 3"):
         small.forward(torch.arange(2), 3, 0)
-    with pytest.raises(ValueError, match="distinct"):
-        small.forward_batch(torch.zeros(2, 1, dtype=torch.int64), [0, 0], [0, 0])
+    with pytest.raises(ValueError, match="segment 1 .*once per op"):
+        small.step(torch.zeros(2, dtype=torch.int64), [(0, 0, 1, 1), (0, 0, 1, 1)])
+    with pytest.raises(ValueError, match="hold 3 tokens, the op carries 2"):
+        small.step(torch.zeros(2, dtype=torch.int64), [(0, 0, 1, 1), (1, 0, 2, 1)])
+    with pytest.raises(ValueError, match="segment 0 .*want"):
+        small.step(torch.zeros(1, dtype=torch.int64), [(0, 0, 1, 4)])  # logits without an argmax position
+    with pytest.raises(ValueError, match="at least one segment"):
+        small.step(torch.zeros(1, dtype=torch.int64), [])
+    assert small.length == [0, 0, 0]
 
 
 @torch.inference_mode()
@@ -161,41 +168,48 @@ def test_inputs_of_the_wrong_kind_for_the_stage_are_refused(checkpoint, full_wei
     assert mid.forward(torch.randn(3, 576), 0, 0).shape == (3, 576)
 
 
-@pytest.mark.parametrize("n", [1, 4], ids=["decode", "verify_4"])
 @torch.inference_mode()
-def test_a_lockstep_batch_equals_each_row_run_alone(full_stage, prompts, n):
-    rows = [0, 2, 3]
-    gen = torch.Generator().manual_seed(n)
-    chunks = torch.randint(0, full_stage.config.vocab, (len(rows), n), generator=gen)
-    starts, alone = [], []
+def test_a_ragged_step_equals_each_segment_run_alone(full_stage, prompts):
+    """A decode, a 4-token verify and a 7-token prefill chunk in one step op give, byte for byte, what each
+    gives alone (batch-invariant kernels), in any table order."""
+    from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_NONE
+
+    gen = torch.Generator().manual_seed(0)
+    vocab = full_stage.config.vocab
+    rows, lens = [0, 2, 3], [1, 4, 7]
+    wants = [WANT_LAST | WANT_LOGITS, WANT_ALL, WANT_NONE]
+    chunks = [torch.randint(0, vocab, (n,), generator=gen) for n in lens]
+    starts, alone = [len(prompts[0]), len(prompts[1]), 0], []
     for i, row in enumerate(rows):
-        full_stage.forward(prompts[i], row, 0)
-        starts.append(len(prompts[i]))
-        alone.append(full_stage.forward(chunks[i], row, starts[-1], all_positions=True, return_logits=True))
-    # overwrite the same positions as one lockstep batch (rows listed out of order on purpose)
-    order = [2, 0, 1]
-    batch = full_stage.forward_batch(chunks[order], [rows[i] for i in order], [starts[i] for i in order],
-                                     all_positions=True, return_logits=True)
-    assert batch.token_ids.shape == (3, n) and batch.logits.shape == (3, full_stage.config.vocab)
-    for j, i in enumerate(order):
-        assert torch.equal(batch.logits[j], alone[i].logits)  # byte for byte: batch-invariant kernels
-        assert torch.equal(batch.token_ids[j], alone[i].token_ids)
-        assert full_stage.length[rows[i]] == starts[i] + n
+        if starts[i]:
+            full_stage.forward(prompts[i], row, 0)
+        alone.append(full_stage.step(chunks[i], [(row, starts[i], lens[i], wants[i])]))
+    order = [2, 0, 1]  # overwrite the same positions as one op, rows listed out of order on purpose
+    out = full_stage.step(torch.cat([chunks[i] for i in order]),
+                          [(rows[i], starts[i], lens[i], wants[i]) for i in order])
+    assert out.token_ids.shape == (1 + 4,) and out.logits.shape == (1, vocab)
+    assert torch.equal(out.token_ids, torch.cat([alone[0].token_ids, alone[1].token_ids]))
+    assert torch.equal(out.logits, alone[0].logits)  # byte for byte
+    assert alone[2].token_ids.numel() == 0 and alone[2].logits is None
+    assert [full_stage.length[r] for r in rows] == [s + n for s, n in zip(starts, lens)]
 
 
 @torch.inference_mode()
-def test_a_lockstep_batch_through_split_stages_equals_one_stage(full_stage, full_weights, prompts):
+def test_a_ragged_step_through_split_stages_equals_one_stage(full_stage, full_weights, prompts):
+    from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS
+
     stages = _stages(full_stage.config, full_weights, [0, 12, 30], max_rows=2)
-    rows, starts = [0, 1], [len(prompts[0]), len(prompts[1])]
-    for r in rows:
+    for r in (0, 1):
         full_stage.forward(prompts[r], r, 0)
         run_stages(stages, prompts[r], r, 0)
-    x = torch.tensor([[17], [42]])
-    one = full_stage.forward_batch(x, rows, starts, return_logits=True)
-    h = stages[0].forward_batch(x, rows, starts)
-    assert h.shape == (2, 1, 576)
-    two = stages[1].forward_batch(h, rows, starts, return_logits=True)
-    assert torch.equal(one.logits, two.logits) and one.token_ids.shape == (2, 1)
+    table = [(0, len(prompts[0]), 1, WANT_LAST | WANT_LOGITS), (1, len(prompts[1]), 3, WANT_ALL | WANT_LOGITS)]
+    x = torch.tensor([17, 42, 43, 44])
+    one = full_stage.step(x, table)
+    h = stages[0].step(x, table)
+    assert h.shape == (4, 576)
+    two = stages[1].step(h, table)
+    assert torch.equal(one.logits, two.logits) and torch.equal(one.token_ids, two.token_ids)
+    assert one.token_ids.shape == (4,) and one.logits.shape == (2, full_stage.config.vocab)
 
 
 @torch.inference_mode()

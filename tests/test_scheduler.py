@@ -1,5 +1,6 @@
-"""Solo, batch and rows coordinators over the fake oracle ring (issue 5): lossless as an exact equality, the
-shared pipelined prefill, reply checks, cancellation and continuous batching. Runs in seconds."""
+"""The one scheduler over the fake oracle ring (issue 11): STEP ops with segment tables, exact continuations
+whatever the depths, token budget, rows or arrival/cancel schedule, reply checks, and stage-side table checks.
+Runs in seconds."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fake_stage import EOS, OracleModel, RecordingModel, make_stream, start_fake_ring
-from ringshm.coordinator import decode_solo, prefill
-from ringshm.errors import ReplyMismatch, StageError
 from ringshm import messages as m
-from ringshm.scheduler import RowsRun, run_batch
+from ringshm.errors import ReplyMismatch, StageError
+from ringshm.scheduler import Scheduler
+from ringshm.spec import NGramDrafter
+from ringshm.spec_decode import SpecDecoder
 
 CHUNK = 4
 
@@ -36,60 +39,75 @@ def fake():
         r.close()
 
 
-def run_solo(ring, s):
-    events = list(prefill(ring.link, [s], CHUNK, 8)) + list(decode_solo(ring.link, s))
-    return events
+def sched(ring, streams, max_rows=8, prefill_depth=8, depth=3, max_step_tokens=CHUNK, chunk=CHUNK):
+    return Scheduler(ring.link, streams, max_rows, chunk, prefill_depth, depth, max_step_tokens)
 
 
-def run_mode(ring, mode, streams, depth, max_rows=8, decode_depth=1):
-    if mode == "rows":
-        return list(RowsRun(ring.link, streams, max_rows, CHUNK, depth))
-    for i, s in enumerate(streams):
-        s.row = i
-    return list(run_batch(ring.link, streams, CHUNK, depth, decode_depth))
+def per_row(frames):
+    """Each row's segments ``(start, n)`` in the order the stage applied them."""
+    rows: dict[int, list] = {}
+    for op in frames:
+        for row, start, n in op:
+            rows.setdefault(row, []).append((start, n))
+    return rows
 
 
-@pytest.mark.parametrize("mode", ["rows", "batch"])
-@pytest.mark.parametrize("depth", [1, 3, 8, 64])
-def test_every_stream_gets_exactly_its_scripted_continuation(fake, mode, depth):
+@pytest.mark.parametrize("depth", [1, 3, 8])
+@pytest.mark.parametrize("prefill_depth", [1, 8])
+@pytest.mark.parametrize("max_step_tokens", [1, 6, 64])
+def test_every_stream_gets_exactly_its_scripted_continuation(fake, depth, prefill_depth, max_step_tokens):
     ts = scripts(4)
-    ring = fake(OracleModel(ts, max_rows=4))
+    ring = fake(RecordingModel(ts, max_rows=4))
     prompt_lens = [3, 9, 17, 4]  # 1, 3, 5 and 1 chunks: different lengths, some shorter than the window
     streams = [make_stream(i, t, n, 12) for i, (t, n) in enumerate(zip(ts, prompt_lens))]
-    events = run_mode(ring, mode, streams, depth)
+    run = sched(ring, streams, 4, prefill_depth, depth, max_step_tokens)
+    events = list(run)
     for s, t, n in zip(streams, ts, prompt_lens):
         assert s.tokens == t[n : n + 12]
         assert s.finish_reason == "length"
     assert len(events) == 48 and ring.link.in_flight == 0
+    for op in ring.model.frames:  # the budget bounds prefill tokens; decodes (1 token each) always go in
+        prefill = [n for row, start, n in op if start < prompt_lens[row]]
+        decodes = len(op) - len(prefill)
+        assert sum(prefill) <= max(0, max_step_tokens - decodes)
 
 
-@pytest.mark.parametrize("mode", ["rows", "batch"])
-def test_depth_1_and_depth_8_give_identical_tokens_and_the_same_per_row_frame_order(fake, mode):
+def test_decoding_streams_share_step_ops(fake):
+    ts = scripts(4, seed=1)
+    ring = fake(RecordingModel(ts, max_rows=4))
+    streams = [make_stream(i, t, 5, 10) for i, t in enumerate(ts)]
+    run = sched(ring, streams, depth=1)
+    list(run)
+    assert [s.tokens for s in streams] == [t[5:15] for t in ts]
+    decode_ops = [op for op in ring.model.frames if all(n == 1 for _, _, n in op)]
+    assert max(len(op) for op in decode_ops) == 4, "with depth 1 every ready stream decodes in the same op"
+    assert run.stats.multi_segment_ops > 0 and run.stats.segments > run.stats.ops
+
+
+@pytest.mark.parametrize("knob", ["prefill_depth", "depth", "max_step_tokens"])
+def test_the_windows_change_how_ops_are_cut_never_the_tokens(fake, knob):
     ts = scripts(3, seed=1)
-    got = {}
-    for depth in (1, 8):
+    got = []
+    for value in (1, 8):
         model = RecordingModel(ts, max_rows=3)
         ring = fake(model)
         streams = [make_stream(i, t, 5 + 6 * i, 6) for i, t in enumerate(ts)]
-        run_mode(ring, mode, streams, depth)
-        per_row = {}
-        for f in model.frames:
-            if f[0] == "one":
-                per_row.setdefault(f[1], []).append(f[2:])
-        got[depth] = ([s.tokens for s in streams], per_row)
-    assert got[1][0] == got[8][0]
-    assert got[1][1] == got[8][1]  # each row sees the same ops in the same order
+        kw = {"prefill_depth": 8, "depth": 3, "max_step_tokens": CHUNK, knob: value}
+        list(sched(ring, streams, 3, **kw))
+        for row, segs in per_row(model.frames).items():  # each row's segments tile its positions in order
+            assert [start for start, _ in segs] == [0] + [start + n for start, n in segs[:-1]]
+        got.append(([s.tokens for s in streams], model.frames))
+    assert got[0][0] == got[1][0] == [t[5 + 6 * i: 11 + 6 * i] for i, t in enumerate(ts)]
+    assert got[0][1] != got[1][1], f"{knob} 1 and 8 should cut the ops differently"
 
 
-def test_one_stream_in_rows_mode_puts_exactly_the_solo_frames_on_the_wire(fake):
+def test_one_stream_alone_puts_chunked_prefill_then_one_token_decodes_on_the_wire(fake):
     (t,) = scripts(1, seed=2)
-    solo_model, rows_model = RecordingModel([t], 2), RecordingModel([t], 2)
-    solo = make_stream(0, t, 10, 8, row=0)
-    run_solo(fake(solo_model), solo)
-    rows = make_stream(0, t, 10, 8)
-    run_mode(fake(rows_model), "rows", [rows], depth=8)
-    assert solo.tokens == rows.tokens == t[10:18]
-    assert solo_model.frames == rows_model.frames
+    model = RecordingModel([t], 2)
+    s = make_stream(0, t, 10, 8)
+    list(sched(fake(model), [s]))
+    assert s.tokens == t[10:18]
+    assert model.frames == [((0, 0, 4),), ((0, 4, 4),), ((0, 8, 2),)] + [((0, p, 1),) for p in range(10, 17)]
 
 
 def test_a_stream_whose_prefill_yields_eos_finishes_at_its_first_token(fake):
@@ -97,55 +115,49 @@ def test_a_stream_whose_prefill_yields_eos_finishes_at_its_first_token(fake):
     ts[0][7] = EOS  # the token after a 7-token prompt
     ring = fake(OracleModel(ts, max_rows=2))
     streams = [make_stream(0, ts[0], 7, 10), make_stream(1, ts[1], 7, 10)]
-    run_mode(ring, "rows", streams, depth=8)
+    list(sched(ring, streams))
     assert streams[0].tokens == [EOS] and streams[0].finish_reason == "stop"
     assert streams[1].tokens == ts[1][7:17]
 
 
-def test_eos_mid_decode_ends_only_that_stream_in_batch_mode(fake):
+def test_eos_mid_decode_ends_only_that_stream(fake):
     ts = scripts(3, seed=4)
     ts[1][12] = EOS
     ring = fake(OracleModel(ts, max_rows=3))
     streams = [make_stream(i, t, 8, 10) for i, t in enumerate(ts)]
-    run_mode(ring, "batch", streams, depth=8)
+    list(sched(ring, streams, depth=1))
     assert streams[1].tokens == ts[1][8:13] and streams[1].finish_reason == "stop"
     assert streams[0].tokens == ts[0][8:18] and streams[2].tokens == ts[2][8:18]
 
 
-@pytest.mark.parametrize("mode", ["rows", "batch"])
-def test_max_new_tokens_1_ends_each_stream_at_its_prefill(fake, mode):
+def test_max_new_tokens_1_ends_each_stream_at_its_prefill(fake):
     ts = scripts(3, seed=5)
     ring = fake(RecordingModel(ts, max_rows=3))
     streams = [make_stream(i, t, 6, 1) for i, t in enumerate(ts)]
-    run_mode(ring, mode, streams, depth=8)
+    list(sched(ring, streams, max_step_tokens=64))
     assert [s.tokens for s in streams] == [[t[6]] for t in ts]
-    # only the prefill chunks went out (2 per 6-token prompt), no decode op
-    assert ring.model.frames == [("one", r, start, n) for r in range(3) for start, n in ((0, 4), (4, 2))]
+    # only prefill segments went out (chunks of 4 then 2 per 6-token prompt), no decode
+    assert sorted(g for op in ring.model.frames for g in op) == sorted(
+        (r, start, n) for r in range(3) for start, n in ((0, 4), (4, 2)))
     assert ring.link.in_flight == 0
-
-
-def test_batch_decode_depth_2_micro_batches_give_the_same_tokens(fake):
-    ts = scripts(5, seed=6)
-    ring = fake(OracleModel(ts, max_rows=5))
-    streams = [make_stream(i, t, 5 + i, 9) for i, t in enumerate(ts)]
-    run_mode(ring, "batch", streams, depth=8, decode_depth=2)
-    assert [s.tokens for s in streams] == [t[5 + i : 14 + i] for i, t in enumerate(ts)]
 
 
 def test_more_streams_than_rows_queue_and_reuse_freed_rows(fake):
     ts = scripts(7, seed=7)
     ring = fake(RecordingModel(ts, max_rows=2))
     streams = [make_stream(i, t, 3 + i, 4 + i) for i, t in enumerate(ts)]
-    run_mode(ring, "rows", streams, depth=8, max_rows=2)
+    run = sched(ring, streams, max_rows=2)
+    list(run)
     assert [s.tokens for s in streams] == [t[3 + i : 7 + 2 * i] for i, t in enumerate(ts)]
-    assert {f[1] for f in ring.model.frames if f[0] == "one"} == {0, 1}
+    assert {row for op in ring.model.frames for row, _, _ in op} == {0, 1}
+    assert sorted(run.free_rows) == [0, 1] and not run.active and not run.streams
 
 
 def test_cancelling_one_stream_leaves_the_others_exact(fake):
     ts = scripts(3, seed=8)
     ring = fake(OracleModel(ts, max_rows=3))
     streams = [make_stream(i, t, 6, 20) for i, t in enumerate(ts)]
-    run = RowsRun(ring.link, streams, 3, CHUNK, 8)
+    run = sched(ring, streams)
     for n, ev in enumerate(run):
         if n == 6:
             run.cancel(1)
@@ -159,7 +171,7 @@ def test_a_cancelled_stream_frees_its_row_for_a_waiting_one(fake):
     ts = scripts(3, seed=9)
     ring = fake(OracleModel(ts, max_rows=1))
     streams = [make_stream(i, t, 5, 30) for i, t in enumerate(ts)]
-    run = RowsRun(ring.link, streams, 1, CHUNK, 8)
+    run = sched(ring, streams, max_rows=1)
     for ev in run:
         if ev.stream == 0 and len(streams[0].tokens) == 3:
             run.cancel(0)
@@ -174,28 +186,109 @@ def test_swapped_replies_raise_reply_mismatch_instead_of_being_misassigned(fake)
     ring = fake(OracleModel(ts, max_rows=2), swap_at=2)
     streams = [make_stream(i, t, 9, 5) for i, t in enumerate(ts)]
     with pytest.raises(ReplyMismatch, match="expected the reply to seq 1"):
-        run_mode(ring, "rows", streams, depth=8)
+        list(sched(ring, streams))
 
 
-def test_an_op_reading_kv_never_written_comes_back_as_a_stage_error(fake):
+def test_a_reply_carrying_another_segment_table_raises_reply_mismatch(fake):
+    ts = scripts(2, seed=10)
+    ring = fake(OracleModel(ts, max_rows=2), tamper_at=3)
+    streams = [make_stream(i, t, 9, 5) for i, t in enumerate(ts)]
+    with pytest.raises(ReplyMismatch, match="segments"):
+        list(sched(ring, streams, depth=1))
+
+
+def test_an_op_reading_kv_never_written_comes_back_as_a_stage_error_naming_the_segment(fake):
     (t,) = scripts(1, seed=11)
-    ring = fake(OracleModel([t], max_rows=1))
-    s = make_stream(0, t, 5, 3, row=0)
-    ring.link.send(m.Message(m.PREFILL, row=0, start=3, n_tokens=2, rows=[(0, 3)],
-                             tensors=[torch.tensor(t[3:5])]))
-    with pytest.raises(StageError, match="never written"):
+    ring = fake(OracleModel([t], max_rows=2))
+    ring.link.send(m.Message(m.STEP, segments=[m.Segment(1, 0, 2, m.WANT_LAST), m.Segment(0, 3, 2, m.WANT_LAST)],
+                             tensors=[torch.tensor(t[0:2] + t[3:5])]))
+    with pytest.raises(StageError, match="segment 1.*never written"):
         ring.link.recv()
-    assert run_solo(ring, s) and s.tokens == t[5:8]  # the ring is still usable
+    s = make_stream(0, t, 5, 3)
+    list(sched(ring, [s]))
+    assert s.tokens == t[5:8]  # the ring is still usable
+
+
+@pytest.mark.parametrize("segments, n_ids, match", [
+    ([m.Segment(0, 0, 2), m.Segment(0, 0, 1)], 3, "once per op"),
+    ([m.Segment(5, 0, 1)], 1, "outside"),
+    ([m.Segment(0, 0, 2)], 3, "tokens"),
+])
+def test_a_bad_segment_table_is_refused_by_the_stage(fake, segments, n_ids, match):
+    (t,) = scripts(1, seed=13)
+    ring = fake(OracleModel([t], max_rows=2))
+    ring.link.send(m.Message(m.STEP, segments=segments, tensors=[torch.tensor(t[:n_ids])]))
+    with pytest.raises(StageError, match=match):
+        ring.link.recv()
+
+
+def test_a_step_op_over_the_op_budget_is_refused_and_the_ring_stays_usable(fake):
+    (t,) = scripts(1, seed=14)
+    ring = fake(OracleModel([t], max_rows=1), max_op_tokens=8)
+    ring.link.send(m.Message(m.STEP, segments=[m.Segment(0, 0, 9, m.WANT_LAST)], tensors=[torch.tensor(t[:9])]))
+    with pytest.raises(StageError, match="9 tokens is over the op budget of 8"):
+        ring.link.recv()
+    s = make_stream(0, t, 9, 3)
+    list(sched(ring, [s], max_step_tokens=8))
+    assert s.tokens == t[9:12]
 
 
 def test_reset_clears_a_row_so_an_op_continuing_it_reads_kv_never_written(fake):
     (t,) = scripts(1, seed=12)
     ring = fake(OracleModel([t], max_rows=2))
-    s = make_stream(0, t, 6, 2, row=0)
-    run_solo(ring, s)
-    ring.link.send(m.Message(m.RESET, rows=[(0, 0)]))
+    s = make_stream(0, t, 6, 2)
+    list(sched(ring, [s]))
+    ring.link.send(m.Message(m.RESET, segments=[m.Segment(0, 0, 0)]))
     reply, _ = ring.link.recv()
     assert reply.op == m.RESET and reply.is_reply
-    ring.link.send(m.Message(m.PREFILL, row=0, start=6, n_tokens=1, rows=[(0, 6)], tensors=[torch.tensor(t[6:7])]))
+    ring.link.send(m.Message(m.STEP, segments=[m.Segment(0, 6, 1, m.WANT_LAST)], tensors=[torch.tensor(t[6:7])]))
     with pytest.raises(StageError, match="never written"):
         ring.link.recv()
+
+
+# ------------------------------------------------------------------------------ random schedules
+@st.composite
+def schedules(draw):
+    n = draw(st.integers(1, 7))
+    return dict(
+        prompt_lens=draw(st.lists(st.integers(1, 30), min_size=n, max_size=n)),
+        max_new=draw(st.lists(st.integers(1, 15), min_size=n, max_size=n)),
+        arrive=draw(st.lists(st.integers(0, 25), min_size=n, max_size=n)),  # replies taken before it arrives
+        cancel=draw(st.lists(st.one_of(st.none(), st.integers(0, 20)), min_size=n, max_size=n)),
+        spec=draw(st.lists(st.integers(0, 3), min_size=n, max_size=n)),  # 0: plain, else its verify chain depth
+        max_rows=draw(st.integers(1, 4)), depth=draw(st.integers(1, 4)), prefill_depth=draw(st.integers(1, 4)),
+        budget=draw(st.integers(1, 12)), chunk=draw(st.integers(1, 8)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=schedules())
+def test_random_arrivals_cancels_and_speculation_keep_every_stream_exact(fake, plan):
+    n = len(plan["prompt_lens"])
+    ts = scripts(n, length=60, seed=sum(plan["prompt_lens"]))
+    for i in range(0, n, 2):  # every other script repeats itself, so n-gram drafts get accepted
+        ts[i] = ts[i][:1] + (ts[i][1:6] * 12)[:59]
+    ring = fake(OracleModel(ts, max_rows=plan["max_rows"]))
+    streams = [make_stream(i, t, p, k) for i, (t, p, k) in enumerate(zip(ts, plan["prompt_lens"], plan["max_new"]))]
+    for s, d in zip(streams, plan["spec"]):
+        if d:
+            s.spec = SpecDecoder(s, NGramDrafter(k=3), d)
+    run = Scheduler(ring.link, [], plan["max_rows"], plan["chunk"], plan["prefill_depth"], plan["depth"],
+                    plan["budget"])
+    pending = sorted(range(n), key=lambda i: plan["arrive"][i])
+    replies = 0
+    while pending or ring.link.in_flight:
+        while pending and (plan["arrive"][pending[0]] <= replies or not ring.link.in_flight):
+            run.submit(streams[pending.pop(0)])
+        if not ring.link.in_flight:
+            continue
+        run.step()
+        replies += 1
+        assert run.n_decode_ops <= plan["depth"] and run.n_prefill_ops <= plan["prefill_depth"]
+        for i, c in enumerate(plan["cancel"]):
+            if c is not None and c == replies:
+                run.cancel(i)
+    for s, t, p, k, c in zip(streams, ts, plan["prompt_lens"], plan["max_new"], plan["cancel"]):
+        assert s.tokens == t[p : p + len(s.tokens)], "a stream committed a token it would not get alone"
+        if s.finish_reason != "cancelled":
+            assert len(s.tokens) == k and s.finish_reason == "length"
+    assert sorted(run.free_rows) == list(range(plan["max_rows"])) and not run.active

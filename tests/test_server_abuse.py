@@ -33,10 +33,10 @@ class GatedModel(OracleModel):
         self.gate.set()
         self.op_s = op_s
 
-    def forward(self, *args, **kw):
+    def step(self, *args, **kw):
         assert self.gate.wait(timeout=60)
         time.sleep(self.op_s)
-        return super().forward(*args, **kw)
+        return super().step(*args, **kw)
 
 
 class ServerEngine(FakeEngine):

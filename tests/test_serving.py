@@ -14,6 +14,7 @@ from fake_stage import EOS, OracleModel, start_fake_ring
 from ringshm.coordinator import Stream
 from ringshm.errors import StageDied
 from ringshm.sampling import Sampler, TextStream
+from ringshm.scheduler import Scheduler
 from ringshm.serving import AsyncEngine, EngineClosed, QueueFull, RequestFailed
 
 MAX_ROWS = 3
@@ -40,6 +41,10 @@ class FakeEngine:
             raise ValueError("prompt is empty")
         return Stream(index, row, list(prompt), p.max_new_tokens, Sampler(), TextStream(None), frozenset({EOS}))
 
+    def scheduler(self) -> Scheduler:
+        c = self.config
+        return Scheduler(self._link, [], c.max_rows, c.prefill_chunk, c.prefill_depth, 1, c.prefill_chunk)
+
     def _check_stages(self) -> None:
         if self.dead:
             raise StageDied("stage 0 (pid 1, layers 0-0) died: killed by signal 9", 0, -9)
@@ -56,7 +61,7 @@ def make_engine(monkeypatch):
     def make(ts, max_waiting=8, max_rows=MAX_ROWS, **model_kw):
         running = []
         aengine = AsyncEngine(FakeEngine(OracleModel(ts, max_rows=max_rows, **model_kw)), max_waiting,
-                              on_step=running.append)
+                              on_step=lambda n_running, n_segments: running.append((n_running, n_segments)))
         made.append(aengine)
         return aengine, running
 
@@ -81,7 +86,9 @@ def test_more_requests_than_rows_each_get_exactly_their_scripted_continuation(ma
         n = 5 + 3 * i
         assert r.token_ids == t[n : n + 20 + i] and r.finish_reason == "length"
         assert r.n_prompt_tokens == n
-    assert max(running) == MAX_ROWS and (aengine.n_running, aengine.n_waiting) == (0, 0)
+    assert max(r for r, _ in running) == MAX_ROWS and (aengine.n_running, aengine.n_waiting) == (0, 0)
+    assert max(n for _, n in running) > 1, "ready requests share step ops"
+    assert aengine.step_stats.multi_segment_ops > 0
 
 
 def test_cancelled_task_and_abandoned_stream_end_only_their_own_requests(make_engine):

@@ -8,11 +8,9 @@ import random
 import pytest
 
 from fake_stage import EOS, RecordingModel, make_stream, start_fake_ring
-from ringshm import messages as m
-from ringshm.coordinator import prefill
-from ringshm.scheduler import RowsRun
+from ringshm.scheduler import Scheduler
 from ringshm.spec import NGramDrafter, SpecStats, accept
-from ringshm.spec_decode import SpecDecoder, decode_solo_spec
+from ringshm.spec_decode import SpecDecoder
 
 
 # ------------------------------------------------------------------------------------------ pure logic
@@ -81,10 +79,9 @@ def fake():
 
 
 def run_spec(ring, stream, drafter, depth):
-    list(prefill(ring.link, [stream], 8, 8))
-    dec = SpecDecoder(stream, drafter, depth)
-    list(decode_solo_spec(ring.link, dec))
-    assert ring.link.in_flight == 0
+    stream.spec = dec = SpecDecoder(stream, drafter, depth)
+    list(Scheduler(ring.link, [stream], 1, 8, 8, depth, 8))
+    assert ring.link.in_flight == 0 and not dec.in_flight
     return dec.stats
 
 
@@ -119,7 +116,7 @@ def test_a_rejection_in_a_pipelined_window_drops_the_stale_ops_and_stays_exact(f
     stats = run_spec(ring, s, NGramDrafter(k=3), depth=4)
     assert s.tokens == t[18:118]
     assert 0 < stats.acceptance_rate < 1
-    sent = [f for f in ring.model.frames if f[0] == "one" and f[2] >= 18]
+    sent = [op for op in ring.model.frames if op[0][1] >= 18]
     committed_steps = stats.verify_steps
     assert len(sent) > committed_steps + 1, "no op was discarded: the window never held a stale op"
 
@@ -128,21 +125,21 @@ def test_stale_replies_are_recognised_by_epoch_and_never_committed(fake):
     t = repeating_script(100, 5, 100, seed=4)
     t[33] = 998
     ring = fake(RecordingModel([t], max_rows=1))
-    s = make_stream(0, t, 15, 40, row=0)
-    list(prefill(ring.link, [s], 8, 8))
-    dec = SpecDecoder(s, NGramDrafter(k=3), depth=3)
-    epochs_sent = []
-    orig_send = ring.link.send
+    s = make_stream(0, t, 15, 40)
+    epochs_answered = []
+    real = SpecDecoder.on_reply
 
-    def spy(msg, tag=None):
-        if msg.op in (m.VERIFY, m.DECODE):
-            epochs_sent.append(msg.epoch)
-        orig_send(msg, tag)
+    def spy(self, ids, tag):
+        epochs_answered.append((tag.epoch, self.epoch))
+        return real(self, ids, tag)
 
-    ring.link.send = spy
-    list(decode_solo_spec(ring.link, dec))
+    SpecDecoder.on_reply = spy
+    try:
+        run_spec(ring, s, NGramDrafter(k=3), depth=3)
+    finally:
+        SpecDecoder.on_reply = real
     assert s.tokens == t[15:55]
-    assert max(epochs_sent) >= 1, "the rejection at position 33 must bump the epoch"
+    assert any(sent < now for sent, now in epochs_answered), "the rejection at 33 must leave stale replies"
 
 
 def test_eos_inside_an_accepted_run_ends_the_stream_at_eos(fake):
@@ -163,14 +160,16 @@ def test_max_new_tokens_landing_inside_a_run_stops_exactly_there(fake, max_new):
     assert s.tokens == t[12 : 12 + max_new] and s.finish_reason == "length"
 
 
-def test_rows_mode_streams_each_speculate_with_their_own_drafter_and_stay_exact(fake):
+def test_streams_sharing_step_ops_each_speculate_with_their_own_drafter_and_stay_exact(fake):
     ts = [repeating_script(100 + i, 5 + i, 120, seed=10 + i) for i in range(3)]
     ts[1][50] = 997
     ring = fake(RecordingModel(ts, max_rows=2))  # 3 streams, 2 rows: one queues
     streams = [make_stream(i, t, 14, 40) for i, t in enumerate(ts)]
     for s in streams:
         s.spec = SpecDecoder(s, NGramDrafter(k=4), depth=2)
-    list(RowsRun(ring.link, streams, 2, 8, 8))
+    run = Scheduler(ring.link, streams, 2, 8, 8, 2, 8)
+    list(run)
+    assert run.stats.multi_segment_ops > 0
     assert [s.tokens for s in streams] == [t[14:54] for t in ts]
     total = SpecStats()
     for s in streams:
