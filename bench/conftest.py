@@ -1,5 +1,9 @@
 """Benchmark session plumbing: benches register (name, median seconds, extra) figures; at the end of the
-session every ratio a bench asked for is printed and saved as JSON under bench/results/.
+session every ratio a bench asked for is printed and saved as JSON under bench/results/, followed by the
+summary lines a bench's plot added (its own table).
+
+Options: ``--peer-url URL``, an already running OpenAI-compatible server that bench_server.py loads too
+(e.g. vLLM at http://127.0.0.1:8200/v1; see that module's docstring).
 
 Figures only: nothing here asserts on time (these machines are shared and noisy; quote medians and ratios).
 """
@@ -23,6 +27,7 @@ class Figures:
         self.extra: dict[str, dict] = {}
         self.ratios: list[tuple[str, str, str, str]] = []  # (label, numerator, denominator, goal)
         self.plots: list = []  # callables (figures, results_dir, stamp) -> path of a PNG, run at the end
+        self.summary: list[str] = []  # lines printed after the ratios (a plot may add its bench's table)
 
     def record(self, name: str, benchmark, per: int = 1, **extra) -> None:
         """Store the benchmark's median (seconds) divided by ``per`` operations per round."""
@@ -58,6 +63,12 @@ class Figures:
 _FIGURES = Figures()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--peer-url", default=None, metavar="URL",
+                     help="base URL of a running OpenAI-compatible server (e.g. http://127.0.0.1:8200/v1) that "
+                          "bench_server.py loads too, before ringshm's, at the same client levels")
+
+
 @pytest.fixture(scope="session")
 def figures() -> Figures:
     return _FIGURES
@@ -65,7 +76,7 @@ def figures() -> Figures:
 
 def pytest_sessionfinish(session, exitstatus):
     rows = _FIGURES.table()
-    if not rows:
+    if not _FIGURES.medians:
         return
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -78,6 +89,8 @@ def pytest_sessionfinish(session, exitstatus):
         for r in rows:
             goal = f"  goal {r['goal']}" if r["goal"] else ""
             reporter.write_line(f"{r['ratio']:<58} {r['value']:8.3f}{goal}")
+        for line in _FIGURES.summary:
+            reporter.write_line(line)
         reporter.write_line(f"saved {out}")
         for path in plots:
             reporter.write_line(f"saved {path}")
