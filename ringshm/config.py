@@ -82,7 +82,8 @@ class EngineConfig:
         prefill_depth: step ops carrying prefill chunks in flight at once (1 = serial; more pipelines the
             stages).
         depth: step ops carrying decode / verify segments in flight at once: the pipeline's micro-batches
-            (``ringshm.scheduler``). None = the stage count, so every stage can hold one.
+            (``ringshm.scheduler``). None = ``ringshm.launcher.default_depth``: one per stage where every stage
+            computes on its own (a GPU each, or 2+ cores per stage), else 1.
         max_step_tokens: token budget of one step op for prefill chunks (decode and verify segments always
             go in). None = ``prefill_chunk``.
         max_seq_len: positions per KV row (prompt + generated); capped at the model's context length.
@@ -134,11 +135,6 @@ class EngineConfig:
             raise ValueError("op_timeout_s and startup_timeout_s must be > 0")
         if not 0 <= self.link_latency_ms <= 10_000:
             raise ValueError(f"link_latency_ms must be in [0, 10000], got {self.link_latency_ms!r}")
-
-    @property
-    def step_depth(self) -> int:
-        """``depth``, or the stage count when unset."""
-        return self.stages if self.depth is None else self.depth
 
     @property
     def step_tokens(self) -> int:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from ringshm.config import EngineConfig, GenerationParams
 from ringshm.coordinator import Link, Stream, TokenEvent
 from ringshm.errors import EngineOwned
-from ringshm.launcher import StageGroup, check_memory, checkpoint_bytes_per_weight
+from ringshm.launcher import StageGroup, check_memory, checkpoint_bytes_per_weight, default_depth
 from ringshm.results import BatchResult, GenerationResult, result_of
 from ringshm.sampling import Sampler, TextStream
 from ringshm.scheduler import Scheduler, StepStats
@@ -53,6 +53,7 @@ class Engine:
         self.layer_ranges = cfg.layer_ranges(self.model_config.n_layers)
         self.max_seq_len = min(cfg.max_seq_len, self.model_config.max_seq_len)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
+        self.depth = cfg.depth if cfg.depth is not None else default_depth(cfg)  # decode micro-batches in flight
         self._tokenizer = None
         self._job = 0
         self._owner: str | None = None  # set by an AsyncEngine while its dispatcher drives the ring
@@ -173,7 +174,7 @@ class Engine:
         self._job += 1
         return Scheduler(self._link, list(streams), cfg.max_rows, cfg.prefill_chunk,
                          cfg.prefill_depth if prefill_depth is None else prefill_depth,
-                         cfg.step_depth if depth is None else depth, cfg.step_tokens, self._job)
+                         self.depth if depth is None else depth, cfg.step_tokens, self._job)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> Iterator[TokenEvent]:
         """Generate, yielding a ``TokenEvent`` (token id and text delta) per committed token.

@@ -41,6 +41,18 @@ def _pow2(n: int) -> int:
     return 1 << max(MIN_RING_BYTES, n - 1).bit_length()
 
 
+def default_depth(cfg: EngineConfig) -> int:
+    """Decode micro-batches in flight when ``cfg.depth`` is None: one per stage where every stage computes on
+    its own (``device="cuda"``: a GPU each; CPU: at least 2 cores per stage), else 1.
+
+    Each micro-batch is one more pass over every stage's weights per step, which pays only when the stages
+    then run at once. Measured on 2 cores, 3 stages, 8 streams of 64 tokens: depth 1 226 tok/s, depth 3 125.
+    """
+    if cfg.device == "cuda" or len(os.sched_getaffinity(0)) >= 2 * cfg.stages:
+        return cfg.stages
+    return 1
+
+
 def ring_capacities(cfg: EngineConfig, hidden: int, vocab: int) -> list[int]:
     """Data bytes of each ring (``stages + 1``), sized from what its records can be, as powers of two.
 
@@ -54,7 +66,7 @@ def ring_capacities(cfg: EngineConfig, hidden: int, vocab: int) -> list[int]:
     defaults and SmolLM2 (hidden 576, vocab 49152): 128 KiB, 4 MiB per hop between stages, 4 MiB.
     """
     tokens = cfg.max_op_tokens
-    in_flight = cfg.prefill_depth + cfg.step_depth + 1
+    in_flight = cfg.prefill_depth + (cfg.stages if cfg.depth is None else cfg.depth) + 1
     ids = tokens * 8 + RECORD_OVERHEAD
     first = _pow2(in_flight * ids + ids)
     hidden_rec = tokens * hidden * 4 + RECORD_OVERHEAD
