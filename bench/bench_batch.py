@@ -1,11 +1,10 @@
-"""Many streams over the ring (issue 5), figures only.
+"""Many streams over the ring through the one scheduler (issues 5 and 11), figures only.
 
-TTFT A/B: B = 4 streams with prompts of 3-6 prefill chunks, prefill_depth 1 vs 8, rows and batch modes,
-3 stages, link latency 0 and 2 ms (``link_latency_ms``). The figure is the prefill makespan: the last
-stream's TTFT (``max_new_tokens=1``, so a run is all prefill). Each run is set against the pipeline bound
-computed from per-stage service times (stage busy seconds / ops) measured in the depth-1 run of the same
-latency and mode, where one stage computes at a time (at depth 8, stages sharing cores stretch each
-other's busy time, which would inflate the bound):
+TTFT A/B: B = 4 streams with prompts of 3-6 prefill chunks, prefill_depth 1 vs 8, 3 stages, link latency 0 and
+2 ms (``link_latency_ms``). The figure is the prefill makespan: the last stream's TTFT (``max_new_tokens=1``,
+so a run is all prefill). Each run is set against the pipeline bound computed from per-stage service times
+(stage busy seconds / ops) measured in the depth-1 run of the same latency, where one stage computes at a time
+(at depth 8, stages sharing cores stretch each other's busy time, which would inflate the bound):
 
     serial    = ops x (sum_i service_i + hops x hop)          every op traverses the whole ring alone
     pipelined = ops x max_i service_i + (sum_i service_i + hops x hop)      bottleneck stage x ops + one traversal
@@ -14,8 +13,12 @@ with hops = stages + 1 and hop = link latency + the ring's measured per-hop over
 cores for 3 stage processes, so no more than 2 stages compute at once; ``bound_2core`` also respects
 that: max(ops x max_i service_i, ops x sum_i service_i / 2) + one traversal.
 
-Throughput: aggregate decode tok/s for 1, 2, 4, 8 streams, rows vs batch vs the same prompts run one after
-another with solo. Goals: batch >= 3 x and rows >= 1.5 x sequential at 8 streams; pipelined TTFT <= 1.15 x bound.
+Throughput: 1, 2, 4, 8, 16 streams arriving together, ``THROUGHPUT_NEW`` tokens each, served by the
+scheduler with the engine's default decode depth (every ready stream in one step op on a machine where the
+stages share the cores); aggregate output tok/s (prefill included in the wall time) against one stream, the
+per-stream ITL (median TPOT over the streams) and the coordinator's own work per committed token. At 8 streams
+also ``depth = stages`` (one decode micro-batch per stage) and the same prompts served one after another
+(``generate``), for the policy choice. Goal: 8 streams >= 4 x one stream.
 
 Run: ``python -m pytest bench/bench_batch.py --benchmark-only``; JSON and PNG land in bench/results/.
 """
@@ -27,6 +30,7 @@ import time
 
 import pytest
 
+from conftest import cpu_label
 from ringshm.engine import Engine
 
 STAGES = 3
@@ -34,12 +38,12 @@ CHUNK = 64
 N_STREAMS = 4
 LATENCIES_MS = (0.0, 2.0)
 ROUNDS = 3
-THROUGHPUT_STREAMS = (1, 2, 4, 8)
-THROUGHPUT_NEW = 24
+THROUGHPUT_STREAMS = (1, 2, 4, 8, 16)
+THROUGHPUT_NEW = 64
 TEXT = ("Pipeline parallelism splits a model's layers into stages that run in separate processes; while one "
         "stage works on a chunk of the prompt, the next stage can already work on the previous chunk. ")
 _ENGINES: dict[float, Engine] = {}
-_SERVICE_S: dict[tuple[float, str], list[float]] = {}  # (latency, mode) -> depth-1 service time per stage
+_SERVICE_S: dict[float, list[float]] = {}  # latency -> depth-1 service time per stage
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +55,7 @@ def engines():
 
 def engine_for(engines, latency_ms: float) -> Engine:
     if latency_ms not in engines:
-        engines[latency_ms] = Engine(stages=STAGES, prefill_chunk=CHUNK, max_rows=8, max_seq_len=1024,
+        engines[latency_ms] = Engine(stages=STAGES, prefill_chunk=CHUNK, max_rows=16, max_seq_len=1024,
                                      link_latency_ms=latency_ms, progress=False)
     return engines[latency_ms]
 
@@ -70,62 +74,92 @@ def bounds(service_s: list[float], n_ops: int, hop_s: float) -> dict:
 
 
 @pytest.mark.parametrize("depth", [1, 8])
-@pytest.mark.parametrize("mode", ["rows", "batch"])
 @pytest.mark.parametrize("latency_ms", LATENCIES_MS, ids=lambda x: f"lat{x:g}ms")
-def test_ttft_ab(benchmark, figures, engines, latency_ms, mode, depth):
+def test_ttft_ab(benchmark, figures, engines, latency_ms, depth):
     eng = engine_for(engines, latency_ms)
     prompts = ab_prompts(eng)
-    n_ops = sum(-(-len(p) // CHUNK) for p in prompts)
-    eng.generate_batch(prompts[:1], mode=mode, max_new_tokens=1)  # warm up
+    n_ops = sum(-(-len(p) // CHUNK) for p in prompts)  # one chunk per op: the budget is one chunk
+    eng.generate_batch(prompts[:1], max_new_tokens=1)  # warm up
     hop_us = eng.generate("warm", max_new_tokens=8).hop_overhead_us
     runs = []
 
     def run():
-        runs.append(eng.generate_batch(prompts, mode=mode, max_new_tokens=1, prefill_depth=depth))
+        runs.append(eng.generate_batch(prompts, max_new_tokens=1, prefill_depth=depth))
 
     benchmark.pedantic(run, rounds=ROUNDS, warmup_rounds=0)
     makespan = statistics.median(max(r.ttft_s for r in out.results) for out in runs)
     mean_ttft = statistics.median(statistics.mean(r.ttft_s for r in out.results) for out in runs)
     service = [statistics.median(out.stage_busy_s[i] for out in runs) / n_ops for i in range(STAGES)]
     if depth == 1:
-        _SERVICE_S[(latency_ms, mode)] = service
-    service = _SERVICE_S.get((latency_ms, mode), service)
+        _SERVICE_S[latency_ms] = service
+    service = _SERVICE_S.get(latency_ms, service)
     b = bounds(service, n_ops, latency_ms / 1e3 + hop_us / 1e6)
-    key = f"ttft.lat{latency_ms:g}.{mode}.d{depth}"
+    key = f"ttft.lat{latency_ms:g}.d{depth}"
     figures.record_value(key, makespan, mean_ttft_s=mean_ttft, service_s=service, n_ops=n_ops, hop_us=hop_us, **b,
                          measured_over_bound=makespan / b["pipelined_s"],
                          measured_over_bound_2core=makespan / b["bound_2core_s"])
     benchmark.extra_info.update(makespan_s=makespan, mean_ttft_s=mean_ttft, **b)
-    print(f"\nlat {latency_ms:g} ms {mode} depth {depth}: last TTFT {makespan * 1e3:.0f} ms (mean "
+    print(f"\nlat {latency_ms:g} ms depth {depth}: last TTFT {makespan * 1e3:.0f} ms (mean "
           f"{mean_ttft * 1e3:.0f}), bound {b['pipelined_s'] * 1e3:.0f} ms, 2-core bound "
           f"{b['bound_2core_s'] * 1e3:.0f} ms, serial {b['serial_s'] * 1e3:.0f} ms")
     if depth == 8:
-        figures.ratio(f"TTFT lat {latency_ms:g} ms {mode}: depth 8 / depth 1", key,
-                      f"ttft.lat{latency_ms:g}.{mode}.d1")
+        figures.ratio(f"TTFT lat {latency_ms:g} ms: prefill_depth 8 / 1", key, f"ttft.lat{latency_ms:g}.d1")
+
+
+def _throughput_prompts(eng: Engine, n: int) -> list[list[int]]:
+    topics = ["a lighthouse keeper", "a robot learning to paint", "the first city on Mars", "a talking cat",
+              "a lost library", "a river that flows uphill", "a clockmaker's apprentice", "a winter festival"]
+    return [eng.encode(f"Write a short story about {topics[i % 8]} (part {i // 8 + 1}).", chat=True)
+            for i in range(n)]
 
 
 @pytest.mark.parametrize("n_streams", THROUGHPUT_STREAMS)
-@pytest.mark.parametrize("how", ["sequential", "rows", "batch"])
-def test_decode_throughput(benchmark, figures, engines, how, n_streams):
+def test_throughput_vs_streams(benchmark, figures, engines, n_streams):
     eng = engine_for(engines, 0.0)
-    prompts = [eng.encode(f"Write a short note about topic number {i}: ") for i in range(n_streams)]
+    prompts = _throughput_prompts(eng, n_streams)
+    outs, work = [], []
+
+    def run():
+        w0 = eng._link.work_s
+        outs.append(eng.generate_batch(prompts, max_new_tokens=THROUGHPUT_NEW))
+        work.append(eng._link.work_s - w0)
+
+    benchmark.pedantic(run, rounds=2, warmup_rounds=1)
+    rate = statistics.median(o.output_tok_s for o in outs)
+    itl = statistics.median(statistics.median(r.tpot_s for r in o.results) for o in outs)
+    tokens = sum(r.n_output_tokens for r in outs[-1].results)
+    coord_us = statistics.median(work) / tokens * 1e6
+    segs = outs[-1].steps.segments / outs[-1].steps.ops
+    figures.record_value(f"tput.{n_streams}", 1.0 / rate, tok_s=rate, itl_s=itl, coordinator_us_per_token=coord_us,
+                         segments_per_op=segs, depth=eng.depth)
+    figures.record_value(f"itl.{n_streams}", itl)
+    print(f"\n{n_streams} streams (depth {eng.depth}): {rate:.1f} tok/s, ITL p50 {itl * 1e3:.1f} ms, coordinator "
+          f"{coord_us:.0f} us/token, {segs:.1f} segments/op")
+    if n_streams > 1:
+        figures.ratio(f"aggregate tok/s: {n_streams} streams / 1 stream", "tput.1", f"tput.{n_streams}",
+                      ">= 4" if n_streams == 8 else "")
+        figures.ratio(f"ITL p50: {n_streams} streams / 1 stream", f"itl.{n_streams}", "itl.1")
+
+
+@pytest.mark.parametrize("how", ["micro_batches", "sequential"])
+def test_throughput_policies_at_8_streams(benchmark, figures, engines, how):
+    eng = engine_for(engines, 0.0)
+    prompts = _throughput_prompts(eng, 8)
     tok_s = []
 
     def run():
         t0 = time.perf_counter()
         if how == "sequential":
-            n = sum(eng.generate(p, max_new_tokens=THROUGHPUT_NEW, stop=None).n_output_tokens for p in prompts)
+            n = sum(eng.generate(p, max_new_tokens=THROUGHPUT_NEW).n_output_tokens for p in prompts)
             tok_s.append(n / (time.perf_counter() - t0))
         else:
-            tok_s.append(eng.generate_batch(prompts, mode=how, max_new_tokens=THROUGHPUT_NEW).output_tok_s)
+            tok_s.append(eng.generate_batch(prompts, max_new_tokens=THROUGHPUT_NEW, depth=STAGES).output_tok_s)
 
     benchmark.pedantic(run, rounds=2, warmup_rounds=0)
     rate = statistics.median(tok_s)
-    figures.record_value(f"tput.{how}.{n_streams}", 1.0 / rate, tok_s=rate)
-    if how != "sequential" and n_streams == max(THROUGHPUT_STREAMS):
-        goal = ">= 3" if how == "batch" else ">= 1.5"
-        figures.ratio(f"aggregate tok/s at {n_streams} streams: {how} / sequential solo",
-                      f"tput.sequential.{n_streams}", f"tput.{how}.{n_streams}", goal)
+    figures.record_value(f"tput8.{how}", 1.0 / rate, tok_s=rate)
+    figures.ratio(f"8 streams: {how} ({'depth ' + str(STAGES) if how != 'sequential' else 'one by one'}) / "
+                  f"default", "tput.8", f"tput8.{how}")
 
 
 def _plot(figures, results_dir, stamp):
@@ -134,16 +168,15 @@ def _plot(figures, results_dir, stamp):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
     labels, d1, d8, bound = [], [], [], []
     for lat in LATENCIES_MS:
-        for mode in ("rows", "batch"):
-            k1, k8 = f"ttft.lat{lat:g}.{mode}.d1", f"ttft.lat{lat:g}.{mode}.d8"
-            if k1 in figures.medians and k8 in figures.medians:
-                labels.append(f"{mode}\n{lat:g} ms")
-                d1.append(figures.medians[k1] * 1e3)
-                d8.append(figures.medians[k8] * 1e3)
-                bound.append(figures.extra[k8]["pipelined_s"] * 1e3)
+        k1, k8 = f"ttft.lat{lat:g}.d1", f"ttft.lat{lat:g}.d8"
+        if k1 in figures.medians and k8 in figures.medians:
+            labels.append(f"{lat:g} ms / hop")
+            d1.append(figures.medians[k1] * 1e3)
+            d8.append(figures.medians[k8] * 1e3)
+            bound.append(figures.extra[k8]["pipelined_s"] * 1e3)
     xs = range(len(labels))
     ax1.bar([x - 0.2 for x in xs], d1, 0.4, label="prefill_depth 1")
     ax1.bar([x + 0.2 for x in xs], d8, 0.4, label="prefill_depth 8")
@@ -152,18 +185,26 @@ def _plot(figures, results_dir, stamp):
     ax1.set_ylabel("last stream's TTFT (ms)")
     ax1.set_title(f"TTFT, {N_STREAMS} streams, {STAGES} stages")
     ax1.legend()
-    for how in ("sequential", "rows", "batch"):
-        pts = [(n, figures.extra[f"tput.{how}.{n}"]["tok_s"]) for n in THROUGHPUT_STREAMS
-               if f"tput.{how}.{n}" in figures.extra]
-        if pts:
-            ax2.plot(*zip(*pts), marker="o", label=how)
-    ax2.set_xlabel("streams")
-    ax2.set_ylabel("aggregate decode tok/s")
-    ax2.set_title("throughput vs streams")
+    pts = [(n, figures.extra[f"tput.{n}"]) for n in THROUGHPUT_STREAMS if f"tput.{n}" in figures.extra]
+    if pts:
+        ns = [n for n, _ in pts]
+        ax2.plot(ns, [e["tok_s"] for _, e in pts], marker="o", label="ringshm")
+        ax2.plot(ns, [pts[0][1]["tok_s"] * n for n in ns], ls=":", color="gray", label="linear in streams")
+        ax3.plot(ns, [e["itl_s"] * 1e3 for _, e in pts], marker="o")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xlabel("concurrent streams")
+    ax2.set_ylabel("aggregate output tok/s")
+    ax2.set_title(f"throughput vs streams, {STAGES} stages")
     ax2.legend()
+    ax3.set_xscale("log", base=2)
+    ax3.set_xlabel("concurrent streams")
+    ax3.set_ylabel("ITL p50 (ms)")
+    ax3.set_title("inter-token latency vs streams")
+    fig.suptitle(cpu_label(), fontsize=9)
     fig.tight_layout()
     path = results_dir / f"batch-{stamp}.png"
     fig.savefig(path, dpi=110)
+    figures.summary.append(f"bench_batch CPU: {cpu_label()}")
     return path
 
 

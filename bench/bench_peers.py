@@ -31,13 +31,14 @@ import importlib.util
 import json
 import multiprocessing as mp
 import os
-import platform
 import statistics
 import time
 import traceback
 from pathlib import Path
 
 import pytest
+
+from conftest import cpu_info
 
 if importlib.util.find_spec("llama_cpp") is None:
     pytest.skip("llama_cpp is not installed: the peer bench is optional (`make bench-peers` builds it)",
@@ -155,25 +156,6 @@ class LlamaPeer:
 
 
 # --------------------------------------------------------------------------------------------- the session
-def _cpu() -> dict:
-    """The CPU's model name and which of the SIMD levels that matter here it flags (from /proc/cpuinfo)."""
-    name, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name" and not name:
-                name = value
-            elif key in ("flags", "Features") and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni") if f in flags]
-    if any(f.startswith("amx") for f in flags):
-        simd.append("amx")
-    return {"model_name": name or platform.processor() or platform.machine(), "simd": simd,
-            "cores": len(os.sched_getaffinity(0)), "machine": platform.machine()}
-
-
 def _stage_rss(engine) -> list[dict]:
     """RSS and PSS (MB) of each stage process of ``engine``, stage 0 first."""
     import psutil
@@ -201,7 +183,7 @@ class Session:
         from ringshm.models import default_model_path
 
         self.model_path = default_model_path()
-        self.cpu = _cpu()
+        self.cpu = cpu_info()
         self.load_avg_start = os.getloadavg()[0]
         self.samples: dict[str, dict[str, list[float]]] = {"decode_tpot_s": {}, "ttft_s": {}, "llama_t_eval_s": {}}
         self.notes: dict[str, dict] = {}

@@ -23,7 +23,7 @@ takes about 2 minutes on 2 cores, and on 2 cores its worker runs one torch threa
     kill %1                                               # stop vLLM when done
 
 Both servers share the machine's cores with the load generator; the table and JSON name the CPU
-(``/proc/cpuinfo`` model name, whether it flags avx512f) and the cores this process may use. The JSON also
+(``/proc/cpuinfo`` model name, its SIMD flags) and the cores this process may use. The JSON also
 holds each level's output tokens and mean prompt tokens (equal on both sides when their chat templates agree).
 
 Run (ringshm alone): ``python -m pytest bench/bench_server.py --benchmark-only -s``; JSON and PNG land in
@@ -33,8 +33,6 @@ bench/results/.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import signal
 import socket
 import subprocess
@@ -47,6 +45,8 @@ from pathlib import Path
 
 import openai
 import pytest
+
+from conftest import cpu_info, cpu_label
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -63,22 +63,6 @@ _TARGETS: dict[str, dict] = {}  # target -> {"label", "url", "model"}
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
-
-
-def _cpu() -> dict:
-    """The CPU's model name and whether it flags avx512f (from /proc/cpuinfo), and the cores we may use."""
-    name, flags = "", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name" and not name:
-                name = value
-            elif key == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
-    return {"model_name": name or platform.processor() or platform.machine(), "avx512f": "avx512f" in flags,
-            "cores": len(os.sched_getaffinity(0))}
 
 
 @contextmanager
@@ -195,7 +179,7 @@ def _summary() -> dict:
             servers[name] = {**_TARGETS[name], "levels": levels}
     ratio = {c: _LEVELS["ringshm"][c]["output_tok_s"] / _LEVELS["peer"][c]["output_tok_s"] for c in CLIENTS
              if c in _LEVELS.get("ringshm", {}) and c in _LEVELS.get("peer", {})}
-    return {"cpu": _cpu(), "max_tokens": MAX_TOKENS, "requests_per_client": REQUESTS_PER_CLIENT,
+    return {"cpu": cpu_info(), "max_tokens": MAX_TOKENS, "requests_per_client": REQUESTS_PER_CLIENT,
             "ringshm_max_rows": MAX_ROWS, "servers": servers, "ringshm_over_peer_tok_s": ratio}
 
 
@@ -203,7 +187,7 @@ def _table(summary: dict) -> list[str]:
     """The summary as text lines: one row per level, one column group per server."""
     cpu = summary["cpu"]
     names = [n for n in ("ringshm", "peer") if n in summary["servers"]]
-    lines = [f"CPU: {cpu['model_name']} (avx512f: {'yes' if cpu['avx512f'] else 'no'}), {cpu['cores']} cores; "
+    lines = [f"CPU: {cpu_label(cpu)}; "
              f"greedy, max_tokens {summary['max_tokens']}, {summary['requests_per_client']} requests per client"]
     lines += [f"{summary['servers'][n]['label']}: {summary['servers'][n]['url']} model {summary['servers'][n]['model']}"
               for n in names]
@@ -266,8 +250,7 @@ def _plot(figures, results_dir, stamp):
     cpu = summary["cpu"]
     fig.suptitle(f"ringshm serve (3 stages, max_rows {MAX_ROWS})"
                  + (f" vs {summary['servers']['peer']['label']} (dashed)" if "peer" in summary["servers"] else "")
-                 + f", greedy, max_tokens {MAX_TOKENS}, loopback; {cpu['model_name']}, "
-                 f"avx512f {'yes' if cpu['avx512f'] else 'no'}, {cpu['cores']} cores", fontsize=10)
+                 + f", greedy, max_tokens {MAX_TOKENS}, loopback\n{cpu_label(cpu)}", fontsize=10)
     fig.tight_layout()
     path = results_dir / f"server-{stamp}.png"
     fig.savefig(path, dpi=110)

@@ -11,6 +11,8 @@ Figures only: nothing here asserts on time (these machines are shared and noisy;
 from __future__ import annotations
 
 import json
+import os
+import platform
 import time
 from pathlib import Path
 
@@ -58,6 +60,33 @@ class Figures:
                     }
                 )
         return rows
+
+
+def cpu_info() -> dict:
+    """The CPU's model name and which of the SIMD levels that matter here it flags (from /proc/cpuinfo)."""
+    name, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and not name:
+                name = value
+            elif key in ("flags", "Features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni") if f in flags]
+    if any(f.startswith("amx") for f in flags):
+        simd.append("amx")
+    return {"model_name": name or platform.processor() or platform.machine(), "simd": simd,
+            "cores": len(os.sched_getaffinity(0)), "machine": platform.machine()}
+
+
+def cpu_label(cpu: dict | None = None) -> str:
+    """One line naming the CPU for a table: model name, SIMD flags, cores."""
+    cpu = cpu or cpu_info()
+    return (f"{cpu['model_name']} ({cpu['machine']}, {cpu['cores']} cores; SIMD: "
+            f"{', '.join(cpu['simd']) or 'none of avx2/avx512f/amx'})")
+
 
 
 _FIGURES = Figures()

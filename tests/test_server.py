@@ -2,8 +2,8 @@
 
 One main server (3 stages, max_rows 8) runs for the module in a subprocess (``python -m ringshm.cli serve``),
 as a user would start it; a second small one (2 stages, one KV row, one waiting slot) serves the 429 and
-dead-stage cases. Expected answers come from ``Engine.generate`` in this process (rows mode gives every stream
-exactly its solo tokens, so concurrent answers must equal them exactly). The last test SIGTERMs the main
+dead-stage cases. Expected answers come from ``Engine.generate`` in this process (every stream gets exactly its
+solo tokens whatever shares its step ops, so concurrent answers must equal them exactly). The last test SIGTERMs the main
 server.
 """
 
@@ -245,10 +245,11 @@ def _run_clients(server, model_id, prompts, drop: int | None = None) -> dict[int
     return results
 
 
-def _batched_steps(metrics: dict[str, float], more_than: int) -> float:
-    """Replies the dispatcher took while more than ``more_than`` requests held a KV row."""
-    count = metrics["ringshm_step_running_requests_count{}"]
-    return count - metrics[f"ringshm_step_running_requests_bucket{{le={float(more_than)}}}"]
+def _batched_steps(metrics: dict[str, float], more_than: int, family: str = "step_running_requests") -> float:
+    """Replies the dispatcher took while more than ``more_than`` requests held a KV row (``family``
+    "step_segments": to step ops that carried more than ``more_than`` segments)."""
+    count = metrics[f"ringshm_{family}_count{{}}"]
+    return count - metrics[f"ringshm_{family}_bucket{{le={float(more_than)}}}"]
 
 
 def test_eight_concurrent_streaming_clients_each_get_their_solo_answer_and_run_batched(server, model_id, solo):
@@ -258,6 +259,8 @@ def test_eight_concurrent_streaming_clients_each_get_their_solo_answer_and_run_b
         assert results[i] == (solo[prompt].text, solo[prompt].finish_reason), (i, results[i])
     after = server.metrics()
     assert _batched_steps(after, 4) - _batched_steps(before, 4) > 0, "no reply ever had more than 4 rows running"
+    assert _batched_steps(after, 1, "step_segments") - _batched_steps(before, 1, "step_segments") > 0, \
+        "no step op carried more than one request's segment"
     assert after["ringshm_generation_tokens_total{}"] - before["ringshm_generation_tokens_total{}"] == sum(
         solo[p].n_output_tokens for p in PROMPTS)
 
