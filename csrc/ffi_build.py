@@ -31,6 +31,9 @@ ffibuilder.set_source(
     # setuptools wants source paths relative to setup.py's folder.
     sources=[f"csrc/{m}.c" for m in present] + [f"csrc/{s}" for s in ISA_SOURCES],
     include_dirs=["csrc"],
+    # Headers and the per-ISA .inc bodies: a change to any of them rebuilds the extension (setuptools only
+    # compares the sources' times otherwise, and an edited .inc would leave a stale build).
+    depends=sorted(f"csrc/{p.name}" for p in [*HERE.glob("*.h"), *HERE.glob("*.inc")]),
     # No -march: everything is built for the architecture's baseline, and the SIMD files pick their own target
     # per ISA level (csrc/isa.h), so one build runs on any CPU and uses the best path it has (chosen at run
     # time). OpenMP splits a matmul's output rows across the stage's threads.
