@@ -98,8 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.add_argument("--spec", default=None, choices=["ngram"],
                      help="lossless speculative decoding with prompt-lookup (n-gram) drafts (greedy only)")
-    gen.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op")
-    gen.add_argument("--spec-depth", type=int, default=1, help="verify ops in flight per stream")
+    gen.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify segment (at most 16)")
+    gen.add_argument("--spec-depth", type=int, default=1, help="verify segments in flight per stream")
     gen.add_argument("--json", action="store_true", help="print one JSON object with the result, nothing else")
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                          formatter_class=_HelpFormatter,
@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--served-model-name", default=None, help="the model id (default: the checkpoint's stem)")
     srv.add_argument("--spec", default=None, choices=["ngram"],
                      help="decode greedy requests speculatively with n-gram drafts (lossless)")
-    srv.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify op")
-    srv.add_argument("--spec-depth", type=int, default=1, help="verify ops in flight per stream")
+    srv.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify segment (at most 16)")
+    srv.add_argument("--spec-depth", type=int, default=1, help="verify segments in flight per stream")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn's log level")
     return parser

@@ -59,7 +59,7 @@ WANT_LOGITS = 4  # with WANT_LAST: also the last position's fp32 logits (samplin
 WANT_MASK = WANT_LAST | WANT_ALL | WANT_LOGITS
 
 MAGIC = 0x5352  # "RS"
-VERSION = 2  # 2: one STEP op with a segment table replaced PREFILL / VERIFY / DECODE and the row table
+VERSION = 2  # the record layout above; a record of another version is refused (ProtocolError)
 HEADER = struct.Struct("<HBBHBxIiQqqQ")
 SEGMENT = struct.Struct("<iiiI")
 TENSOR_DESC = struct.Struct("<BBxx4iQ")

@@ -87,7 +87,7 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
                on_stage_died: Callable[[StageDied], None] | None = None) -> FastAPI:
     """The FastAPI app serving ``aengine`` as ``model_id``. Its lifespan shutdown closes ``aengine``
     (open requests get ``graceful_s`` more to finish). ``spec="ngram"`` decodes greedy requests
-    speculatively with ``spec_k`` drafts per verify op and ``spec_depth`` verify ops in flight.
+    speculatively with ``spec_k`` drafts per verify segment and ``spec_depth`` verify segments in flight.
     ``max_body_bytes``: larger request bodies get 413. ``on_stage_died``: called once, on the event loop,
     when a stage is found dead (``serve`` then shuts down and exits 3)."""
 

@@ -6,7 +6,7 @@ Reference"): take the longest suffix of the stream's tokens (prompt + output), n
 ``ngram_min``, that also occurs earlier, and propose the up to ``k`` tokens that followed its latest earlier
 occurrence. No match: no proposal (the stream then takes a plain decode step).
 
-Accept rule (greedy, lossless): a verify op feeds ``[current, d1 .. dK]`` at the stream's position; the last
+Accept rule (greedy, lossless): a verify segment feeds ``[current, d1 .. dK]`` at the stream's position; the last
 stage returns the argmax ``a0 .. aK`` at every position, ``a_i`` being the model's next token after
 ``current, d1 .. d_i``. The accepted drafts are the longest prefix with ``d_{i+1} == a_i``; the committed
 tokens are ``a_0 .. a_m`` (m accepted drafts plus the model's own token after them: the correction at the
@@ -63,7 +63,7 @@ class NGramDrafter:
 
 
 def accept(drafts: list[int], argmax_ids: list[int]) -> list[int]:
-    """Tokens to commit after a verify op: ``argmax_ids[:m + 1]`` with m the accepted drafts (see module).
+    """Tokens to commit after a verify segment: ``argmax_ids[:m + 1]`` with m the accepted drafts (see module).
 
     ``argmax_ids`` has ``len(drafts) + 1`` entries (one per fed token).
 
@@ -83,7 +83,7 @@ class SpecStats:
     """Speculation counters of one request (or summed over many).
 
     ``draft_tokens``: drafts proposed and sent; ``accepted_tokens``: drafts that matched; ``verify_steps``:
-    verify ops whose reply was used (stale ones excluded). ``acceptance_rate`` = accepted / drafted;
+    verify segments whose reply was used (stale ones excluded). ``acceptance_rate`` = accepted / drafted;
     ``mean_accepted_length`` = tokens committed per verify step (accepted drafts + the model's own token).
     """
 

@@ -1,4 +1,4 @@
-"""StageModel on SmolLM2: split and chunk invariance, the KV row rules, lockstep batches, bf16."""
+"""StageModel on SmolLM2: split and chunk invariance, the KV row rules and the segment table, ragged steps, bf16."""
 
 from __future__ import annotations
 
