@@ -98,7 +98,7 @@ int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const
  * (segment, kv head) pairs spread over up to n_threads OpenMP threads, each run in the caller's FP mode; an item
  * is computed exactly as attn_forward computes it, so the bits do not depend on n_threads or on the other
  * segments (batch invariance). Rows may repeat (reads only). Everything is checked before anything is written:
- * RINGSHM_KERNEL_ERR_SHAPE for a bad shape, lens[i] < 1 or n_seg > RINGSHM_ATTN_MAX_SEGMENTS,
+ * RINGSHM_KERNEL_ERR_SHAPE for a bad shape, lens[i] < 1 or > S_max, or n_seg > RINGSHM_ATTN_MAX_SEGMENTS;
  * RINGSHM_KERNEL_ERR_RANGE for a row outside [0, R) or starts[i] < 0 or starts[i] + lens[i] > S_max.
  */
 int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cache, const float *v_cache,

@@ -15,8 +15,10 @@
  *     x    = x2 + (silu(gate) * up) . Wdown^T                           written over x
  *
  * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: rows, starts, lens [n_seg]
- * int64, at most RINGSHM_ATTN_MAX_SEGMENTS; a row may appear in one segment only; each segment satisfies the KV rules of ringshm.model (checked
- * by the caller; the kernels re-check what would go out of bounds). Caches: [max_rows, Hkv, S_max, D] fp32.
+ * int64, at most RINGSHM_ATTN_MAX_SEGMENTS. The caller guarantees that a row appears in one segment only (every
+ * segment's KV is appended before any attention runs, so a repeated row would not see the order of a serial
+ * run) and that each segment satisfies the KV rules of ringshm.model; the kernels re-check what would go out of
+ * bounds. Caches: [max_rows, Hkv, S_max, D] fp32.
  * cos, sin: [n_pos, D / 2]. work: at least ringshm_layer_work_floats(shape, T) floats of scratch.
  * Every step is batch-invariant (each row reduced in a fixed order), so the result for a segment does not
  * depend on the other segments of the op, and the matmuls split output rows over n_threads.

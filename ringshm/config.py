@@ -66,6 +66,7 @@ class ModelConfig:
 
 
 DTYPES = ("float32", "bfloat16")
+MAX_ROWS = 4096  # a step op holds at most one segment per row: csrc/kernels.h's RINGSHM_ATTN_MAX_SEGMENTS
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class EngineConfig:
         max_step_tokens: token budget of one step op for prefill chunks (decode and verify segments always
             go in). None = ``prefill_chunk``.
         max_seq_len: positions per KV row (prompt + generated); capped at the model's context length.
-        max_rows: KV rows per stage, i.e. streams that can be live at once.
+        max_rows: KV rows per stage, i.e. streams that can be live at once (at most ``MAX_ROWS``).
         dtype: weights and activations, "float32" or "bfloat16" (the KV cache stays fp32).
         op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.
@@ -121,6 +122,8 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.max_rows > MAX_ROWS:
+            raise ValueError(f"max_rows must be at most {MAX_ROWS} (segments of one step op), got {self.max_rows}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda"):
@@ -187,7 +190,7 @@ class GenerationParams:
         prefill_depth: prefill ops in flight for this request (default: the engine's).
         spec: None, or "ngram" for lossless speculative decoding with prompt-lookup drafts (greedy only).
         spec_k: most draft tokens per verify segment (1 .. ``MAX_SPEC_K``). spec_depth: verify segments in
-            flight per stream.
+            flight per stream (the request's decode window is raised to it).
         spec_ngram: longest suffix n-gram the drafter matches.
 
     Raises:

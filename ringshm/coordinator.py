@@ -79,8 +79,9 @@ class Link:
         ``timeout_s`` (default ``op_timeout_s``) bounds the wait.
 
         Raises:
-            ReplyMismatch: the reply answers another op (seq, op or segment table differ). StageError (KVCacheOverflow for KV range errors):
-            a stage failed the op. StageDied, RingTimeout: as ``send``.
+            ReplyMismatch: the reply answers another op (seq, op or segment table differ).
+            StageError (KVCacheOverflow for KV range errors): a stage failed the op.
+            StageDied, RingTimeout: as ``send``.
         """
         if not self.pending:
             raise errors.RingStateError("recv with no op in flight")

@@ -162,6 +162,11 @@ class Engine:
             s.spec = SpecDecoder(s, NGramDrafter(p.spec_k, p.spec_ngram), p.spec_depth)
         return s
 
+    def _decode_depth(self, p: GenerationParams) -> int:
+        """Decode ops in flight for a request: the engine's ``depth``, raised to ``spec_depth`` when it
+        speculates (each link of a verify chain is its own step op)."""
+        return max(self.depth, p.spec_depth) if p.spec is not None else self.depth
+
     def _prefill_depth(self, p: GenerationParams) -> int:
         """The prefill depth of one request: the engine's unless overridden (A/B runs on one engine)."""
         return self.config.prefill_depth if p.prefill_depth is None else p.prefill_depth
@@ -184,7 +189,7 @@ class Engine:
         """
         self._check_usable()
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
-        return self._run_solo(self._make_stream(0, -1, prompt, p), self._prefill_depth(p))
+        return self._run_solo(self._make_stream(0, -1, prompt, p), self._prefill_depth(p), self._decode_depth(p))
 
     def _check_usable(self) -> None:
         """Raise when this engine cannot take a request from its caller now (closed, or owned)."""
@@ -194,10 +199,10 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine is closed")
 
-    def _run_solo(self, s: Stream, prefill_depth: int) -> Iterator[TokenEvent]:
+    def _run_solo(self, s: Stream, prefill_depth: int, depth: int) -> Iterator[TokenEvent]:
         self._check_usable()
         try:
-            yield from self.scheduler([s], prefill_depth)
+            yield from self.scheduler([s], prefill_depth, depth)
         finally:
             self._link.drain()
 
@@ -225,7 +230,7 @@ class Engine:
         s = self._make_stream(0, -1, prompt, p)
         busy0 = self._busy()
         busy_first = work_first = None
-        for ev in self._run_solo(s, self._prefill_depth(p)):
+        for ev in self._run_solo(s, self._prefill_depth(p), self._decode_depth(p)):
             if busy_first is None:
                 busy_first, work_first = self._busy(), self._link.work_s
             if on_token is not None:
@@ -253,7 +258,8 @@ class Engine:
             raise ValueError(f"depth must be an int >= 1 or None, got {depth!r}")
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
         streams = [self._make_stream(i, -1, prompt, p) for i, prompt in enumerate(prompts)]
-        return BatchStream(self, streams, self._prefill_depth(p), depth)
+        return BatchStream(self, streams, self._prefill_depth(p),
+                           self._decode_depth(p) if depth is None else depth)
 
     def generate_batch(self, prompts: list, max_new_tokens: int = 128, *, depth: int | None = None,
                        on_token: Callable[[TokenEvent], None] | None = None, **params) -> BatchResult:
@@ -264,7 +270,8 @@ class Engine:
 
         Args:
             prompts: strings or token-id lists (as ``generate``).
-            depth: decode micro-batches in flight for this run (default: the engine's ``depth``).
+            depth: decode ops in flight for this run (default: the engine's ``depth``, raised to ``spec_depth``
+                when speculating).
             **params: as ``generate`` (stream i samples with ``seed + i``).
 
         Raises:
@@ -302,10 +309,11 @@ class BatchStream:
             self._t1, self._busy1 = time.perf_counter(), eng._busy()
 
     def cancel(self, index: int) -> None:
-        """End stream ``index`` (finish_reason "cancelled"); the others go on."""
+        """End stream ``index`` (finish_reason "cancelled"); the others go on. Unknown or finished streams
+        are ignored."""
         if self._run is not None:
             self._run.cancel(index)
-        else:
+        elif 0 <= index < len(self.streams):
             self.streams[index].cancel()
 
     def result(self) -> BatchResult:

@@ -212,13 +212,16 @@ class StageModel:
         Raises:
             KVRangeError: a segment's row outside the cache, its start past the row's written length, or its
                 positions past ``max_seq_len`` (the message names the segment).
-            ValueError: an empty table, a segment of < 1 token, a row in two segments, a ``want`` with
-                unknown bits, or segment tokens that do not add up to T.
+            ValueError: an empty table or one of more than ``kernels.MAX_SEGMENTS``, a segment of < 1 token, a
+                row in two segments, a ``want`` with unknown bits, or segment tokens that do not add up to T.
         """
         from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_MASK
 
         if not segments:
             raise ValueError("a step op needs at least one segment")
+        if len(segments) > kernels.MAX_SEGMENTS:
+            raise ValueError(f"a step op of {len(segments)} segments is over the {kernels.MAX_SEGMENTS} one op "
+                             f"may hold")
         table = [tuple(int(v) for v in seg) for seg in segments]
         seen: dict[int, int] = {}
         for i, (row, start, n, want) in enumerate(table):

@@ -33,7 +33,7 @@ import torch
 
 from ringshm import messages as m
 from ringshm.coordinator import Link, Stream, TokenEvent
-from ringshm.errors import ReplyMismatch
+from ringshm.errors import ReplyMismatch, RingTimeout
 from ringshm.spec_decode import VerifyTag
 
 PREFILL, DECODE, VERIFY = 0, 1, 2  # what a segment is to the coordinator (the stage only sees the table)
@@ -50,8 +50,6 @@ class StepTag:
     decode: bool
     prefill: bool
 
-    def has(self, s: Stream) -> bool:
-        return s in self.streams
 
 
 @dataclass
@@ -78,7 +76,7 @@ class Scheduler:
             op for prefill chunks (decode and verify segments always go in). job: the job id on the wire.
 
     Raises:
-        ValueError: a limit < 1.
+        ValueError: a limit < 1, or a stream with an empty prompt.
     """
 
     def __init__(self, link: Link, streams: list[Stream], max_rows: int, prefill_chunk: int, prefill_depth: int,
@@ -102,7 +100,13 @@ class Scheduler:
 
     # --------------------------------------------------------------------------------------- public API
     def submit(self, stream: Stream, send: bool = True) -> None:
-        """Queue a request; it starts as soon as a row is free (and, with ``send``, at once if one is)."""
+        """Queue a request; it starts as soon as a row is free (and, with ``send``, at once if one is).
+
+        Raises:
+            ValueError: the stream's prompt is empty (it could never be prefilled).
+        """
+        if not stream.prompt:
+            raise ValueError(f"stream {stream.index} has an empty prompt: give at least one token")
         self.streams[stream.index] = stream
         self.waiting.append(stream)
         if send:
@@ -133,15 +137,20 @@ class Scheduler:
         tokens, send the ops it makes possible, and return the tokens.
 
         Raises:
-            RingTimeout: no reply within timeout_s (nothing is lost: call again). StageDied, StageError,
-            ReplyMismatch: as ``Link.recv`` (also a reply whose outputs do not fit its segment table).
+            RingTimeout: no reply within timeout_s, or no room in stage 0's ring for an op within the link's
+                op timeout (nothing is lost either way: an op that was not sent is not counted; call again).
+            StageDied, StageError, ReplyMismatch: as ``Link.recv`` (also a reply whose outputs do not fit its
+                segment table).
         """
         self._admit()
         self._fill()
         reply, tag = self.link.recv(timeout_s)
         events = self._on_reply(reply, tag)
         self._admit()
-        self._fill()  # next ops out before the caller sees the tokens
+        try:
+            self._fill()  # next ops out before the caller sees the tokens
+        except RingTimeout:
+            pass  # stage 0's ring stayed full: those ops go out on the next call; these tokens are returned now
         return events
 
     @property
@@ -153,6 +162,9 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and self.free_rows:
             s = self.waiting.popleft()
+            if s.done:  # cancelled before it got a row: nothing to run
+                self.streams.pop(s.index, None)
+                continue
             s.row = self.free_rows.pop(0)
             self.active.append(s)
 
@@ -205,6 +217,17 @@ class Scheduler:
             if not segs:
                 return
             has_prefill = PREFILL in kinds
+            try:
+                self.link.send(m.Message(m.STEP, job=self.job, segments=segs,
+                                         tensors=[torch.tensor(ids, dtype=torch.int64)]),
+                               tag=StepTag(tuple(streams), tuple(kinds), tuple(verifies), has_decode, has_prefill))
+            except BaseException:  # not sent (RingTimeout, StageDied): undo what building it claimed
+                for s, kind, v, seg in zip(streams, kinds, verifies, segs):
+                    if kind == PREFILL:
+                        s.n_prefilled -= seg.n_tokens
+                    elif v is not None:
+                        s.spec.in_flight.remove(v)
+                raise
             for s in streams:
                 s.n_in_flight += 1
             self.n_decode_ops += has_decode
@@ -212,9 +235,6 @@ class Scheduler:
             st = self.stats
             st.ops, st.segments, st.tokens = st.ops + 1, st.segments + len(segs), st.tokens + len(ids)
             st.multi_segment_ops += len(segs) > 1
-            self.link.send(m.Message(m.STEP, job=self.job, segments=segs,
-                                     tensors=[torch.tensor(ids, dtype=torch.int64)]),
-                           tag=StepTag(tuple(streams), tuple(kinds), tuple(verifies), has_decode, has_prefill))
 
     def _on_reply(self, reply: m.Message, tag: StepTag) -> list[TokenEvent]:
         """Commit what one step reply carries, segment by segment, and free the rows of finished streams."""

@@ -392,6 +392,8 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, max_waiting: int = 64, g
         engine.close()
         return 0
     try:
+        if spec is not None:  # a verify chain of spec_depth segments needs that many decode ops in flight
+            engine.depth = max(engine.depth, spec_depth)
         aengine = AsyncEngine(engine, max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s)
     except BaseException:
         engine.close()

@@ -363,8 +363,10 @@ class AsyncEngine:
         """No reply yet: name a stage that has had an op waiting and applied none for ``op_timeout_s``.
 
         Stage i has work while the stage before it (stage 0: the coordinator) has passed on more ops than i
-        has applied; its clock restarts whenever its applied-op counter moves or it has nothing to do. On a
-        stall every open request fails with ``StageStalled`` (their rows free as the stalled ops come back)."""
+        has applied; its clock restarts whenever its applied-op counter moves or it has nothing to do. A
+        stopped stage makes the stages before it wait on their full output rings (their counters freeze too),
+        so the last stage that looks stuck is named. On a stall every open request fails with
+        ``StageStalled`` (their rows free as the stalled ops come back)."""
         now = time.monotonic()
         stage_ops = getattr(self.engine, "stage_ops", None)
         stalled = None
@@ -377,8 +379,8 @@ class AsyncEngine:
                 seen, since = self._progress[i]
                 if n != seen or upstream <= n:
                     self._progress[i] = (n, now)
-                elif now - since > op_timeout_s and stalled is None:
-                    stalled = (i, now - since)
+                elif now - since > op_timeout_s:
+                    stalled = (i, now - since)  # the last one: a stopped stage also freezes those before it
                 upstream = n
         elif now - last_reply > op_timeout_s:
             stalled = (-1, now - last_reply)

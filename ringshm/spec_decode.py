@@ -41,9 +41,6 @@ class VerifyTag:
     start: int
     inputs: tuple[int, ...]
 
-    def has(self, s: Stream) -> bool:
-        return self.decoder.stream is s
-
 
 @dataclass(eq=False)
 class SpecDecoder:

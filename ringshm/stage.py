@@ -156,7 +156,9 @@ def serve(model, spec: StageSpec, rin, rout, status) -> None:
             finally:
                 status[base + SLOT_ACTIVE] = 0.0
         n = m.encoded_size(out)
-        m.encode_into(rout.reserve(n, spec.ring_timeout_s), out)
+        # No deadline: a full output ring is backpressure (the next stage is busy, or stopped and will be
+        # reported stalled by the coordinator); a consumer that is gone raises PeerDied.
+        m.encode_into(rout.reserve(n, None), out)
         # Busy time ends, and is counted, before the record is published: once it is, the next stage may
         # already compute, and the coordinator may read the counters as soon as it has the reply.
         status[base + SLOT_BUSY_S] += time.perf_counter() - t0

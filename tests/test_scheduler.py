@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fake_stage import EOS, OracleModel, RecordingModel, make_stream, start_fake_ring
 from ringshm import messages as m
-from ringshm.errors import ReplyMismatch, StageError
+from ringshm.errors import ReplyMismatch, RingTimeout, StageError
 from ringshm.scheduler import Scheduler
 from ringshm.spec import NGramDrafter
 from ringshm.spec_decode import SpecDecoder
@@ -179,6 +179,52 @@ def test_a_cancelled_stream_frees_its_row_for_a_waiting_one(fake):
             run.cancel(1)
     assert [s.finish_reason for s in streams] == ["cancelled", "cancelled", "length"]
     assert streams[2].tokens == ts[2][5:35]
+
+
+def test_a_stream_cancelled_before_it_got_a_row_never_holds_one(fake):
+    ts = scripts(2, seed=15)
+    ring = fake(OracleModel(ts, max_rows=1))
+    streams = [make_stream(i, t, 5, 6) for i, t in enumerate(ts)]
+    streams[0].cancel()  # as BatchStream.cancel does before the run starts
+    run = sched(ring, streams, max_rows=1)
+    list(run)
+    assert streams[0].tokens == [] and streams[1].tokens == ts[1][5:11]
+    assert run.free_rows == [0] and not run.active and not run.streams
+
+
+def test_an_op_that_could_not_be_sent_is_not_counted_and_goes_out_later(fake):
+    ts = scripts(3, seed=16)
+    ts[0] = ts[0][:1] + (ts[0][1:6] * 12)[:59]  # a repeating script: its drafts get accepted
+    ring = fake(OracleModel(ts, max_rows=3))
+    streams = [make_stream(i, t, 9, 8) for i, t in enumerate(ts)]
+    streams[0].spec = SpecDecoder(streams[0], NGramDrafter(k=3), 2)
+    real, calls = ring.link.send, []
+
+    def flaky(msg, tag=None):
+        calls.append(msg.seq)
+        if len(calls) in (2, 9):  # stage 0's ring "full" once during prefill, once during decode
+            raise RingTimeout("no room in stage 0's input ring")
+        return real(msg, tag)
+
+    ring.link.send = flaky
+    run = sched(ring, streams, depth=2, prefill_depth=4)
+    events = []
+    while True:
+        try:
+            events += list(run)
+            break
+        except RingTimeout:
+            continue
+    assert [s.tokens for s in streams] == [t[9:17] for t in ts]
+    assert len(events) == 24 and (run.n_decode_ops, run.n_prefill_ops) == (0, 0)
+    assert all(s.n_in_flight == 0 for s in streams) and not streams[0].spec.in_flight
+
+
+def test_the_engine_refuses_more_rows_than_one_step_op_can_hold():
+    from ringshm.config import MAX_ROWS, EngineConfig
+
+    with pytest.raises(ValueError, match=f"at most {MAX_ROWS}"):
+        EngineConfig(max_rows=MAX_ROWS + 1)
 
 
 def test_swapped_replies_raise_reply_mismatch_instead_of_being_misassigned(fake):

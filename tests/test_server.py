@@ -3,8 +3,8 @@
 One main server (3 stages, max_rows 8) runs for the module in a subprocess (``python -m ringshm.cli serve``),
 as a user would start it; a second small one (2 stages, one KV row, one waiting slot) serves the 429 and
 dead-stage cases. Expected answers come from ``Engine.generate`` in this process (every stream gets exactly its
-solo tokens whatever shares its step ops, so concurrent answers must equal them exactly). The last test SIGTERMs the main
-server.
+solo tokens whatever shares its step ops, so concurrent answers must equal them exactly). The last test
+SIGTERMs the main server.
 """
 
 from __future__ import annotations
