@@ -13,7 +13,8 @@ with hops = stages + 1 and hop = link latency + the ring's measured per-hop over
 cores for 3 stage processes, so no more than 2 stages compute at once; ``bound_2core`` also respects
 that: max(ops x max_i service_i, ops x sum_i service_i / 2) + one traversal.
 
-Throughput: 1, 2, 4, 8, 16 streams arriving together, ``THROUGHPUT_NEW`` tokens each, served by the
+Throughput: 1, 2, 4, 8, 16 streams arriving together, ``THROUGHPUT_NEW`` tokens each (levels interleaved
+over ``THROUGHPUT_ROUNDS`` rounds, medians), served by the
 scheduler with the engine's default decode depth (every ready stream in one step op on a machine where the
 stages share the cores); aggregate output tok/s (prefill included in the wall time) against one stream, the
 per-stream ITL (median TPOT over the streams) and the coordinator's own work per committed token. At 8 streams
@@ -40,6 +41,7 @@ LATENCIES_MS = (0.0, 2.0)
 ROUNDS = 3
 THROUGHPUT_STREAMS = (1, 2, 4, 8, 16)
 THROUGHPUT_NEW = 64
+THROUGHPUT_ROUNDS = 3
 TEXT = ("Pipeline parallelism splits a model's layers into stages that run in separate processes; while one "
         "stage works on a chunk of the prompt, the next stage can already work on the previous chunk. ")
 _ENGINES: dict[float, Engine] = {}
@@ -113,32 +115,35 @@ def _throughput_prompts(eng: Engine, n: int) -> list[list[int]]:
             for i in range(n)]
 
 
-@pytest.mark.parametrize("n_streams", THROUGHPUT_STREAMS)
-def test_throughput_vs_streams(benchmark, figures, engines, n_streams):
+def test_throughput_vs_streams(benchmark, figures, engines):
+    """Every level once per round, rounds interleaved, so drift on a shared machine hits all levels alike."""
     eng = engine_for(engines, 0.0)
-    prompts = _throughput_prompts(eng, n_streams)
-    outs, work = [], []
+    prompts = {n: _throughput_prompts(eng, n) for n in THROUGHPUT_STREAMS}
+    outs: dict[int, list] = {n: [] for n in THROUGHPUT_STREAMS}
+    work: dict[int, list] = {n: [] for n in THROUGHPUT_STREAMS}
+    eng.generate_batch(prompts[max(THROUGHPUT_STREAMS)], max_new_tokens=8)  # warm up
 
     def run():
-        w0 = eng._link.work_s
-        outs.append(eng.generate_batch(prompts, max_new_tokens=THROUGHPUT_NEW))
-        work.append(eng._link.work_s - w0)
+        for n in THROUGHPUT_STREAMS:
+            w0 = eng._link.work_s
+            outs[n].append(eng.generate_batch(prompts[n], max_new_tokens=THROUGHPUT_NEW))
+            work[n].append(eng._link.work_s - w0)
 
-    benchmark.pedantic(run, rounds=2, warmup_rounds=1)
-    rate = statistics.median(o.output_tok_s for o in outs)
-    itl = statistics.median(statistics.median(r.tpot_s for r in o.results) for o in outs)
-    tokens = sum(r.n_output_tokens for r in outs[-1].results)
-    coord_us = statistics.median(work) / tokens * 1e6
-    segs = outs[-1].steps.segments / outs[-1].steps.ops
-    figures.record_value(f"tput.{n_streams}", 1.0 / rate, tok_s=rate, itl_s=itl, coordinator_us_per_token=coord_us,
-                         segments_per_op=segs, depth=eng.depth)
-    figures.record_value(f"itl.{n_streams}", itl)
-    print(f"\n{n_streams} streams (depth {eng.depth}): {rate:.1f} tok/s, ITL p50 {itl * 1e3:.1f} ms, coordinator "
-          f"{coord_us:.0f} us/token, {segs:.1f} segments/op")
-    if n_streams > 1:
-        figures.ratio(f"aggregate tok/s: {n_streams} streams / 1 stream", "tput.1", f"tput.{n_streams}",
-                      ">= 4" if n_streams == 8 else "")
-        figures.ratio(f"ITL p50: {n_streams} streams / 1 stream", f"itl.{n_streams}", "itl.1")
+    benchmark.pedantic(run, rounds=THROUGHPUT_ROUNDS, warmup_rounds=0)
+    for n in THROUGHPUT_STREAMS:
+        rate = statistics.median(o.output_tok_s for o in outs[n])
+        itl = statistics.median(statistics.median(r.tpot_s for r in o.results) for o in outs[n])
+        tokens = sum(r.n_output_tokens for r in outs[n][-1].results)
+        coord_us = statistics.median(work[n]) / tokens * 1e6
+        segs = outs[n][-1].steps.segments / outs[n][-1].steps.ops
+        figures.record_value(f"tput.{n}", 1.0 / rate, tok_s=rate, itl_s=itl, coordinator_us_per_token=coord_us,
+                             segments_per_op=segs, depth=eng.depth)
+        figures.record_value(f"itl.{n}", itl)
+        print(f"\n{n} streams (depth {eng.depth}): {rate:.1f} tok/s, ITL p50 {itl * 1e3:.1f} ms, coordinator "
+              f"{coord_us:.0f} us/token, {segs:.1f} segments/op")
+        if n > 1:
+            figures.ratio(f"aggregate tok/s: {n} streams / 1 stream", "tput.1", f"tput.{n}", ">= 4" if n == 8 else "")
+            figures.ratio(f"ITL p50: {n} streams / 1 stream", f"itl.{n}", "itl.1")
 
 
 @pytest.mark.parametrize("how", ["micro_batches", "sequential"])
