@@ -16,4 +16,12 @@ typedef fenv_t fpenv_t;
 #define FPENV_SET(e) fesetenv(&(e))
 #endif
 
+/* First and last statements of an OpenMP parallel region's body: run it in `caller`'s FP mode (captured with
+ * FPENV_GET before the region), then give the worker its own back. */
+#define FPENV_WORKER_BEGIN(caller)                                                                              \
+    fpenv_t fpenv_worker_saved_;                                                                               \
+    FPENV_GET(fpenv_worker_saved_);                                                                            \
+    FPENV_SET(caller)
+#define FPENV_WORKER_END() FPENV_SET(fpenv_worker_saved_)
+
 #endif /* RINGSHM_FPENV_H */

@@ -84,12 +84,10 @@ int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cac
         FPENV_GET(caller);
 #pragma omp parallel num_threads(nt)
         {
-            fpenv_t saved;
-            FPENV_GET(saved);
-            FPENV_SET(caller);
+            FPENV_WORKER_BEGIN(caller);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t it = 0; it < n_items; it++) ITEM(it);
-            FPENV_SET(saved);
+            FPENV_WORKER_END();
         }
         return RINGSHM_KERNEL_OK;
     }

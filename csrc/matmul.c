@@ -164,12 +164,10 @@ int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, i
         FPENV_GET(caller);
 #pragma omp parallel num_threads(nt)
         {
-            fpenv_t saved;
-            FPENV_GET(saved);
-            FPENV_SET(caller);
+            FPENV_WORKER_BEGIN(caller);
             const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
             fn(&a, n_panels * t / T, n_panels * (t + 1) / T);
-            FPENV_SET(saved);
+            FPENV_WORKER_END();
         }
         return RINGSHM_MATMUL_OK;
     }

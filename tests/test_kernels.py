@@ -153,6 +153,23 @@ def test_attention_segments_equals_attention_per_segment_whatever_the_threads(hq
                                atol=ATOL, rtol=RTOL)
 
 
+def test_attention_segments_runs_every_item_in_the_callers_flush_to_zero_mode():
+    """OpenMP's pool workers keep their own FP mode unless the call hands them the caller's."""
+    n = 256  # enough items that the pool's worker takes some of them
+    k_cache = torch.zeros(n, 1, 512, 16)
+    v_cache = torch.full((n, 1, 512, 16), 1e-39)  # subnormal: read as zero, or not, depending on the mode
+    q = torch.zeros(n, 1, 16)
+    rows, starts, lens = torch.arange(n), torch.full((n,), 500), torch.ones(n, dtype=torch.int64)
+    kernels.attention_segments(q, k_cache, v_cache, rows, starts, lens, n_threads=2)  # the pool exists first
+    was = torch.set_flush_denormal(True)
+    try:
+        one = kernels.attention_segments(q, k_cache, v_cache, rows, starts, lens, n_threads=1)
+        two = kernels.attention_segments(q, k_cache, v_cache, rows, starts, lens, n_threads=2)
+    finally:
+        torch.set_flush_denormal(False)
+    assert was and torch.equal(one, two) and torch.equal(one, torch.zeros_like(q))
+
+
 @pytest.mark.parametrize("rows,starts,lens", [([0, 5], [0, 0], [1, 1]), ([-1, 0], [0, 0], [1, 1]),
                                               ([0, 1], [0, 30], [1, 3]), ([0, 1], [-1, 0], [2, 2])])
 def test_attention_segments_rejects_a_row_or_start_out_of_range(rows, starts, lens):
