@@ -118,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest request body accepted; a larger one gets 413")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
                      help="seconds open responses get to finish on SIGTERM before they are cancelled")
-    srv.add_argument("--served-model-name", default=None, help="the model id (default: the checkpoint's stem)")
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model id, or several aliases: /v1/models lists each, a request may name any, the "
+                          "response echoes it (default: the checkpoint's stem)")
     srv.add_argument("--spec", default=None, choices=["ngram"],
                      help="decode greedy requests speculatively with n-gram drafts (lossless)")
     srv.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify segment (at most 16)")

@@ -1,16 +1,19 @@
 """The OpenAI API's wire side for ``ringshm.server``: pydantic request models (``ChatRequest``,
-``CompletionRequest``) and OpenAI-shaped errors (``ApiError``), with the mapping from engine exceptions to
-HTTP statuses: bad input 400, queue full 429, a dead or stalled stage, a queue wait past its limit or a
-closing engine 503, a failed request 500.
+``CompletionRequest``, and vLLM's ``TokenizeRequest`` / ``DetokenizeRequest``), the served model names
+(``ServedModels``: aliases, model objects, 404 for an unknown name) and OpenAI-shaped errors (``ApiError``),
+with the mapping from engine exceptions to HTTP statuses: bad input 400, queue full 429, a dead or stalled
+stage, a queue wait past its limit or a closing engine 503, a failed request 500.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
 from ringshm.errors import EngineClosed, QueueFull, QueueTimeout, RequestFailed, StageDied, StageStalled
+from ringshm.tokenizer import check_text
 
 
 # ------------------------------------------------------------------------------------------ request models
@@ -30,8 +33,8 @@ Text = Annotated[str, Strict(), Field(min_length=1)]
 # otherwise 400 naming the field (never silently ignored). field -> (neutral test, what to say)
 UNSUPPORTED = {
     "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "response_format other than text is not "
-                        "supported"),
+    "response_format": (lambda v: v is None or v == {"type": "text"}, 'response_format: only {"type": "text"} is '
+                        "supported (no JSON mode, no json_schema: constrained decoding is not implemented)"),
     "ignore_eos": (lambda v: v is False, "ignore_eos is not supported"),
     "min_tokens": (lambda v: v == 0, "min_tokens is not supported (use 0)"),
     "repetition_penalty": (lambda v: v == 1.0, "repetition_penalty is not supported (use 1.0)"),
@@ -88,6 +91,25 @@ class _Message(BaseModel):
     content: Annotated[str, Strict()] | list[dict] | None = None
 
 
+def plain_messages(messages: list[_Message]) -> list[dict]:
+    """``[{"role", "content"}]`` for the chat template: text content parts joined, ``developer`` as
+    ``system``, no content as "". Raises a 400 naming ``messages`` for a non-text part or text that is not
+    valid Unicode (``check_text``)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):  # content parts: text only
+            if any(p.get("type") != "text" for p in content):
+                raise bad_request("only text content parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        try:
+            check_text(content or "", f"messages[{i}].content")
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
 class ChatRequest(RequestBody):
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
@@ -99,6 +121,68 @@ class CompletionRequest(RequestBody):
     echo: Bool = False
     best_of: Int | None = None
     suffix: Annotated[str, Strict()] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: ``prompt`` (tokenised as ``/v1/completions`` does) or ``messages`` (through
+    the chat template, as ``/v1/chat/completions`` does), exactly one of them. ``add_special_tokens`` is
+    accepted only at the value ringshm tokenises with (vLLM's defaults: true for a prompt, false for
+    messages); ``refuse_unsupported`` says so."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str, Strict()] | None = None
+    prompt: Annotated[str, Strict()] | None = None
+    messages: list[_Message] | None = Field(None, min_length=1)
+    add_generation_prompt: Bool = True
+    add_special_tokens: Bool | None = None
+
+    def refuse_unsupported(self) -> None:
+        """Raise a 400 unless exactly one of ``prompt`` / ``messages`` is given, or for an
+        ``add_special_tokens`` ringshm does not tokenise with."""
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt (a string) or messages (a chat)",
+                              "prompt" if self.prompt is not None else "messages")
+        chat = self.messages is not None
+        if self.add_special_tokens is not None and self.add_special_tokens != (not chat):
+            raise bad_request(f"add_special_tokens must be {str(not chat).lower()} with "
+                              f"{'messages' if chat else 'prompt'} (the tokens the "
+                              f"{'chat ' if chat else ''}completions endpoint uses)", "add_special_tokens")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: ``tokens``, ids in the tokenizer's vocabulary."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str, Strict()] | None = None
+    tokens: list[Int]
+
+
+class ServedModels:
+    """The names a server answers to (``--served-model-name a b``): each is listed by ``/v1/models``, a
+    request's ``model`` may be any of them, and a response echoes the one it used (the first without)."""
+
+    def __init__(self, names: str | Sequence[str], max_model_len: int, created: int):
+        names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"model names must be non-empty strings, got {names!r}")
+        self.names, self.max_model_len, self.created = names, max_model_len, created
+
+    def pick(self, requested: str | None) -> str:
+        """The name a request's ``model`` names (the first name when ``None``); 404 for any other."""
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            served = ", ".join(repr(n) for n in self.names)
+            raise ApiError(404, f"the model {requested!r} does not exist; this server serves {served}",
+                           "not_found_error", "model", "model_not_found")
+        return requested
+
+    def card(self, name: str) -> dict:
+        """OpenAI's model object for ``name`` (plus vLLM's ``max_model_len``)."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "ringshm",
+                "max_model_len": self.max_model_len}
 
 
 class ApiError(Exception):

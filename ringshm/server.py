@@ -1,16 +1,20 @@
 """An OpenAI-compatible HTTP server over an ``AsyncEngine`` (FastAPI + uvicorn, pydantic request models).
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent events ending with
-``data: [DONE]``, or one JSON body), ``GET /v1/models``, ``GET /health`` (200 only while every stage is alive;
-503 naming the dead one), ``GET /metrics`` (Prometheus text format).
+``data: [DONE]``, or one JSON body), ``GET /health`` (200 only while every stage is alive; 503 naming the
+dead one), ``GET /metrics`` (Prometheus text format); and in ``ringshm.server_info``: ``GET /v1/models`` and
+``GET /v1/models/{id}`` (one model object per served name, ``--served-model-name a b``; 404 for another),
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /version``.
 
 Request fields (OpenAI's): ``model``, ``messages`` / ``prompt``, ``max_tokens`` (``max_completion_tokens``),
 ``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``, ``seed``, ``stop`` (a string or a list),
 ``n`` (1 only), ``stream``, ``stream_options.include_usage``; extension: ``top_k``. ``max_tokens`` defaults
 to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
 naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
-value (``ringshm.openai_schema.UNSUPPORTED``); other unknown fields are ignored. Message contents are
-tokenised as plain text (special-token spellings cannot forge turns), on a tokenizer thread, off the loop.
+value (``ringshm.openai_schema.UNSUPPORTED``; ``response_format`` only ``{"type": "text"}``); other unknown
+fields are ignored. A request's ``model`` may be any served name (none: the first); the response echoes it.
+Message contents are tokenised as plain text (special-token spellings cannot forge turns), on a tokenizer
+thread, off the loop.
 
 Limits: bodies over ``max_body_bytes`` get 413; a request waiting for a row past ``max_queue_wait_s`` 503,
 a full queue 429, both with ``Retry-After``. A stage that holds an op past ``op_timeout_s``: 503 for the open
@@ -39,7 +43,7 @@ import logging
 import signal
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -52,11 +56,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringshm.errors import StageDied, StageStalled
 from ringshm.server_middleware import BodyLimit, CountRequests, Metrics
-from ringshm.openai_schema import (RETRY_AFTER_S, ApiError, ChatRequest, CompletionRequest, RequestBody, bad_request,
-                                   engine_error)
+from ringshm.openai_schema import (RETRY_AFTER_S, ApiError, ChatRequest, CompletionRequest, RequestBody, ServedModels,
+                                   bad_request, engine_error, plain_messages)
 from ringshm.segment import is_alive
+from ringshm.server_info import add_info_routes
 from ringshm.serving import AsyncEngine, Chunk
-from ringshm.tokenizer import check_text, encode_chat
+from ringshm.tokenizer import encode_chat
 
 log = logging.getLogger("ringshm.server")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -82,10 +87,11 @@ def _field_path(loc) -> tuple[str | None, str]:
 STAGE_WATCH_S = 0.25  # how often the server looks for a dead stage while no request would notice one
 
 
-def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, spec_k: int = 4,
-               spec_depth: int = 1, graceful_s: float = 0.0, max_body_bytes: int = 2 * 1024 * 1024,
+def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: str | None = None,
+               spec_k: int = 4, spec_depth: int = 1, graceful_s: float = 0.0, max_body_bytes: int = 2 * 1024 * 1024,
                on_stage_died: Callable[[StageDied], None] | None = None) -> FastAPI:
-    """The FastAPI app serving ``aengine`` as ``model_id``. Its lifespan shutdown closes ``aengine``
+    """The FastAPI app serving ``aengine`` under ``model_names`` (one name or several aliases; responses
+    echo the one a request used, the first when it names none). Its lifespan shutdown closes ``aengine``
     (open requests get ``graceful_s`` more to finish). ``spec="ngram"`` decodes greedy requests
     speculatively with ``spec_k`` drafts per verify segment and ``spec_depth`` verify segments in flight.
     ``max_body_bytes``: larger request bodies get 413. ``on_stage_died``: called once, on the event loop,
@@ -116,6 +122,7 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
     app = FastAPI(title="ringshm", lifespan=lifespan, docs_url=None, redoc_url=None)
     metrics = Metrics(aengine, spec is not None)
+    served = ServedModels(model_names, aengine.max_seq_len, int(time.time()))
     app.state.metrics = metrics
 
     def too_large() -> JSONResponse:
@@ -175,16 +182,8 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": int(time.time()),
-                                            "owned_by": "ringshm", "max_model_len": aengine.max_seq_len}]}
-
     def start(body: RequestBody, ids: list[int], max_tokens: int | None, default_max: int):
         """Check what the engine does not, then submit: returns the request's chunk stream."""
-        if body.model is not None and body.model != model_id:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {model_id!r}",
-                           "not_found_error", "model", "model_not_found")
         if body.n != 1:
             raise bad_request(f"n must be 1 (one choice per request), got {body.n}", "n")
         limit = aengine.max_seq_len
@@ -206,6 +205,7 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
         return chunks
 
     async def respond(request: Request, body: RequestBody, chunks, kind: str):
+        model_id = served.pick(body.model)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         created = int(time.time())
         obj = "chat.completion" if kind == "chat" else "text_completion"
@@ -254,20 +254,9 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
+        served.pick(body.model)
         body.refuse_unsupported()
-        messages = []
-        for m in body.messages:
-            content = m.content
-            if isinstance(content, list):  # content parts: text only
-                if any(p.get("type") != "text" for p in content):
-                    raise bad_request("only text content parts are supported", "messages")
-                content = "".join(str(p.get("text", "")) for p in content)
-            messages.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
-        for i, msg in enumerate(messages):
-            try:
-                check_text(msg["content"], f"messages[{i}].content")
-            except ValueError as exc:
-                raise bad_request(str(exc), "messages") from None
+        messages = plain_messages(body.messages)
         try:
             ids = await off_loop(encode_chat, aengine.engine.tokenizer, messages)
         except Exception as exc:  # the template refused the conversation (e.g. roles out of order)
@@ -279,6 +268,7 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
+        served.pick(body.model)
         body.refuse_unsupported()
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
@@ -291,6 +281,8 @@ def create_app(aengine: AsyncEngine, model_id: str, *, spec: str | None = None, 
             raise bad_request(str(exc), "prompt") from None
         return await respond(request, body, start(body, ids, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS),
                              "completion")
+
+    add_info_routes(app, aengine, served, off_loop)
 
     return app
 
@@ -354,17 +346,18 @@ STAGE_DIED_EXIT = 3  # serve's exit status after a stage died (for a supervisor:
 
 def serve(host: str = "127.0.0.1", port: int = 8000, *, max_waiting: int = 64, graceful_s: float = 30.0,
           max_queue_wait_s: float | None = 60.0, max_body_bytes: int = 2 * 1024 * 1024,
-          model_name: str | None = None, spec: str | None = None, spec_k: int = 4, spec_depth: int = 1,
-          log_level: str = "info",
+          model_name: str | Sequence[str] | None = None, spec: str | None = None, spec_k: int = 4,
+          spec_depth: int = 1, log_level: str = "info",
           **engine_kwargs) -> int:
     """Start the stages, then serve until SIGTERM / SIGINT; returns 0 after a clean shutdown, and
     ``STAGE_DIED_EXIT`` (3) when a stage died: the open requests fail with 503, the server shuts down (every
     stage reaped, every segment unlinked) so that a supervisor (systemd ``Restart=on-failure``, Docker
     ``--restart``, Kubernetes) starts it afresh. A stalled stage is not fatal: see ``AsyncEngine``.
 
-    ``engine_kwargs`` are ``Engine``'s. A SIGTERM / SIGINT while the stages load closes the engine as soon as
-    they are up. uvicorn re-raises the signal it shut down on once it is done; ``serve`` treats that signal as
-    the request for a clean exit, so the process exits 0.
+    ``model_name``: the name, or several aliases, the model is served under (default: ``model_id_of`` the
+    checkpoint). ``engine_kwargs`` are ``Engine``'s. A SIGTERM / SIGINT while the stages load closes the
+    engine as soon as they are up. uvicorn re-raises the signal it shut down on once it is done; ``serve``
+    treats that signal as the request for a clean exit, so the process exits 0.
     """
     import uvicorn
 

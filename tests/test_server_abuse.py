@@ -70,7 +70,7 @@ class LiveServer:
     def __init__(self, engine, **app_kw):
         self.aengine = AsyncEngine(engine, max_waiting=app_kw.pop("max_waiting", 8),
                                    max_queue_wait_s=app_kw.pop("max_queue_wait_s", None))
-        app = create_app(self.aengine, MODEL_ID, **app_kw)
+        app = create_app(self.aengine, app_kw.pop("model_names", MODEL_ID), **app_kw)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
