@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from ringshm.errors import (EngineClosed, EngineOwned, KVCacheOverflow, PeerDied, QueueFull, QueueTimeout,
+from ringshm.errors import (EngineClosed, EngineOwned, InvalidParameter, KVCacheOverflow, PeerDied, QueueFull, QueueTimeout,
                             RecordTooLarge, RequestFailed, ResourceShortage, RingshmError, RingTimeout,
                             StageDied, StageError, StageStalled, StageStartupError)
 from ringshm.ring import Ring
@@ -31,7 +31,7 @@ _LAZY = {
     "GenerationParams": "ringshm.config",
 }
 
-__all__ = ["Ring", "__version__", *_LAZY, "EngineClosed", "EngineOwned", "KVCacheOverflow", "PeerDied",
+__all__ = ["Ring", "__version__", *_LAZY, "EngineClosed", "EngineOwned", "InvalidParameter", "KVCacheOverflow", "PeerDied",
            "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage", "RingshmError",
            "RingTimeout", "StageDied", "StageError", "StageStalled", "StageStartupError"]
 

@@ -192,6 +192,17 @@ class GenerationParams:
         spec_k: most draft tokens per verify segment (1 .. ``MAX_SPEC_K``). spec_depth: verify segments in
             flight per stream (the request's decode window is raised to it).
         spec_ngram: longest suffix n-gram the drafter matches.
+        logit_bias: token id -> bias in [-100, 100] added to that token's logit (OpenAI's rule; ids are
+            checked against the vocabulary by the engine).
+        presence_penalty, frequency_penalty: in [-2, 2]; ``presence * (count > 0) + frequency * count`` is
+            subtracted from the logit of each token generated ``count`` times so far (OpenAI's rule).
+        repetition_penalty: > 0 (1 = off); a token seen in the prompt or the output has its logit divided by it
+            when positive, multiplied when not (Keskar et al. 2019, CTRL; vLLM / HF's rule).
+        min_tokens: EOS ids are masked until this many tokens are generated, and stop strings are not looked
+            for in their text (vLLM's rule); at most ``max_new_tokens``.
+        ignore_eos: EOS does not end the stream (it runs to ``max_new_tokens`` or a stop string).
+        The order the sampler applies them in: ``ringshm.sampling.Sampler``. Any of logit_bias, the penalties
+        or min_tokens makes even a greedy request take the last stage's logits, and rules out ``spec``.
 
     Raises:
         ValueError: a field out of range, saying what to change.
@@ -209,11 +220,24 @@ class GenerationParams:
     spec_k: int = 4
     spec_depth: int = 1
     spec_ngram: int = 3
+    logit_bias: dict[int, float] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a logit control is set (logit_bias, a penalty, min_tokens): the next token is then chosen
+        from processed logits, greedy or not."""
+        return bool(self.logit_bias) or self.presence_penalty != 0 or self.frequency_penalty != 0 or (
+            self.repetition_penalty != 1 or self.min_tokens > 0)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -242,3 +266,47 @@ class GenerationParams:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if self.spec_k > MAX_SPEC_K:
             raise ValueError(f"spec_k must be at most {MAX_SPEC_K} (drafts per verify segment), got {self.spec_k}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be at most max_new_tokens "
+                             f"({self.max_new_tokens}): lower min_tokens or raise max_new_tokens")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        if self.spec is not None and self.processes_logits:
+            raise ValueError("speculative decoding verifies the stage's plain argmax, so it cannot apply "
+                             "logit_bias, presence/frequency/repetition penalties or min_tokens: drop those or "
+                             "turn speculation off (spec=None, no --spec)")
+
+
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI: logit_bias values lie in [-100, 100]
+
+
+def check_logit_bias(logit_bias, vocab: int | None = None) -> dict[int, float] | None:
+    """``logit_bias`` as a fresh ``{token id: bias}`` dict (None when empty).
+
+    Raises:
+        ValueError: not a dict, a key that is not an int >= 0 (or, given ``vocab``, not below it), a bias that
+            is not a finite number in [-100, 100].
+    """
+    if logit_bias is None:
+        return None
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id -> bias, got {type(logit_bias).__name__}")
+    out = {}
+    for token, bias in logit_bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {token!r}")
+        if vocab is not None and token >= vocab:
+            raise ValueError(f"logit_bias token id {token} is outside the vocabulary [0, {vocab})")
+        if (isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias)
+                or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {bias!r} for token {token}")
+        out[token] = float(bias)
+    return out or None

@@ -163,7 +163,7 @@ class Stream:
     ``row``: its KV row while admitted (-1 while it waits). ``n_prefilled``: prompt tokens already sent in
     prefill chunks. ``n_in_flight``: step ops in flight that carry a segment of it (its row is freed only at
     0). ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
-    (max_new_tokens) or "cancelled".
+    (max_new_tokens) or "cancelled". ``ignore_eos``: EOS does not end it.
     """
 
     index: int
@@ -180,6 +180,7 @@ class Stream:
     spec: object = None  # a SpecDecoder when the stream decodes speculatively (ringshm.spec_decode)
     n_prefilled: int = 0
     n_in_flight: int = 0
+    ignore_eos: bool = False
 
     @property
     def done(self) -> bool:
@@ -206,7 +207,7 @@ class Stream:
         self.tokens.append(token)
         self.token_times.append(time.perf_counter())
         delta = self.text.push(token)
-        if token in self.eos_ids or self.text.stopped:
+        if (token in self.eos_ids and not self.ignore_eos) or self.text.stopped:
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"

@@ -12,9 +12,9 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-from ringshm.config import EngineConfig, GenerationParams
+from ringshm.config import EngineConfig, GenerationParams, check_logit_bias
 from ringshm.coordinator import Link, Stream, TokenEvent
-from ringshm.errors import EngineOwned
+from ringshm.errors import EngineOwned, InvalidParameter
 from ringshm.launcher import StageGroup, check_memory, checkpoint_bytes_per_weight, default_depth
 from ringshm.results import BatchResult, GenerationResult, result_of
 from ringshm.sampling import Sampler, TextStream
@@ -155,12 +155,7 @@ class Engine:
                              f"{len(ids) + p.max_new_tokens} exceeds max_seq_len {self.max_seq_len}: shorten the "
                              f"prompt, lower max_new_tokens, or start the engine with a larger max_seq_len "
                              f"(--max-seq-len)")
-        seed = None if p.seed is None else p.seed + index
-        s = Stream(index, row, ids, p.max_new_tokens, Sampler(p.temperature, p.top_k, p.top_p, seed),
-                   TextStream(self.tokenizer, p.stop), self.eos_ids)
-        if p.spec == "ngram":
-            s.spec = SpecDecoder(s, NGramDrafter(p.spec_k, p.spec_ngram), p.spec_depth)
-        return s
+        return new_stream(index, row, ids, p, self.tokenizer, self.eos_ids, self.model_config.vocab)
 
     def _decode_depth(self, p: GenerationParams) -> int:
         """Decode ops in flight for a request: the engine's ``depth``, raised to ``spec_depth`` when it
@@ -216,7 +211,9 @@ class Engine:
             max_new_tokens: most tokens to generate (>= 1).
             on_token: called with each ``TokenEvent`` as it is committed (streaming).
             **params: the other fields of ``ringshm.config.GenerationParams``: temperature, top_k, top_p,
-                seed, stop, chat, prefill_depth, spec ("ngram"), spec_k, spec_depth, spec_ngram.
+                seed, stop, chat, prefill_depth, spec ("ngram"), spec_k, spec_depth, spec_ngram, and the logit
+                controls logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
+                ignore_eos.
 
         Raises:
             ValueError: empty prompt, bytes, ids outside the vocabulary, prompt + max_new_tokens > max_seq_len,
@@ -282,6 +279,29 @@ class Engine:
             if on_token is not None:
                 on_token(ev)
         return run.result()
+
+
+def new_stream(index: int, row: int, ids: list[int], p: GenerationParams, tokenizer, eos_ids: frozenset[int],
+               vocab: int | None = None) -> Stream:
+    """The ``Stream`` of one request of ``ids`` (token ids) under ``p``: its sampler (seed ``p.seed + index``),
+    text stream, EOS rule and, with ``p.spec``, its speculative decoder.
+
+    Raises:
+        InvalidParameter (a ValueError): a ``logit_bias`` id outside ``[0, vocab)``.
+    """
+    try:
+        check_logit_bias(p.logit_bias, vocab)
+    except ValueError as exc:
+        raise InvalidParameter(str(exc), "logit_bias") from None
+    seed = None if p.seed is None else p.seed + index
+    sampler = Sampler(p.temperature, p.top_k, p.top_p, seed, logit_bias=p.logit_bias,
+                      presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                      repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, eos_ids=eos_ids)
+    s = Stream(index, row, ids, p.max_new_tokens, sampler, TextStream(tokenizer, p.stop, p.min_tokens), eos_ids,
+               ignore_eos=p.ignore_eos)
+    if p.spec == "ngram":
+        s.spec = SpecDecoder(s, NGramDrafter(p.spec_k, p.spec_ngram), p.spec_depth)
+    return s
 
 
 class BatchStream:

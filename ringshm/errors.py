@@ -80,6 +80,14 @@ def check_status(status: int, context: str = "") -> int:
 # Model side: loading a checkpoint and addressing the KV cache (ringshm/loader.py, ringshm/model.py).
 
 
+class InvalidParameter(RingshmError, ValueError):
+    """A request parameter out of range; ``param`` names it (the server's 400 says which field)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
 class UnsupportedArchitecture(RingshmError, ValueError):
     """A checkpoint's architecture is not one ringshm computes (Llama, Mistral, Qwen2)."""
 

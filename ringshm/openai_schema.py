@@ -28,18 +28,13 @@ Number = Annotated[float, BeforeValidator(_number)]
 Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
 Text = Annotated[str, Strict(), Field(min_length=1)]
+Bias = Annotated[float, BeforeValidator(_number), Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 
 # Fields OpenAI (or vLLM) define that ringshm does not implement: accepted only at their neutral value,
 # otherwise 400 naming the field (never silently ignored). field -> (neutral test, what to say)
 UNSUPPORTED = {
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
     "response_format": (lambda v: v is None or v == {"type": "text"}, 'response_format: only {"type": "text"} is '
                         "supported (no JSON mode, no json_schema: constrained decoding is not implemented)"),
-    "ignore_eos": (lambda v: v is False, "ignore_eos is not supported"),
-    "min_tokens": (lambda v: v == 0, "min_tokens is not supported (use 0)"),
-    "repetition_penalty": (lambda v: v == 1.0, "repetition_penalty is not supported (use 1.0)"),
-    "presence_penalty": (lambda v: v == 0, "presence_penalty is not supported (use 0)"),
-    "frequency_penalty": (lambda v: v == 0, "frequency_penalty is not supported (use 0)"),
     "min_p": (lambda v: v == 0, "min_p is not supported (use 0)"),
     "top_logprobs": (lambda v: v is None, "top_logprobs is not supported"),
     "logprobs": (lambda v: not v, "logprobs are not supported"),
@@ -67,15 +62,34 @@ class RequestBody(BaseModel):
     stream: Bool = False
     stream_options: dict | None = None
     logprobs: Bool | Int | None = None
-    presence_penalty: Number = Field(0.0, allow_inf_nan=False)
-    frequency_penalty: Number = Field(0.0, allow_inf_nan=False)
-    logit_bias: dict | None = None
+    presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, Bias] | None = None
     response_format: dict | None = None
     ignore_eos: Bool = False
-    min_tokens: Int = 0
-    repetition_penalty: Number = Field(1.0, allow_inf_nan=False)
+    min_tokens: Int = Field(0, ge=0)
+    repetition_penalty: Number = Field(1.0, gt=0.0, allow_inf_nan=False)
     min_p: Number = Field(0.0, allow_inf_nan=False)
     top_logprobs: Int | None = None
+
+    def logit_controls(self) -> dict:
+        """``GenerationParams`` keyword arguments of the logit controls set in the body: ``logit_bias`` with
+        its JSON string keys as token ids, the penalties, ``min_tokens``, ``ignore_eos``. Raises a 400 naming
+        ``logit_bias`` for a key that is not a decimal token id (ids past the vocabulary: the engine's check)."""
+        out = {}
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not (key.isascii() and key.isdigit()):
+                    raise bad_request(f"logit_bias keys must be token ids as decimal strings, got {key!r}",
+                                      "logit_bias")
+                bias[int(key)] = value
+            out["logit_bias"] = bias
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("min_tokens", 0), ("ignore_eos", False)):
+            if getattr(self, name) != neutral:
+                out[name] = getattr(self, name)
+        return out
 
     def refuse_unsupported(self) -> None:
         """Raise a 400 naming the first field set to a value ringshm does not implement."""
@@ -223,7 +237,7 @@ def engine_error(exc: BaseException) -> ApiError:
     if isinstance(exc, EngineClosed):
         return ApiError(503, str(exc), "service_unavailable", None, "shutting_down")
     if isinstance(exc, (ValueError, TypeError)):
-        return bad_request(str(exc))
+        return bad_request(str(exc), getattr(exc, "param", None))
     if isinstance(exc, RequestFailed):
         return ApiError(500, str(exc), "server_error", None, "request_failed")
     return ApiError(500, "internal server error", "server_error")

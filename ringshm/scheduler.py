@@ -262,7 +262,7 @@ class Scheduler:
             if kind == VERIFY:
                 events.extend(s.spec.on_reply(out, v))
             elif out and not s.done:  # a decode, or a prompt's last chunk: the next token
-                token = s.sampler(out[-1], lg)
+                token = s.sampler(out[-1], lg, s.prompt, s.tokens)
                 events.append(TokenEvent(s.index, token, s.commit(token)))
             if s.done:
                 self._maybe_free(s)
@@ -279,5 +279,5 @@ class Scheduler:
 
 def _want(s: Stream) -> int:
     """What a stream's decode or last prefill chunk asks of the last stage: the argmax, plus the logits when
-    it samples."""
-    return m.WANT_LAST if s.sampler.greedy else m.WANT_LAST | m.WANT_LOGITS
+    it samples or processes them (logit_bias, penalties, min_tokens: ``Sampler.needs_logits``)."""
+    return m.WANT_LAST | m.WANT_LOGITS if s.sampler.needs_logits else m.WANT_LAST

@@ -8,7 +8,10 @@ dead one), ``GET /metrics`` (Prometheus text format); and in ``ringshm.server_in
 
 Request fields (OpenAI's): ``model``, ``messages`` / ``prompt``, ``max_tokens`` (``max_completion_tokens``),
 ``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``, ``seed``, ``stop`` (a string or a list),
-``n`` (1 only), ``stream``, ``stream_options.include_usage``; extension: ``top_k``. ``max_tokens`` defaults
+``n`` (1 only), ``stream``, ``stream_options.include_usage``, ``logit_bias`` (``{"token id": bias in [-100,
+100]}``), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]); vLLM's extensions: ``top_k``,
+``repetition_penalty`` (> 0), ``min_tokens`` (0 .. max_tokens), ``ignore_eos``. A request with a logit control
+(not ``ignore_eos``) is decoded without speculation even when the server has ``--spec``. ``max_tokens`` defaults
 to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
 naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
 value (``ringshm.openai_schema.UNSUPPORTED``; ``response_format`` only ``{"type": "text"}``); other unknown
@@ -193,9 +196,13 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
                        f"{len(ids) + n_max} tokens ({len(ids)} in the prompt, {n_max} for max_tokens): shorten "
                        f"the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+        controls = body.logit_controls()
+        if body.min_tokens > n_max:
+            raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({n_max})", "min_tokens")
         params = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                      stop=stop)
-        if spec is not None and body.temperature == 0:
+                      stop=stop, **controls)
+        processes_logits = any(k != "ignore_eos" for k in controls)
+        if spec is not None and body.temperature == 0 and not processes_logits:  # spec verifies the plain argmax
             params.update(spec=spec, spec_k=spec_k, spec_depth=spec_depth)
         try:
             chunks = aengine.stream(ids, n_max, **params)

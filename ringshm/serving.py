@@ -249,7 +249,7 @@ class AsyncEngine:
             raise EngineClosed("the engine is shutting down: no new requests")
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
         s = self.engine._make_stream(0, -1, prompt, p)  # validates; seed applies as is (index 0)
-        s.text = TextStream(self._decode_tokenizer, p.stop)
+        s.text = TextStream(self._decode_tokenizer, p.stop, p.min_tokens)
         self._check_alive()
         s.index = next(self._ids)
         req = _Request(s.index, s, loop)

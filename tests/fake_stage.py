@@ -5,6 +5,8 @@ model that answers like an oracle, so losslessness is an exact equality and a ru
 written to it; the answer at position p is T[p + 1] when the row's tokens 0..p equal T's, else ``WRONG``.
 So any segment applied to the wrong row, out of order, or over positions never written shows up as a wrong
 token. Reading past what a row holds raises ``KVRangeError`` (an ERROR reply), exactly as ``StageModel`` does.
+With ``WANT_LOGITS`` a segment also gets fake logits ``[vocab]``: 10 at the oracle's answer, 9 at the id after it,
+0 elsewhere (so its argmax is the answer, and banning the answer picks the next id).
 ``RecordingModel`` records every step op the stage sees as a tuple of its segments ``(row, start, n)``.
 """
 
@@ -30,10 +32,10 @@ EOS = 2
 class OracleModel:
     """Single-stage fake of ``StageModel`` (first and last): see the module docstring."""
 
-    def __init__(self, scripts: list[list[int]], max_rows: int, max_seq_len: int = 4096):
+    def __init__(self, scripts: list[list[int]], max_rows: int, max_seq_len: int = 4096, vocab: int = 1024):
         self.scripts = {t[0]: t for t in scripts}
         assert len(self.scripts) == len(scripts), "scripts need distinct first tokens"
-        self.max_rows, self.max_seq_len = max_rows, max_seq_len
+        self.max_rows, self.max_seq_len, self.vocab = max_rows, max_seq_len, vocab
         self.content: list[list[int]] = [[] for _ in range(max_rows)]
         self.frames: list[tuple] = []
         self.device = torch.device("cpu")
@@ -66,7 +68,7 @@ class OracleModel:
                                    f"({len(self.content[row])} held)")
             if start + n > self.max_seq_len:
                 raise KVRangeError(f"segment {i}: row {row}: positions past max_seq_len {self.max_seq_len}")
-        out, o = [], 0
+        out, logits, o = [], [], 0
         for row, start, n, want in segments:
             self.content[row] = self.content[row][:start] + ids[o: o + n]
             o += n
@@ -74,7 +76,12 @@ class OracleModel:
                 out += [self._answer(self.content[row][: start + i + 1]) for i in range(n)]
             elif want & m.WANT_LAST:
                 out.append(self._answer(self.content[row]))
-        return StageOutput(torch.tensor(out, dtype=torch.int64))
+            if want & m.WANT_LOGITS:
+                answer = self._answer(self.content[row])
+                row_logits = torch.zeros(self.vocab)  # [vocab]
+                row_logits[answer], row_logits[(answer + 1) % self.vocab] = 10.0, 9.0
+                logits.append(row_logits)
+        return StageOutput(torch.tensor(out, dtype=torch.int64), torch.stack(logits) if logits else None)
 
 
 class RecordingModel(OracleModel):

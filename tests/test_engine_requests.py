@@ -139,3 +139,18 @@ def test_cli_bad_input_exits_2_with_a_message(model_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "prefill_depth" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_logit_controls_on_the_real_model_ban_a_token_run_past_eos_and_ignore_batch_mates(engine3):
+    prompt = "Name a colour."
+    first = engine3.generate(prompt, max_new_tokens=4, chat=True).token_ids[0]
+    banned = engine3.generate(prompt, max_new_tokens=4, chat=True, logit_bias={first: -100})
+    assert banned.token_ids[0] != first
+    batch = engine3.generate_batch([prompt, "Count to three."], max_new_tokens=4, chat=True,
+                                   logit_bias={first: -100})
+    assert batch.results[0].token_ids == banned.token_ids
+    long = engine3.generate(prompt, max_new_tokens=24, chat=True, ignore_eos=True)
+    assert len(long.token_ids) == 24 and long.finish_reason == "length"
+    with pytest.raises(ValueError, match="logit_bias"):
+        engine3.generate(prompt, max_new_tokens=4, logit_bias={engine3.model_config.vocab: 1.0})
+    assert engine3.in_flight == 0

@@ -338,3 +338,49 @@ def test_random_arrivals_cancels_and_speculation_keep_every_stream_exact(fake, p
         if s.finish_reason != "cancelled":
             assert len(s.tokens) == k and s.finish_reason == "length"
     assert sorted(run.free_rows) == list(range(plan["max_rows"])) and not run.active
+
+
+# ------------------------------------------------------------------------------------------ logit controls
+def test_a_greedy_stream_with_a_logit_control_asks_for_logits_and_a_plain_one_does_not():
+    from ringshm.sampling import Sampler
+    from ringshm.scheduler import _want
+
+    plain, banned = make_stream(0, [100, 5], 1, 4), make_stream(1, [101, 5], 1, 4)
+    banned.sampler = Sampler(logit_bias={5: -100})
+    assert _want(plain) == m.WANT_LAST
+    assert _want(banned) == m.WANT_LAST | m.WANT_LOGITS
+    for kw in ({"presence_penalty": 0.1}, {"frequency_penalty": -0.1}, {"repetition_penalty": 1.1},
+               {"min_tokens": 1, "eos_ids": {EOS}}):
+        banned.sampler = Sampler(**kw)
+        assert _want(banned) & m.WANT_LOGITS, kw
+
+
+def test_logit_bias_moves_only_its_own_stream_off_the_argmax_in_a_shared_batch(fake):
+    from ringshm.sampling import Sampler
+
+    ts = scripts(3, length=20)
+    ring = fake(OracleModel(ts, max_rows=3))
+    streams = [make_stream(i, t, 5, 6) for i, t in enumerate(ts)]
+    banned = ts[1][5]
+    streams[1].sampler = Sampler(logit_bias={banned: -100})  # the oracle's logits: 9 at banned + 1
+    list(sched(ring, streams, depth=1, max_step_tokens=64))
+    assert streams[0].tokens == ts[0][5:11] and streams[2].tokens == ts[2][5:11]
+    assert streams[1].tokens[0] == banned + 1 and streams[1].tokens != ts[1][5:11]
+
+
+def test_min_tokens_masks_eos_from_the_fake_stage_and_ignore_eos_runs_to_the_length_limit(fake):
+    from ringshm.sampling import Sampler
+
+    script = [100, 10, 11, EOS, 12, 13, 14, 15]
+    ring = fake(OracleModel([script], max_rows=1))
+    plain = make_stream(0, script, 2, 6)
+    list(sched(ring, [plain]))
+    assert plain.tokens == [11, EOS] and plain.finish_reason == "stop"
+    masked = make_stream(0, script, 2, 6)
+    masked.sampler = Sampler(min_tokens=3, eos_ids={EOS})
+    list(sched(ring, [masked]))
+    assert masked.tokens[:2] == [11, EOS + 1] and len(masked.tokens) == 6 and masked.finish_reason == "length"
+    ignoring = make_stream(0, script, 2, 6)
+    ignoring.ignore_eos = True
+    list(sched(ring, [ignoring]))
+    assert ignoring.tokens == script[2:8] and ignoring.finish_reason == "length"

@@ -65,6 +65,12 @@ class ServerEngine(FakeEngine):
     def stage_ops(self) -> list[int]:
         return [int(self.ring.status[SLOT_OPS])]
 
+    def encode_chat_for_test(self, content: str) -> list[int]:
+        """The ids the server sends for a one-user-turn chat of ``content``."""
+        from ringshm.tokenizer import encode_chat
+
+        return encode_chat(self.tokenizer, [{"role": "user", "content": content}])
+
 
 class LiveServer:
     def __init__(self, engine, **app_kw):
@@ -218,17 +224,91 @@ def test_a_nan_temperature_literal_gets_400_not_a_range_message(serve_fake):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("logit_bias", {"50": 10}), ("response_format", {"type": "json_object"}), ("ignore_eos", True),
-    ("min_tokens", 5), ("repetition_penalty", 1.2), ("presence_penalty", 0.5), ("best_of", 2),
+    ("response_format", {"type": "json_object"}), ("min_p", 0.1), ("best_of", 2), ("logprobs", True),
 ])
 def test_an_unsupported_field_gets_400_naming_it_unless_it_has_its_neutral_value(serve_fake, field, value):
     srv = serve_fake()
     status, body, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 1, field: value})
     assert status == 400 and _error(body)["param"] == field, body
-    neutral = {"logit_bias": {}, "response_format": {"type": "text"}, "ignore_eos": False, "min_tokens": 0,
-               "repetition_penalty": 1.0, "presence_penalty": 0, "best_of": 1}[field]
+    neutral = {"response_format": {"type": "text"}, "min_p": 0, "best_of": 1, "logprobs": False}[field]
     status, body, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 1, field: neutral})
     assert status == 200, body
+
+
+# ------------------------------------------------------------------------------------------ logit controls
+EOS_SCRIPT = [100, 110, 120, 2] + list(range(300, 340))  # the fake's EOS (2) after two generated tokens
+
+
+def _completion(srv, **fields):
+    status, body, _ = srv.post("/v1/completions", {"prompt": [100, 110], "temperature": 0, **fields})
+    assert status == 200, body
+    return body["choices"][0], body["usage"]["completion_tokens"]
+
+
+def test_ignore_eos_generates_exactly_max_tokens_and_min_tokens_holds_eos_back(serve_fake):
+    srv = serve_fake(GatedModel([EOS_SCRIPT], max_rows=2))
+    choice, n = _completion(srv, max_tokens=8)
+    assert (choice["finish_reason"], n) == ("stop", 2)
+    choice, n = _completion(srv, max_tokens=8, ignore_eos=True)
+    assert (choice["finish_reason"], n) == ("length", 8)
+    choice, n = _completion(srv, max_tokens=8, min_tokens=1)
+    assert (choice["finish_reason"], n) == ("stop", 2)  # EOS is the 2nd token: allowed after 1
+    choice, n = _completion(srv, max_tokens=8, min_tokens=2)
+    assert (choice["finish_reason"], n) == ("length", 8)  # EOS masked at the 2nd token; the fake never says it again
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_logit_bias_of_minus_100_on_the_greedy_token_changes_the_answer(serve_fake, path):
+    script = _script(100)
+    srv = serve_fake(GatedModel([script], max_rows=2))
+    tok = srv.aengine.engine.tokenizer
+    if path == "/v1/completions":
+        body = {"prompt": script[:2]}
+    else:  # the chat prompt's ids go through the template: script the fake to continue them
+        ids = srv.aengine.engine.encode_chat_for_test("hi")
+        srv.aengine.engine.ring.model.scripts[ids[0]] = ids + script[2:]
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+    body.update(max_tokens=1, temperature=0)
+    greedy = script[2]
+
+    def answer(extra):
+        status, got, _ = srv.post(path, {**body, **extra})
+        assert status == 200, got
+        choice = got["choices"][0]
+        return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+    assert answer({}) == tok.decode([greedy])
+    assert answer({"logit_bias": {str(greedy): -100}}) == tok.decode([greedy + 1]) != tok.decode([greedy])
+
+
+@pytest.mark.parametrize("field, value", [
+    ("logit_bias", {"abc": 1}), ("logit_bias", {"-5": 1}), ("logit_bias", {"5": 100.5}), ("logit_bias", {"5": "1"}),
+    ("logit_bias", {"1024": -100}), ("logit_bias", [5]), ("presence_penalty", 2.5), ("frequency_penalty", -2.5),
+    ("repetition_penalty", 0), ("repetition_penalty", -1.0), ("min_tokens", -1), ("min_tokens", 9),
+    ("ignore_eos", "yes"), ("min_tokens", 1.5),
+])
+def test_a_logit_control_out_of_range_gets_400_naming_it(serve_fake, field, value):
+    srv = serve_fake()
+    status, body, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 8, field: value})
+    assert status == 400, body
+    assert _error(body)["param"] == field, body
+
+
+def test_a_spec_server_decodes_a_request_with_a_logit_control_without_speculation(serve_fake):
+    srv = serve_fake(spec="ngram")
+    seen = []
+    real = srv.aengine.stream
+
+    def recording(*args, **params):
+        seen.append(params)
+        return real(*args, **params)
+
+    srv.aengine.stream = recording
+    _completion(srv, max_tokens=2)
+    _completion(srv, max_tokens=2, presence_penalty=0.5)
+    _completion(srv, max_tokens=2, ignore_eos=True)
+    assert [p.get("spec") for p in seen] == ["ngram", None, "ngram"]
+    assert seen[1]["presence_penalty"] == 0.5 and seen[2]["ignore_eos"] is True
 
 
 # ------------------------------------------------------------------------------------- queue deadlines

@@ -5,6 +5,7 @@ second; the real model behind a real server is tests/test_server.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -12,8 +13,8 @@ import pytest
 
 from fake_stage import EOS, OracleModel, start_fake_ring
 from ringshm.coordinator import Stream
+from ringshm.engine import new_stream
 from ringshm.errors import StageDied
-from ringshm.sampling import Sampler, TextStream
 from ringshm.scheduler import Scheduler
 from ringshm.serving import AsyncEngine, EngineClosed, QueueFull, RequestFailed
 
@@ -34,12 +35,16 @@ class FakeEngine:
         self._link, self._job, self.model_path, self.tokenizer = self.ring.link, 0, "", None
         self.config = SimpleNamespace(max_rows=model.max_rows, prefill_chunk=4, prefill_depth=8, op_timeout_s=10)
         self.max_seq_len = 4096
+        self.vocab = model.vocab
         self.dead = False
 
     def _make_stream(self, index, row, prompt, p) -> Stream:
+        """The engine's stream of ``p`` with the logit controls, decoded greedily (the oracle's scripts are
+        greedy continuations; temperature and speculation are dropped)."""
         if not prompt:
             raise ValueError("prompt is empty")
-        return Stream(index, row, list(prompt), p.max_new_tokens, Sampler(), TextStream(None), frozenset({EOS}))
+        p = dataclasses.replace(p, temperature=0.0, top_k=0, top_p=1.0, spec=None)
+        return new_stream(index, row, list(prompt), p, None, frozenset({EOS}), self.vocab)
 
     def scheduler(self) -> Scheduler:
         c = self.config
