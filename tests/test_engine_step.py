@@ -31,10 +31,10 @@ def sampler_records_logits():
     """Every Sampler keeps a copy of the logits it samples from (``.seen``), so runs compare them bitwise."""
     real = Sampler.__call__
 
-    def recording(self, argmax_id, logits):
+    def recording(self, argmax_id, logits, *history):
         if logits is not None:
             self.__dict__.setdefault("seen", []).append(logits.clone())
-        return real(self, argmax_id, logits)
+        return real(self, argmax_id, logits, *history)
 
     Sampler.__call__ = recording
     yield
