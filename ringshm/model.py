@@ -42,6 +42,7 @@ from ringshm import kernels
 from ringshm.config import ModelConfig
 from ringshm.errors import KVRangeError
 from ringshm.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
+from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_MASK
 from ringshm._C import ffi, lib
 from ringshm.qmatmul import BEST_ISA, PackedWeight, RawWeight, concat_rows, embed_rows
 from ringshm.qmatmul import status_text as qmatmul_status_text
@@ -215,8 +216,6 @@ class StageModel:
             ValueError: an empty table or one of more than ``kernels.MAX_SEGMENTS``, a segment of < 1 token, a
                 row in two segments, a ``want`` with unknown bits, or segment tokens that do not add up to T.
         """
-        from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_MASK
-
         if not segments:
             raise ValueError("a step op needs at least one segment")
         if len(segments) > kernels.MAX_SEGMENTS:
@@ -286,8 +285,6 @@ class StageModel:
         Raises:
             as ``step``.
         """
-        from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS
-
         want = (WANT_ALL if all_positions else WANT_LAST) | (WANT_LOGITS if return_logits else 0)
         out = self.step(x, [(row, start, x.shape[0], want)])
         if isinstance(out, StageOutput) and out.logits is not None:
@@ -373,8 +370,6 @@ class StageModel:
 
     def _head(self, h: torch.Tensor, table) -> StageOutput:
         """Final norm + LM head on ``h [T, hidden]``, only at the positions the segments want."""
-        from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS
-
         sel, logit_rows, o = [], [], 0
         for _, _, n, want in table:
             if want & WANT_ALL:
@@ -393,38 +388,3 @@ class StageModel:
             logits = F.linear(normed, self.lm_head).float()
         ids = logits.argmax(dim=-1)  # [n_sel]
         return StageOutput(ids, logits[logit_rows] if logit_rows else None)
-
-
-def run_stages(stages: Sequence[StageModel], x: torch.Tensor, row: int, start: int, *,
-               all_positions: bool = False, return_logits: bool = False) -> StageOutput:
-    """Run one op through consecutive stages in this process, handing hidden states over as tensors.
-
-    ``x``: int64 token ids ``[n]``; ``stages[0]`` must be first and ``stages[-1]`` last. A local reference
-    for what a pipeline of stage processes computes (same ops, same order, same bytes).
-    """
-    h = x
-    for s in stages[:-1]:
-        h = s.forward(h, row, start)
-    return stages[-1].forward(h, row, start, all_positions=all_positions, return_logits=return_logits)
-
-
-def greedy_generate(stages: Sequence[StageModel], prompt: torch.Tensor, max_new_tokens: int, row: int = 0,
-                    prefill_chunk: int | None = None) -> torch.Tensor:
-    """Greedy-decode ``max_new_tokens`` after ``prompt`` (int64 ``[T]``) on ``row``, starting from position 0.
-
-    The prompt is prefilled in chunks of ``prefill_chunk`` tokens (whole when None), then one token per
-    decode op. Does not stop at EOS. Returns the new token ids, int64 ``[max_new_tokens]``.
-
-    Raises:
-        KVRangeError: the prompt plus the new tokens do not fit in ``max_seq_len``.
-    """
-    n_prompt = prompt.shape[0]
-    chunk = prefill_chunk or n_prompt
-    out = None
-    for start in range(0, n_prompt, chunk):
-        out = run_stages(stages, prompt[start:start + chunk], row, start)
-    tokens = [out.token_ids[-1]]
-    for i in range(max_new_tokens - 1):
-        out = run_stages(stages, tokens[-1].reshape(1), row, n_prompt + i)
-        tokens.append(out.token_ids[-1])
-    return torch.stack(tokens)[:max_new_tokens]

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,17 +39,30 @@ from ringshm.spec_decode import VerifyTag
 PREFILL, DECODE, VERIFY = 0, 1, 2  # what a segment is to the coordinator (the stage only sees the table)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(eq=False)
 class StepTag:
-    """The coordinator's side of one step op in flight: per segment its stream, kind and, for a verify
-    segment, its ``VerifyTag``; whether the op counts against the decode and the prefill window."""
+    """The coordinator's side of one step op: per segment its stream, kind (``PREFILL`` / ``DECODE`` /
+    ``VERIFY``) and, for a verify segment, its ``VerifyTag``; built while the op is assembled, then sent as
+    the tag of the op in flight."""
 
-    streams: tuple[Stream, ...]
-    kinds: tuple[int, ...]
-    verifies: tuple[VerifyTag | None, ...]
-    decode: bool
-    prefill: bool
+    streams: list[Stream] = field(default_factory=list)
+    kinds: list[int] = field(default_factory=list)
+    verifies: list[VerifyTag | None] = field(default_factory=list)
 
+    @property
+    def decode(self) -> bool:
+        """The op counts against the decode window (it carries a decode or verify segment)."""
+        return any(k != PREFILL for k in self.kinds)
+
+    @property
+    def prefill(self) -> bool:
+        """The op counts against the prefill window (it carries a prefill chunk)."""
+        return PREFILL in self.kinds
+
+    def add(self, s: Stream, kind: int, verify: VerifyTag | None = None) -> None:
+        self.streams.append(s)
+        self.kinds.append(kind)
+        self.verifies.append(verify)
 
 
 @dataclass
@@ -173,68 +186,62 @@ class Scheduler:
         while self.n_decode_ops < self.depth or self.n_prefill_ops < self.prefill_depth:
             segs: list[m.Segment] = []
             ids: list[int] = []
-            streams: list[Stream] = []
-            kinds: list[int] = []
-            verifies: list[VerifyTag | None] = []
+            tag = StepTag()
             if self.n_decode_ops < self.depth:
-                for s in self.active:
-                    if not s.decoding:
-                        continue
-                    if s.spec is not None:
-                        v = s.spec.next_segment()
-                        if v is None:
-                            continue
-                        segs.append(m.Segment(s.row, v.start, len(v.inputs), m.WANT_ALL))
-                        ids.extend(v.inputs)
-                        kinds.append(VERIFY)
-                    else:
-                        if s.n_in_flight:
-                            continue
-                        v = None
-                        segs.append(m.Segment(s.row, s.position, 1, _want(s)))
-                        ids.append(s.tokens[-1])
-                        kinds.append(DECODE)
-                    streams.append(s)
-                    verifies.append(v)
-            has_decode = bool(segs)
-            budget = self.max_step_tokens - len(ids)
+                self._add_decodes(segs, ids, tag)
             if self.n_prefill_ops < self.prefill_depth:
-                for s in self.active:
-                    if budget <= 0:
-                        break
-                    left = len(s.prompt) - s.n_prefilled
-                    if left <= 0 or s.done:
-                        continue
-                    n = min(self.chunk, left, budget)
-                    last = n == left
-                    segs.append(m.Segment(s.row, s.n_prefilled, n, _want(s) if last else m.WANT_NONE))
-                    ids.extend(s.prompt[s.n_prefilled: s.n_prefilled + n])
-                    s.n_prefilled += n
-                    budget -= n
-                    streams.append(s)
-                    kinds.append(PREFILL)
-                    verifies.append(None)
+                self._add_prefill_chunks(segs, ids, tag, self.max_step_tokens - len(ids))
             if not segs:
                 return
-            has_prefill = PREFILL in kinds
             try:
                 self.link.send(m.Message(m.STEP, job=self.job, segments=segs,
-                                         tensors=[torch.tensor(ids, dtype=torch.int64)]),
-                               tag=StepTag(tuple(streams), tuple(kinds), tuple(verifies), has_decode, has_prefill))
+                                         tensors=[torch.tensor(ids, dtype=torch.int64)]), tag=tag)
             except BaseException:  # not sent (RingTimeout, StageDied): undo what building it claimed
-                for s, kind, v, seg in zip(streams, kinds, verifies, segs):
+                for s, kind, v, seg in zip(tag.streams, tag.kinds, tag.verifies, segs):
                     if kind == PREFILL:
                         s.n_prefilled -= seg.n_tokens
                     elif v is not None:
                         s.spec.in_flight.remove(v)
                 raise
-            for s in streams:
+            for s in tag.streams:
                 s.n_in_flight += 1
-            self.n_decode_ops += has_decode
-            self.n_prefill_ops += has_prefill
+            self.n_decode_ops += tag.decode
+            self.n_prefill_ops += tag.prefill
             st = self.stats
             st.ops, st.segments, st.tokens = st.ops + 1, st.segments + len(segs), st.tokens + len(ids)
             st.multi_segment_ops += len(segs) > 1
+
+    def _add_decodes(self, segs: list[m.Segment], ids: list[int], tag: StepTag) -> None:
+        """A decode segment of each plain stream with its last token and nothing in flight, and the next
+        verify segment of each speculative stream that has one (``SpecDecoder.next_segment``)."""
+        for s in self.active:
+            if not s.decoding:
+                continue
+            if s.spec is None:
+                if not s.n_in_flight:
+                    segs.append(m.Segment(s.row, s.position, 1, _want(s)))
+                    ids.append(s.tokens[-1])
+                    tag.add(s, DECODE)
+            elif (v := s.spec.next_segment()) is not None:
+                segs.append(m.Segment(s.row, v.start, len(v.inputs), m.WANT_ALL))
+                ids.extend(v.inputs)
+                tag.add(s, VERIFY, v)
+
+    def _add_prefill_chunks(self, segs: list[m.Segment], ids: list[int], tag: StepTag, budget: int) -> None:
+        """The next prompt chunk of each stream still reading its prompt, in admission order, within
+        ``budget`` tokens; the prompt's last chunk asks for the stream's first token."""
+        for s in self.active:
+            if budget <= 0:
+                return
+            left = len(s.prompt) - s.n_prefilled
+            if left <= 0 or s.done:
+                continue
+            n = min(self.chunk, left, budget)
+            segs.append(m.Segment(s.row, s.n_prefilled, n, _want(s) if n == left else m.WANT_NONE))
+            ids.extend(s.prompt[s.n_prefilled: s.n_prefilled + n])
+            s.n_prefilled += n
+            budget -= n
+            tag.add(s, PREFILL)
 
     def _on_reply(self, reply: m.Message, tag: StepTag) -> list[TokenEvent]:
         """Commit what one step reply carries, segment by segment, and free the rows of finished streams."""

@@ -19,7 +19,8 @@ from ringshm.dequant import dequantize
 from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitecture, UnsupportedQuantType
 from ringshm import loader
 from ringshm.loader import Checkpoint, read_config
-from ringshm.model import StageModel, run_stages
+from ringshm.model import StageModel
+from ringshm.reference import run_stages
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from ringshm.errors import KVRangeError
-from ringshm.model import StageModel, greedy_generate, run_stages
+from ringshm.model import StageModel
+from ringshm.reference import greedy_generate, run_stages
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
