@@ -4,6 +4,8 @@
                      [--max-new-tokens N] [--temperature T --seed S] [--chat] [--json] PROMPT
     ringshm generate --batch-file prompts.txt [...]
     ringshm serve [--host 127.0.0.1] [--port 8000] [--max-waiting 64] [engine options]
+    ringshm serve|generate --nnodes 2 --node-rank 0 --master-addr A --master-port P [...]   (node 0: the head)
+    ringshm worker --nnodes 2 --node-rank 1 --master-addr A --master-port P [--model PATH]  (every other node)
     ringshm --version;  python -m ringshm …  (the same command line)
 
 Text streams to stdout as it is generated; a one-line summary (TTFT, decode tok/s, stages) follows on
@@ -21,7 +23,7 @@ import signal
 import sys
 from contextlib import contextmanager
 
-from ringshm.errors import ResourceShortage, StageStartupError
+from ringshm.errors import ClusterRefused, ResourceShortage, StageStartupError
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -59,6 +61,30 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "is reported unhealthy)")
     p.add_argument("--link-latency-ms", type=float, default=0.0,
                    help="simulated latency of every ring hop (stands in for slow links)")
+    _cluster_args(p)
+    p.add_argument("--node-stages", default=None,
+                   help="stages per node, comma-separated, e.g. 1,3 (default: as even as possible, node 0 first)")
+    p.add_argument("--edge-timeout", type=float, default=5.0,
+                   help="seconds an edge between hosts may stay silent before it counts as dead (heartbeats every "
+                        "third of it)")
+    p.add_argument("--edge-latency-ms", type=float, default=0.0,
+                   help="emulated latency on the edges between hosts only (benchmarks)")
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    """The rendezvous flags, shared by serve / generate (node 0) and worker (the other nodes)."""
+    from ringshm.cluster import DEFAULT_PORT, TOKEN_ENV
+
+    p.add_argument("--nnodes", type=int, default=1, help="hosts the stages run on (the others run `ringshm worker`)")
+    p.add_argument("--node-rank", type=int, default=0, help="this host's node: 0 runs the coordinator")
+    p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the nodes meet")
+    p.add_argument("--master-port", type=int, default=DEFAULT_PORT, help="node 0's rendezvous port (TCPStore)")
+    p.add_argument("--bind-addr", default=None,
+                   help="the local address the edges between hosts bind (default: --master-addr on node 0, else the "
+                        "local address that routes to it)")
+    p.add_argument("--token", default=None,
+                   help=f"a secret every node must share: a node that does not know it is refused (default: "
+                        f"${TOKEN_ENV}, else none)")
 
 
 def _engine_kwargs(a: argparse.Namespace) -> dict:
@@ -68,14 +94,30 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
             split = tuple(int(x) for x in a.layer_split.split(","))
         except ValueError:
             raise ValueError(f"--layer-split must be comma-separated integers, got {a.layer_split!r}") from None
+    node_stages = None
+    if a.node_stages:
+        try:
+            node_stages = tuple(int(x) for x in a.node_stages.split(","))
+        except ValueError:
+            raise ValueError(f"--node-stages must be comma-separated integers, got {a.node_stages!r}") from None
     return dict(model=a.model, stages=a.stages, layer_split=split, device=a.device, dtype=a.dtype,
                 prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, depth=a.depth,
                 max_step_tokens=a.max_step_tokens, max_seq_len=a.max_seq_len,
-                max_rows=a.max_rows, op_timeout_s=a.op_timeout, link_latency_ms=a.link_latency_ms)
+                max_rows=a.max_rows, op_timeout_s=a.op_timeout, link_latency_ms=a.link_latency_ms,
+                nnodes=a.nnodes, node_stages=node_stages, edge_timeout_s=a.edge_timeout,
+                edge_latency_ms=a.edge_latency_ms, **_rendezvous_kwargs(a))
+
+
+RENDEZVOUS_KEYS = ("node_rank", "master_addr", "master_port", "bind_addr", "token")
+
+
+def _rendezvous_kwargs(a: argparse.Namespace) -> dict:
+    return {k: getattr(a, k) for k in RENDEZVOUS_KEYS}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``ringshm`` argument parser: ``generate`` and ``serve``; every option's help shows its default."""
+    """The ``ringshm`` argument parser: ``generate``, ``serve`` and ``worker``; every option's help shows its
+    default."""
     from ringshm import __version__
 
     parser = argparse.ArgumentParser(prog="ringshm", description="Pipeline-parallel LLM inference over "
@@ -127,6 +169,16 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--spec-depth", type=int, default=1, help="verify segments in flight per stream")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn's log level")
+    wrk = sub.add_parser("worker", help="run this host's stages of a multi-host engine (node 1 and up)",
+                         formatter_class=_HelpFormatter,
+                         description="Join the head (node 0: `ringshm serve` / `generate` with --nnodes) and run "
+                                     "this node's stages until the head shuts the engine down (exit 0) or an edge "
+                                     "or stage fails (exit 1). The model, split and options come from the head.")
+    _cluster_args(wrk)
+    wrk.add_argument("--model", default=None,
+                     help="this node's copy of the head's model (default: the head's path, which must exist here); "
+                          "a copy whose fingerprint differs is refused")
+    wrk.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the head to appear")
     return parser
 
 
@@ -165,7 +217,10 @@ def _check_early(a: argparse.Namespace) -> None:
     from ringshm.config import EngineConfig, GenerationParams
 
     GenerationParams(max_new_tokens=a.max_new_tokens, **_sampling(a))
-    EngineConfig(**{k: v for k, v in _engine_kwargs(a).items() if k != "model"})
+    EngineConfig(**{k: v for k, v in _engine_kwargs(a).items() if k != "model" and k not in RENDEZVOUS_KEYS})
+    if a.node_rank != 0:
+        raise ValueError(f"--node-rank {a.node_rank}: generate / serve run the coordinator, node 0; start the other "
+                         f"nodes with `ringshm worker --node-rank N`")
     if a.max_new_tokens >= a.max_seq_len:
         raise ValueError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in --max-seq-len "
                          f"{a.max_seq_len}: lower --max-new-tokens or raise --max-seq-len")
@@ -210,6 +265,13 @@ def _serve(a: argparse.Namespace) -> int:
                  **_engine_kwargs(a))
 
 
+def _worker(a: argparse.Namespace) -> int:
+    from ringshm.worker import run_worker
+
+    return run_worker(a.nnodes, a.node_rank, a.master_addr, a.master_port, model=a.model, token=a.token,
+                      bind_addr=a.bind_addr, wait_s=a.wait)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ringshm`` console script. Bad arguments exit with status 2 and a message."""
     args = build_parser().parse_args(argv)
@@ -219,13 +281,16 @@ def main(argv: list[str] | None = None) -> int:
                 return _generate(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "worker":
+            with _exit_on_signals():
+                return _worker(args)
     except (ValueError, FileNotFoundError) as exc:  # bad input: a clear message, no traceback
         print(f"ringshm: error: {exc}", file=sys.stderr)
         return 2
     except StageStartupError as exc:
         print(f"ringshm: error: a stage could not start: {exc}", file=sys.stderr)
         return 1
-    except ResourceShortage as exc:
+    except (ResourceShortage, ClusterRefused) as exc:
         print(f"ringshm: error: {exc}", file=sys.stderr)
         return 1
     except Signalled as exc:  # the engine's context manager has closed it on the way out

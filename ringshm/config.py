@@ -94,6 +94,14 @@ class EngineConfig:
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.
         link_latency_ms: simulated latency of every hop (0: none), standing in for the slow links the seed
             project ran over; each receiver holds a record until its send time plus this.
+        nnodes: hosts the stages run on (``ringshm.cluster``): the coordinator's host is node 0, the others run
+            ``ringshm worker``; between hosts the ring crosses over torch.distributed (``ringshm.bridge``).
+        node_stages: stages per node, in node order (e.g. ``(1, 3)``), summing to ``stages``; None = as even as
+            possible, earlier nodes taking the remainder.
+        edge_timeout_s: an edge between hosts that carries nothing for this long (no record, no heartbeat: a
+            heartbeat goes every third of it) is dead; so is any error on it.
+        edge_latency_ms: emulated latency on the edges between hosts only (0: none): the receiving bridge holds
+            each record this long after it arrived (benchmarks of slow links).
 
     Raises:
         ValueError: a field out of range, with what to change.
@@ -113,10 +121,14 @@ class EngineConfig:
     op_timeout_s: float = 120.0
     startup_timeout_s: float = 600.0
     link_latency_ms: float = 0.0
+    nnodes: int = 1
+    node_stages: tuple[int, ...] | None = None
+    edge_timeout_s: float = 5.0
+    edge_latency_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("stages", "prefill_chunk", "prefill_depth", "max_seq_len", "max_rows", "depth",
-                     "max_step_tokens"):
+                     "max_step_tokens", "nnodes"):
             value = getattr(self, name)
             if value is None and name in ("depth", "max_step_tokens"):
                 continue
@@ -138,6 +150,19 @@ class EngineConfig:
             raise ValueError("op_timeout_s and startup_timeout_s must be > 0")
         if not 0 <= self.link_latency_ms <= 10_000:
             raise ValueError(f"link_latency_ms must be in [0, 10000], got {self.link_latency_ms!r}")
+        if not 0 <= self.edge_latency_ms <= 10_000:
+            raise ValueError(f"edge_latency_ms must be in [0, 10000], got {self.edge_latency_ms!r}")
+        if not 0.3 <= self.edge_timeout_s <= 3600:
+            raise ValueError(f"edge_timeout_s must be in [0.3, 3600], got {self.edge_timeout_s!r}")
+        if self.nnodes > self.stages:
+            raise ValueError(f"nnodes={self.nnodes} needs at least one stage per node: use --stages >= {self.nnodes}")
+        if self.node_stages is not None:
+            split = tuple(self.node_stages)
+            if (len(split) != self.nnodes or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in split)
+                    or sum(split) != self.stages):
+                raise ValueError(f"node_stages must give {self.nnodes} stage counts >= 1 (one per node) summing to "
+                                 f"stages={self.stages}, got {self.node_stages!r}")
+            object.__setattr__(self, "node_stages", split)
 
     @property
     def step_tokens(self) -> int:
@@ -149,6 +174,19 @@ class EngineConfig:
         """The most tokens one step op can carry: the prefill budget plus one verify segment of the longest
         draft (``MAX_SPEC_K`` + 1 tokens) per row. The rings and the stages' checks are sized by it."""
         return self.step_tokens + self.max_rows * (MAX_SPEC_K + 1)
+
+    def node_stage_ranges(self) -> list[range]:
+        """Each node's contiguous range of stage indices, node 0 (the coordinator's host) first."""
+        if self.node_stages is None:
+            base, extra = divmod(self.stages, self.nnodes)
+            counts = [base + (i < extra) for i in range(self.nnodes)]
+        else:
+            counts = list(self.node_stages)
+        ranges, start = [], 0
+        for n in counts:
+            ranges.append(range(start, start + n))
+            start += n
+        return ranges
 
     def layer_ranges(self, n_layers: int) -> list[range]:
         """Each stage's contiguous layer range for a model of ``n_layers``.

@@ -12,6 +12,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
+from ringshm.cluster import DEFAULT_PORT, TOKEN_ENV, Head, NodePlan, Rendezvous
 from ringshm.config import EngineConfig, GenerationParams, check_logit_bias
 from ringshm.coordinator import Link, Stream, TokenEvent
 from ringshm.errors import EngineOwned, InvalidParameter
@@ -35,11 +36,20 @@ class Engine:
             memory (checked before any stage starts; the message gives the numbers and what to change).
         StageStartupError: a stage could not load its layers (the message is the stage's own error), or a
             stage process died during startup.
+        ClusterRefused: with ``nnodes > 1``: a worker did not join within ``startup_timeout_s``, or it refused
+            or was refused (wire version, model fingerprint, token), naming the node and the reason.
+
+    Several hosts (``nnodes > 1``, ``ringshm.cluster``): this process is node 0, the head; ``master_addr`` /
+    ``master_port`` is where it serves the rendezvous, ``bind_addr`` the address its edges bind (default
+    ``master_addr``), ``token`` the secret every worker must share (default: ``$RINGSHM_TOKEN``, else none).
+    The other nodes run ``ringshm worker`` (``ringshm.worker.run_worker``).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, stages: int = 3, layer_split=None,
                  device: str = "cpu", prefill_chunk: int = 256, prefill_depth: int = 8, max_seq_len: int = 2048,
-                 max_rows: int = 8, dtype: str = "float32", progress: bool = True, **options):
+                 max_rows: int = 8, dtype: str = "float32", progress: bool = True, *, node_rank: int = 0,
+                 master_addr: str = "127.0.0.1", master_port: int = DEFAULT_PORT, bind_addr: str | None = None,
+                 token: str | None = None, **options):
         from ringshm.loader import read_config
         from ringshm.models import default_model_path
 
@@ -57,10 +67,23 @@ class Engine:
         self._tokenizer = None
         self._job = 0
         self._owner: str | None = None  # set by an AsyncEngine while its dispatcher drives the ring
+        node_ranges = tuple(cfg.node_stage_ranges())
+        rdv = Rendezvous(node_rank, master_addr, master_port, bind_addr,
+                         os.environ.get(TOKEN_ENV) if token is None else token, cfg.startup_timeout_s)
+        if node_rank != 0:
+            raise ValueError(f"the engine runs on node 0, got node_rank={node_rank}: run `ringshm worker` on the "
+                             f"other nodes")
         check_memory(cfg, self.model_config, self.layer_ranges, self.max_seq_len,
-                     bytes_per_weight=checkpoint_bytes_per_weight(self.model_path, self.model_config))
+                     bytes_per_weight=checkpoint_bytes_per_weight(self.model_path, self.model_config),
+                     local=node_ranges[0])
+        plan, self._head = None, None
+        if cfg.nnodes > 1:  # meet the workers before any stage starts: a refusal costs nothing
+            self._head = Head(rdv, cfg, self.model_path, self.model_config, self.layer_ranges, self.max_seq_len)
+            plan = NodePlan(0, node_ranges, cfg.stages, master_addr, master_port, self._head.session,
+                            rdv.local_addr(), cfg.edge_timeout_s, cfg.startup_timeout_s, cfg.edge_latency_ms,
+                            tuple(self._head.hosts))
         self._group = StageGroup(cfg, self.model_path, self.layer_ranges, self.max_seq_len,
-                                 self.model_config.hidden, self.model_config.vocab)
+                                 self.model_config.hidden, self.model_config.vocab, plan)
         self._closed = False
         try:
             self._link = Link(self._group.rings[0], self._group.rings[-1], self._group.check, cfg.op_timeout_s,
@@ -80,6 +103,8 @@ class Engine:
         self._closed = True
         if hasattr(self, "_group"):
             self._group.close()
+        if getattr(self, "_head", None) is not None:
+            self._head.close()
 
     def __enter__(self) -> "Engine":
         return self
@@ -89,7 +114,7 @@ class Engine:
 
     @property
     def pids(self) -> list[int]:
-        """The stage processes' pids, stage 0 first."""
+        """This host's stage processes' pids, stage 0 first."""
         return [p.pid for p in self._group.procs]
 
     @property

@@ -141,6 +141,16 @@ class KVCacheOverflow(StageError, ValueError):
     """An op would write or read KV positions a stage's cache does not have (``KVRangeError`` there)."""
 
 
+class ClusterRefused(RingshmError, ConnectionRefusedError):
+    """A node refused another (wire version, model fingerprint, token, node rank) or never showed up
+    (``ringshm.cluster``); the message names the node and the reason."""
+
+
+class EdgeError(RingshmError, ConnectionError):
+    """An edge between hosts broke (``ringshm.bridge``): the peer closed it or went silent, or sent something
+    that breaks the wire."""
+
+
 class EngineOwned(RingshmError, RuntimeError):
     """The engine is owned by an ``AsyncEngine`` (its dispatcher thread drives the ring): call the
     ``AsyncEngine``'s ``stream`` / ``complete`` instead, or ``close()`` it first."""

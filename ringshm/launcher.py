@@ -9,6 +9,10 @@ each op a stage takes ``cores // (stages computing right now)`` torch threads (`
 single stream's decode, which visits the stages one at a time, uses every core, and a pipelined prefill,
 which keeps them all busy, does not oversubscribe.
 
+Several hosts (``ringshm.cluster``): a group holds one node's share, its stages and their rings, plus one bridge
+process per edge to another host (``ringshm.bridge``); GPUs are numbered per node; ``busy()`` / ``ops()`` of
+other nodes' stages read 0.
+
 Cleanup: ``close()`` is idempotent and also runs when the group is garbage-collected or the interpreter
 exits (``weakref.finalize``): it stops the stages, reaps them and unlinks every segment. Segments left by a
 process that was SIGKILLed are removed by ``sweep_stale()`` when the next group starts.
@@ -22,9 +26,12 @@ import time
 import weakref
 from contextlib import contextmanager
 
-from ringshm import messages as m
 from pathlib import Path
 
+from ringshm import messages as m
+
+from ringshm.bridge import EdgeSpec, bridge_main
+from ringshm.cluster import NodePlan
 from ringshm.config import EngineConfig, ModelConfig
 from ringshm.errors import ResourceShortage, RingTimeout, StageDied, StageError, StageStartupError
 from ringshm.ring import Ring
@@ -145,12 +152,14 @@ def available_memory_bytes() -> int:
 
 
 def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], max_seq_len: int,
-                 available_bytes: int | None = None, bytes_per_weight: float | None = None) -> None:
+                 available_bytes: int | None = None, bytes_per_weight: float | None = None,
+                 local: range | None = None) -> None:
     """Refuse, before any stage starts, weights + KV caches that do not fit the available memory.
 
     CPU stages count against host memory; with ``device="cuda"`` the KV cache and weights live on the GPU
     and only the per-process base is checked here. ``bytes_per_weight``: the checkpoint's encoding
     (``checkpoint_bytes_per_weight``), what CPU fp32 stages hold; None counts dequantized weights of the dtype.
+    ``local``: the stages this host runs (a node of a multi-host engine); None = all.
 
     Raises:
         ResourceShortage: with the per-stage numbers and what to change.
@@ -159,10 +168,11 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
     width = 2.0 if cfg.dtype == "bfloat16" else 4.0
     if bytes_per_weight is not None and cfg.device == "cpu" and cfg.dtype == "float32":
         width = bytes_per_weight
-    parts = [stage_memory_bytes(mc, r, i == 0, i == len(layer_ranges) - 1, cfg.max_rows, max_seq_len, width)
-             for i, r in enumerate(layer_ranges)]
+    local = range(len(layer_ranges)) if local is None else local
+    parts = [stage_memory_bytes(mc, layer_ranges[i], i == 0, i == len(layer_ranges) - 1, cfg.max_rows, max_seq_len,
+                                width) for i in local]
     weights, kv = sum(w for w, _ in parts), sum(k for _, k in parts)
-    base = STAGE_BASE_BYTES * len(layer_ranges)
+    base = STAGE_BASE_BYTES * len(parts)
     need = base + (weights + kv if cfg.device == "cpu" else 0)
     avail = available_memory_bytes() if available_bytes is None else available_bytes
     if need > avail:
@@ -170,7 +180,7 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
         raise ResourceShortage(
             f"the engine needs ~{need / gib:.1f} GiB of memory (weights {weights / gib:.2f} GiB + KV cache "
             f"{kv / gib:.2f} GiB for max_rows={cfg.max_rows} x max_seq_len={max_seq_len} + "
-            f"{base / gib:.2f} GiB for {len(layer_ranges)} stage processes; per stage: {per_stage} GiB) but "
+            f"{base / gib:.2f} GiB for {len(parts)} stage processes; per stage: {per_stage} GiB) but "
             f"{avail / gib:.1f} GiB is available: lower --max-rows or --max-seq-len (the KV cache is fp32 whatever "
             f"the dtype)")
 
@@ -228,11 +238,12 @@ class StageGroup:
     """
 
     def __init__(self, cfg: EngineConfig, model_path: str, layer_ranges: list[range], max_seq_len: int,
-                 hidden: int, vocab: int):
+                 hidden: int, vocab: int, plan: NodePlan | None = None):
         self.cfg, self.layer_ranges = cfg, layer_ranges
+        self.plan = plan = plan or NodePlan(0, (range(cfg.stages),), cfg.stages)
         self.closed = False
         sweep_stale()
-        n = cfg.stages
+        n, local = cfg.stages, plan.stages
         n_gpus = 0
         if cfg.device == "cuda":
             import torch
@@ -241,33 +252,62 @@ class StageGroup:
             if n_gpus == 0:
                 raise ValueError("device='cuda' but torch sees no GPU: use device='cpu'")
         capacities = ring_capacities(cfg, hidden, vocab)
-        check_shm(capacities)
+        # Ring i is stage i's input (ring n: the replies). This node's: its stages' inputs and its last stage's
+        # output; node 0 of several also the coordinator's reply ring, which the return edge feeds.
+        ring_ids = list(range(local.start, local.stop + 1)) + ([n] if plan.node == 0 and plan.nnodes > 1 else [])
+        check_shm([capacities[i] for i in ring_ids])
+        tag = f"n{plan.node}" if plan.nnodes > 1 else ""  # each host's segments told apart by name (segment.py)
         self.rings: list[Ring] = []
-        self.procs: list = []
-        self._finalizer = weakref.finalize(self, _cleanup, self.procs, self.rings)
+        self.procs: list = []  # the stage processes, in stage order
+        self.bridges: list[tuple[object, int, int, int]] = []  # (process, edge, rank, remote stage)
+        self._children: list = []  # stages and bridges: what the finalizer reaps
+        self._finalizer = weakref.finalize(self, _cleanup, self._children, self.rings)
         ctx = mp.get_context("spawn")
         self.status = ctx.Array("d", n * N_SLOTS, lock=False)
-        self.errors = ctx.Array("c", n * ERROR_BYTES, lock=False)  # each stage's load error, if any
+        self.errors = ctx.Array("c", (n + 3) * ERROR_BYTES, lock=False)  # each stage's / bridge's error, if any
         cores = len(os.sched_getaffinity(0))
         try:
-            self.rings.extend(Ring.create(c) for c in capacities)
-            for i, layers in enumerate(layer_ranges):
+            self.rings.extend(Ring.create(capacities[i], tag=tag) for i in ring_ids)
+            ring_of = dict(zip(ring_ids, self.rings))
+            for i in local:
+                layers = layer_ranges[i]
                 spec = StageSpec(index=i, n_stages=n, model_path=model_path, layer_start=layers.start,
                                  layer_stop=layers.stop, max_rows=cfg.max_rows, max_seq_len=max_seq_len,
-                                 dtype=cfg.dtype, device=cfg.device, in_ring=self.rings[i].name,
-                                 out_ring=self.rings[i + 1].name, cores=cores,
+                                 dtype=cfg.dtype, device=cfg.device, in_ring=ring_of[i].name,
+                                 out_ring=ring_of[i + 1].name, cores=cores,
                                  ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms,
                                  max_op_tokens=cfg.max_op_tokens)
-                with _child_env(i % n_gpus if n_gpus else None):
+                with _child_env((i - local.start) % n_gpus if n_gpus else None):
                     p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors), daemon=True,
                                     name=f"ringshm-stage-{i}")
                     p.start()
                 self.procs.append(p)
-            self.rings[0].claim("producer")
-            self.rings[n].claim("consumer")
+                self._children.append(p)
+            for k, (edge, rank, remote) in enumerate(plan.edges()):
+                spec = EdgeSpec(edge=edge, rank=rank, ring=ring_of[edge].name, store_addr=plan.store_addr,
+                                store_port=plan.store_port, session=plan.session, bind_addr=plan.bind_addr,
+                                timeout_s=plan.timeout_s, connect_timeout_s=plan.connect_timeout_s,
+                                latency_ms=plan.latency_ms if rank == 1 else 0.0,
+                                where=f"edge {edge} {'to' if rank == 0 else 'from'} {self.describe(remote)}",
+                                error_slot=n + k)
+                here = (f"stage {edge - 1}" if rank == 0 else f"stage {edge}" if edge < n else "the coordinator")
+                p = ctx.Process(target=bridge_main, args=(spec, self.errors, f"{here} on {plan.host(plan.node)}"),
+                                daemon=True, name=f"ringshm-bridge-{edge}-{'send' if rank == 0 else 'recv'}")
+                p.start()
+                self.bridges.append((p, edge, rank, remote))
+                self._children.append(p)
+            if plan.node == 0:
+                self.rings[0].claim("producer")
+                self.rings[-1].claim("consumer")
         except BaseException:
             self.close()
             raise
+
+    def describe(self, stage: int) -> str:
+        """``stage 2 on node 1 (10.0.0.2)``; -1 is the coordinator."""
+        if stage < 0:
+            return f"the coordinator on {self.plan.host(0)}"
+        return f"stage {stage} on {self.plan.host(self.plan.node_of(stage))}"
 
     def wait_ready(self, link, progress: bool) -> None:
         """Send a PING through every stage and wait for it, showing loading progress (tqdm).
@@ -277,13 +317,13 @@ class StageGroup:
         """
         from tqdm import tqdm
 
-        n = self.cfg.stages
+        n = len(self.plan.stages)
         link.send(m.Message(m.PING))
         deadline = time.monotonic() + self.cfg.startup_timeout_s
         bar = tqdm(total=n, desc="loading stages", unit="stage", disable=not progress, leave=False)
         try:
             while True:
-                loaded = sum(self.status[i * N_SLOTS + SLOT_STATE] >= LOADED for i in range(n))
+                loaded = sum(self.status[i * N_SLOTS + SLOT_STATE] >= LOADED for i in self.plan.stages)
                 if loaded != bar.n:
                     bar.update(loaded - bar.n)
                 self._raise_load_error()
@@ -304,7 +344,7 @@ class StageGroup:
 
     def _raise_load_error(self) -> None:
         """Raise the first stage's own load error (from the shared error buffer), if one wrote any."""
-        for i in range(self.cfg.stages):
+        for i in self.plan.stages:
             text = read_error(self.errors, i)
             if text:
                 layers = self.layer_ranges[i]
@@ -313,8 +353,14 @@ class StageGroup:
                                         f"{text}", i, remote_type)
 
     def check(self) -> None:
-        """Raise StageDied naming the first stage process that is gone."""
-        for i, p in enumerate(self.procs):
+        """Raise StageDied naming the first stage process that is gone; a bridge that is gone names the stage
+        across its edge (a local stage then often exits too, but only because its ring peer went)."""
+        for p, edge, _, remote in self.bridges:
+            if not p.is_alive():
+                slot = self.cfg.stages + next(k for k, b in enumerate(self.bridges) if b[0] is p)
+                text = read_error(self.errors, slot) or f"the bridge exited with code {p.exitcode}"
+                raise StageDied(f"{self.describe(remote)} is unreachable (edge {edge}): {text}", remote, p.exitcode)
+        for i, p in zip(self.plan.stages, self.procs):
             if not p.is_alive():
                 code = p.exitcode
                 how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
@@ -337,13 +383,13 @@ class StageGroup:
             return
         self.closed = True
         try:
-            if self.procs and all(p.is_alive() for p in self.procs):
+            if self.plan.node == 0 and self._children and all(p.is_alive() for p in self._children):
                 try:  # may fail when an exception (a signal) interrupted a send half-way: then kill below
                     sent = self.rings[0].try_send(m.encode(m.Message(m.SHUTDOWN)))
                 except Exception:
                     sent = False
                 if sent is not False:
-                    for p in self.procs:
+                    for p in self._children:
                         p.join(timeout=5)
         finally:
             self._finalizer()

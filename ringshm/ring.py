@@ -76,7 +76,8 @@ class Ring:
     # ----------------------------------------------------------------------------------------------- life
     @classmethod
     def create(
-        cls, capacity_bytes: int, *, role: str | None = None, spin: int = DEFAULT_SPIN, start_index: int = 0
+        cls, capacity_bytes: int, *, role: str | None = None, spin: int = DEFAULT_SPIN, start_index: int = 0,
+        tag: str = "",
     ) -> "Ring":
         """Create a ring with a data area of ``capacity_bytes`` in a new 0600 segment.
 
@@ -85,6 +86,7 @@ class Ring:
             role: claim 'producer' or 'consumer' now instead of on first use.
             start_index: initial value of both 64-bit byte counters (tests use values near 2**64 to
                 exercise counter wraparound); rounded up to a multiple of 8.
+            tag: the host tag in the segment's name (``Segment.create``).
 
         Raises:
             ValueError: capacity_bytes is not a power of two >= 64, or start_index is not in [0, 2**64).
@@ -93,7 +95,7 @@ class Ring:
             raise ValueError(f"capacity_bytes must be a power of two >= 64, got {capacity_bytes}")
         if not 0 <= start_index < 2**64:
             raise ValueError(f"start_index must be in [0, 2**64), got {start_index}")
-        seg = Segment.create(int(lib.ringshm_ring_segment_bytes(capacity_bytes)))
+        seg = Segment.create(int(lib.ringshm_ring_segment_bytes(capacity_bytes)), tag)
         try:
             base = ffi.from_buffer(seg.buf)
             check_status(lib.ringshm_ring_init(base, seg.size_bytes, capacity_bytes, start_index))

@@ -2,7 +2,9 @@
 
 Names look like ``/ringshm-<pid>-<start>-<token>``: the creator's pid and its process start time (clock
 ticks since boot, from ``/proc/<pid>/stat``), so a pid reused by an unrelated process is not taken for the
-creator, and 16 random hex digits, so a name cannot be guessed. Linux only (``/proc`` and ``/dev/shm``).
+creator, and 16 random hex digits, so a name cannot be guessed. A node of a multi-host engine tags its names
+with its node rank (``/ringshm.n1-…``): each host's segments are told apart by name, never by probing, which
+also lets tests run several "hosts" on one machine. Linux only (``/proc`` and ``/dev/shm``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import posix_ipc
 
 PREFIX = "ringshm"
 SHM_DIR = Path("/dev/shm")
-_NAME_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-[0-9a-f]{{16}}$")
+_NAME_RE = re.compile(rf"^{PREFIX}(?:\.([a-z0-9]{{1,16}}))?-(\d+)-(\d+)-[0-9a-f]{{16}}$")
+_TAG_RE = re.compile(r"^[a-z0-9]{0,16}$")
 
 
 def process_start_time(pid: int) -> int | None:
@@ -70,19 +73,23 @@ class Segment:
         self.owner = owner
 
     @classmethod
-    def create(cls, size_bytes: int) -> "Segment":
-        """Create a zero-filled segment of ``size_bytes`` with mode 0600 and a fresh unguessable name.
+    def create(cls, size_bytes: int, tag: str = "") -> "Segment":
+        """Create a zero-filled segment of ``size_bytes`` with mode 0600 and a fresh unguessable name
+        (``tag``: the host tag in the name, e.g. "n1"; "" for none).
 
         The pages are allocated up front (``posix_fallocate``): a full ``/dev/shm`` fails here with
         ``OSError(ENOSPC)`` instead of killing a process with SIGBUS when it first touches a page.
 
         Raises:
-            ValueError: size_bytes < 1.
+            ValueError: size_bytes < 1, or a tag that is not 0-16 lowercase letters / digits.
             OSError: the system refused (e.g. /dev/shm full: errno ENOSPC, the message gives the sizes).
         """
         if size_bytes < 1:
             raise ValueError(f"segment size must be >= 1 byte, got {size_bytes}")
-        name = f"/{PREFIX}-{os.getpid()}-{self_start_time()}-{secrets.token_hex(8)}"
+        if not _TAG_RE.match(tag):
+            raise ValueError(f"a segment tag is 0-16 lowercase letters or digits, got {tag!r}")
+        prefix = f"{PREFIX}.{tag}" if tag else PREFIX
+        name = f"/{prefix}-{os.getpid()}-{self_start_time()}-{secrets.token_hex(8)}"
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=size_bytes)
         try:
             try:
@@ -144,19 +151,25 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
-def list_segments() -> list[str]:
-    """Names (with leading '/') of every ringshm segment on this host."""
+def list_segments(tag: str | None = None) -> list[str]:
+    """Names (with leading '/') of every ringshm segment on this host; with ``tag``, only those carrying that
+    host tag ("" = untagged)."""
     try:
         entries = os.listdir(SHM_DIR)
     except FileNotFoundError:
         return []
-    return sorted("/" + e for e in entries if _NAME_RE.match(e))
+    out = []
+    for e in entries:
+        m = _NAME_RE.match(e)
+        if m and (tag is None or (m.group(1) or "") == tag):
+            out.append("/" + e)
+    return sorted(out)
 
 
 def creator_of(name: str) -> tuple[int, int] | None:
     """(pid, start_time) encoded in a ringshm segment name, or None for a foreign name."""
     m = _NAME_RE.match(name.lstrip("/"))
-    return (int(m.group(1)), int(m.group(2))) if m else None
+    return (int(m.group(2)), int(m.group(3))) if m else None
 
 
 def sweep_stale() -> list[str]:
