@@ -274,6 +274,11 @@ def _worker(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ringshm`` console script. Bad arguments exit with status 2 and a message."""
+    import os
+
+    # torch.distributed's C++ side logs every socket wait it retries (the rendezvous waits for its peer):
+    # only errors, unless the caller asked for more. Set before torch is imported; children inherit it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

@@ -181,6 +181,10 @@ class Head:
             if not hmac.compare_digest(str(answer.get("proof", "")),
                                        _proof(rdv.token, f"worker:{r}:{nonce}:{answer.get('nonce', '')}")):
                 self.store.set(f"ringshm/ack{r}", json.dumps({"ok": False, "error": "token: the head's token differs"}))
+                try:  # keep serving the store until the worker has read why (its own message names the token)
+                    self.store.wait([f"ringshm/read{r}"], timedelta(seconds=5))
+                except RuntimeError:
+                    pass
                 raise ClusterRefused(f"{where} was refused: its token does not match this head's (give every node "
                                      f"the same --token or {TOKEN_ENV})")
             self.store.set(f"ringshm/ack{r}", json.dumps(
@@ -229,6 +233,7 @@ def join(rdv: Rendezvous, fingerprint_of) -> tuple[dict, object]:
     if error:
         raise ClusterRefused(f"refused to join the head at {rdv.master_addr}:{rdv.master_port}: {error}")
     ack = _get_json(store, f"ringshm/ack{r}", rdv.wait_s, "the head did not answer this node's HELLO")
+    store.set(f"ringshm/read{r}", "1")
     if not ack.get("ok"):
         raise ClusterRefused(f"the head refused this node: {ack.get('error')} (give every node the same --token or "
                              f"{TOKEN_ENV})")

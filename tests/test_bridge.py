@@ -1,0 +1,269 @@
+"""The edge between hosts (ringshm.bridge) and the rendezvous (ringshm.cluster), without a model.
+
+- Header rules: every field a hostile peer controls is checked before anything is allocated.
+- Both ends of an edge in this process (two gloo ranks on threads, real rings): records cross in order and
+  byte for byte; a receiver whose ring stays full for several edge timeouts keeps the edge alive
+  (credits + heartbeats); a frozen sender kills it within the edge timeout.
+- A receiving bridge process fed hostile headers by a fake sender: it exits with an error naming the rule,
+  and nothing reaches its ring.
+- The rendezvous refuses a wrong wire version, a wrong token (either way round) and a taken node rank, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringshm import bridge, cluster, messages as m
+from ringshm.bridge import CREDIT_WINDOW, HEADER_WORDS, Edge, EdgeSpec, pack_header, parse_header
+from ringshm.errors import ClusterRefused, EdgeError
+from ringshm.ring import Ring
+from ringshm.stage import ERROR_BYTES, read_error
+
+pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def record(seq: int, op: int = m.PING, payload_bytes: int = 0) -> bytes:
+    """A real ring record (a PING, or a STEP carrying ``payload_bytes`` of ids) numbered ``seq``."""
+    if op == m.STEP:
+        n = max(1, payload_bytes // 8)
+        msg = m.Message(m.STEP, segments=[m.Segment(0, 0, n, m.WANT_LAST)],
+                        tensors=[torch.arange(n, dtype=torch.int64) + seq])
+    else:
+        msg = m.Message(op)
+    msg.seq = seq
+    return bytes(m.encode(msg))
+
+
+# --------------------------------------------------------------------------------------------- header rules
+@pytest.mark.parametrize("words, rule", [
+    ([0x1234, 1, bridge.RECORD, 0, 0, 64, 0, 0], "bad magic"),
+    ([bridge.MAGIC, 99, bridge.RECORD, 0, 0, 64, 0, 0], "wire version 99"),
+    ([bridge.MAGIC, 1, 77, 0, 0, 64, 0, 0], "kind 77"),
+    ([bridge.MAGIC, 1, bridge.CREDIT, 0, 0, 0, 1, 0], "not allowed in this direction"),
+    ([bridge.MAGIC, 1, bridge.RECORD, 0, 0, 2**60, 0, 0], "refused before allocating"),
+    ([bridge.MAGIC, 1, bridge.RECORD, 0, 0, 4, 0, 0], "refused before allocating"),
+    ([bridge.MAGIC, 1, bridge.RECORD, -1, 0, 64, 0, 0], "negative"),
+    ([bridge.MAGIC, 1, bridge.HEARTBEAT, 0, 0, 8, 0, 0], "refused before allocating"),
+    ([bridge.MAGIC, 1, bridge.ABORT, 0, 0, bridge.MAX_REASON_BYTES + 1, 0, 0], "refused before allocating"),
+])
+def test_a_header_that_breaks_a_rule_is_refused_naming_it(words, rule):
+    with pytest.raises(EdgeError, match=rule):
+        parse_header(torch.tensor(words, dtype=torch.int64), bridge.FORWARD_KINDS, 1 << 20)
+
+
+def test_a_credit_over_the_window_is_refused():
+    with pytest.raises(EdgeError, match="over the window"):
+        parse_header(pack_header(bridge.CREDIT, credits=CREDIT_WINDOW + 1), bridge.BACKWARD_KINDS, 0)
+    assert parse_header(pack_header(bridge.CREDIT, credits=3), bridge.BACKWARD_KINDS, 0)[4] == 3
+
+
+# ------------------------------------------------------------------------------ both ends in one process
+def _pair(timeout_s: float):
+    """Two gloo ranks of one edge on threads: ``(edge0, edge1, store)``."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    groups = [None, None]
+
+    def make(rank):  # each rank its own store client: one client serves one blocking request at a time
+        client = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=30), wait_for_workers=False)
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=30)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("t/edge1/", client), rank, 2, opts)
+
+    threads = [threading.Thread(target=make, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return Edge(groups[0], 0, timeout_s, "edge 1 (test)"), Edge(groups[1], 1, timeout_s, "edge 1 (test)"), store
+
+
+class _Run(threading.Thread):
+    """A bridge loop on a thread; ``error`` holds what it raised."""
+
+    def __init__(self, fn, *args):
+        super().__init__(daemon=True)
+        self.fn, self.args, self.error = fn, args, None
+
+    def run(self):
+        try:
+            self.fn(*self.args)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            self.error = exc
+
+
+def test_records_cross_in_order_byte_for_byte_and_a_long_full_ring_does_not_kill_the_edge():
+    timeout_s = 0.6
+    e0, e1, _store = _pair(timeout_s)
+    src, dst = Ring.create(1 << 20), Ring.create(1 << 16)  # dst holds a few records: it fills up
+    sender = _Run(bridge.run_sender, src, e0, timeout_s, "stage 1")
+    receiver = _Run(bridge.run_receiver, dst, e1, timeout_s, 0.0, "stage 2")
+    try:
+        sender.start()
+        receiver.start()
+        sent = [record(i, m.STEP, 6000) for i in range(40)] + [record(40, m.SHUTDOWN)]
+        feeder = threading.Thread(target=lambda: [src.send(r, timeout_s=30) for r in sent], daemon=True)
+        feeder.start()
+        time.sleep(4 * timeout_s)  # nobody drains dst: it is full, the edge must live on heartbeats and credit
+        assert sender.error is None and receiver.error is None, (sender.error, receiver.error)
+        got = [bytes(dst.recv(timeout_s=30)) for _ in sent]
+        assert got == sent
+        sender.join(10)
+        receiver.join(10)
+        assert not sender.is_alive() and not receiver.is_alive()
+        assert sender.error is None and receiver.error is None, (sender.error, receiver.error)
+    finally:
+        for r in (src, dst):
+            if not (sender.is_alive() or receiver.is_alive()):  # never unmap a ring a loop still uses
+                r.close()
+            r.unlink()
+
+
+def test_a_frozen_sender_kills_the_edge_within_its_timeout():
+    timeout_s = 0.6
+    e0, e1, _store = _pair(timeout_s)
+    dst = Ring.create(1 << 16)
+    receiver = _Run(bridge.run_receiver, dst, e1, timeout_s, 0.0, "stage 2")
+    try:
+        t0 = time.monotonic()
+        receiver.start()  # rank 0 never sends: it is frozen
+        receiver.join(10 * timeout_s)
+        assert not receiver.is_alive()
+        assert isinstance(receiver.error, EdgeError) and "nothing heard" in str(receiver.error)
+        assert time.monotonic() - t0 < 3 * timeout_s + 1
+        assert dst.try_recv() is None
+    finally:
+        if not receiver.is_alive():
+            dst.close()
+        dst.unlink()
+
+
+# -------------------------------------------------------------- a receiving bridge process, hostile headers
+@pytest.mark.parametrize("words, rule", [
+    ([bridge.MAGIC, bridge.VERSION, bridge.RECORD, 0, 0, 2**60, 0, 0], "refused before allocating"),
+    ([0xBAD, bridge.VERSION, bridge.RECORD, 0, 0, 64, 0, 0], "bad magic"),
+    ([bridge.MAGIC, bridge.VERSION, bridge.RECORD, 5, 0, 64, 0, 0], "expected record 0"),
+])
+def test_a_hostile_header_closes_the_edge_and_nothing_reaches_the_ring(words, rule):
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    ring = Ring.create(1 << 16)
+    ctx = mp.get_context("spawn")
+    errors = ctx.Array("c", ERROR_BYTES, lock=False)
+    spec = EdgeSpec(edge=1, rank=1, ring=ring.name, store_addr="127.0.0.1", store_port=port, session="t",
+                    bind_addr="127.0.0.1", timeout_s=5.0, connect_timeout_s=30.0, where="edge 1 from the test")
+    proc = ctx.Process(target=bridge.bridge_main, args=(spec, errors, "stage 1"), daemon=True)
+    proc.start()
+    try:
+        opts = dist.ProcessGroupGloo._Options()
+        opts._timeout = timedelta(seconds=30)
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        pg = dist.ProcessGroupGloo(dist.PrefixStore("ringshm/t/edge1/", store), 0, 2, opts)
+        pg.send([torch.tensor(words, dtype=torch.int64)], 1, 0).wait(timedelta(seconds=10))
+        proc.join(15)
+        assert proc.exitcode == 1
+        text = read_error(errors, 0)
+        assert "EdgeError" in text and rule in text, text
+        assert ring.try_recv() is None  # nothing reached the ring
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        ring.close()
+        ring.unlink()
+
+
+# ------------------------------------------------------------------------------------------- rendezvous
+def _fake_head(port: int, **hello):
+    store = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=30), wait_for_workers=False)
+    base = {"wire": cluster.wire_version(), "session": "s", "nnodes": 2, "config": {}, "model": "m",
+            "fingerprint": "f", "max_seq_len": 64, "nonce": "n"}
+    store.set(cluster.HELLO_KEY, json.dumps({**base, **hello}))
+    return store
+
+
+def test_a_worker_refuses_a_head_of_another_wire_version_and_says_so_to_it():
+    port = free_port()
+    store = _fake_head(port, wire="99.1")
+    rdv = cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10)
+    with pytest.raises(ClusterRefused, match="wire version: the head speaks '99.1'"):
+        cluster.join(rdv, lambda hello: "f")
+    answer = json.loads(store.get("ringshm/node1"))
+    assert "wire version" in answer["error"]  # the head relays it: "node 1 refused to join: wire version ..."
+
+
+def test_a_worker_refuses_a_model_whose_fingerprint_differs():
+    port = free_port()
+    store = _fake_head(port)
+    rdv = cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10)
+    with pytest.raises(ClusterRefused, match="model fingerprint"):
+        cluster.join(rdv, lambda hello: "not f")
+    assert "model fingerprint" in json.loads(store.get("ringshm/node1"))["error"]
+
+
+@pytest.mark.parametrize("worker_token, head_proof_token", [("a", "a"), ("a", "b")])
+def test_a_worker_checks_the_heads_proof_of_the_token(worker_token, head_proof_token):
+    port = free_port()
+    store = _fake_head(port)
+    rdv = cluster.Rendezvous(1, "127.0.0.1", port, token=worker_token, wait_s=10)
+
+    def head():
+        answer = json.loads(store.get("ringshm/node1"))
+        assert answer["proof"] == cluster._proof(worker_token, f"worker:1:n:{answer['nonce']}")
+        store.set("ringshm/ack1", json.dumps(
+            {"ok": True, "proof": cluster._proof(head_proof_token, f"head:1:{answer['nonce']}")}))
+
+    t = threading.Thread(target=head, daemon=True)
+    t.start()
+    if worker_token == head_proof_token:
+        hello, _ = cluster.join(rdv, lambda hello: "f")
+        assert hello["session"] == "s"
+    else:
+        with pytest.raises(ClusterRefused, match="token: the head .* does not know this worker's token"):
+            cluster.join(rdv, lambda hello: "f")
+    t.join(10)
+
+
+def test_a_second_worker_with_a_taken_node_rank_is_refused():
+    port = free_port()
+    store = _fake_head(port)
+    store.add("ringshm/claim1", 1)  # node 1 already joined
+    with pytest.raises(ClusterRefused, match="already joined as node 1"):
+        cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10), lambda hello: "f")
+
+
+def test_a_worker_waits_for_a_head_and_gives_up_naming_the_address():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(ClusterRefused, match=f"no head at 127.0.0.1:{port} within 1 s"):
+        cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=1), lambda hello: "f")
+    assert time.monotonic() - t0 < 20
+
+
+def test_node_stages_split_evenly_node_0_first_or_as_given():
+    from ringshm.config import EngineConfig
+
+    assert EngineConfig(stages=5, nnodes=2).node_stage_ranges() == [range(0, 3), range(3, 5)]
+    assert EngineConfig(stages=4, nnodes=2, node_stages=(1, 3)).node_stage_ranges() == [range(0, 1), range(1, 4)]
+    with pytest.raises(ValueError, match="node_stages must give 2 stage counts"):
+        EngineConfig(stages=4, nnodes=2, node_stages=(1, 2))
+    with pytest.raises(ValueError, match="at least one stage per node"):
+        EngineConfig(stages=2, nnodes=3)
+    plan = cluster.NodePlan(1, (range(0, 2), range(2, 4)), 4)
+    assert plan.edges() == [(2, 1, 1), (4, 0, -1)]
+    assert cluster.NodePlan(0, (range(0, 2), range(2, 4)), 4).edges() == [(2, 0, 2), (4, 1, 3)]
