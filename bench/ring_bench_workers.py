@@ -57,3 +57,18 @@ def ring_sink(in_name: str, ack_name: str, record_bytes: int, copy_out: bool) ->
         ack.send(b"k", timeout_s=60)
     rin.close()
     ack.close()
+
+
+def record_echo(in_name: str, out_name: str) -> None:
+    """Send every ring record back unchanged until a SHUTDOWN record has gone back (bench_multihost.py: the
+    records cross bridges, which only carry real ringshm records)."""
+    from ringshm import messages as m
+
+    rin, rout = Ring.attach(in_name, role="consumer"), Ring.attach(out_name, role="producer")
+    while True:
+        msg = rin.recv(timeout_s=120)
+        rout.send(msg, timeout_s=120)
+        if msg[3] == m.SHUTDOWN:  # the op byte of the record header
+            break
+    rin.close()
+    rout.close()

@@ -1,4 +1,5 @@
-"""ringshm: pipeline-parallel LLM inference on one host over lock-free shared-memory rings.
+"""ringshm: pipeline-parallel LLM inference over lock-free shared-memory rings (and, between hosts, bridges
+over torch.distributed).
 
 ``import ringshm`` is light: it loads the ring and the exception tree only. ``Engine``, ``AsyncEngine`` and
 the result types import torch, so they load on first use (PEP 562 module ``__getattr__``)::
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from ringshm.errors import (EngineClosed, EngineOwned, InvalidParameter, KVCacheOverflow, PeerDied, QueueFull, QueueTimeout,
+from ringshm.errors import (ClusterRefused, EdgeError, EngineClosed, EngineOwned, InvalidParameter, KVCacheOverflow, PeerDied, QueueFull, QueueTimeout,
                             RecordTooLarge, RequestFailed, ResourceShortage, RingshmError, RingTimeout,
                             StageDied, StageError, StageStalled, StageStartupError)
 from ringshm.ring import Ring
@@ -29,9 +30,10 @@ _LAZY = {
     "TokenEvent": "ringshm.coordinator",
     "EngineConfig": "ringshm.config",
     "GenerationParams": "ringshm.config",
+    "run_worker": "ringshm.worker",
 }
 
-__all__ = ["Ring", "__version__", *_LAZY, "EngineClosed", "EngineOwned", "InvalidParameter", "KVCacheOverflow", "PeerDied",
+__all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "EdgeError", "EngineClosed", "EngineOwned", "InvalidParameter", "KVCacheOverflow", "PeerDied",
            "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage", "RingshmError",
            "RingTimeout", "StageDied", "StageError", "StageStalled", "StageStartupError"]
 

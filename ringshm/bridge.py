@@ -126,6 +126,7 @@ def _gloo_error(exc: BaseException, timeout_s: float) -> str:
     """A short reason for a gloo failure (its first line, plus what it means)."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # gloo's "[/path/file.cc:78] " prefix
+    text = text.split(". This is typically")[0]  # gloo's generic advice after the fact
     if "Timed out" in text or "timeout" in text:
         return f"nothing heard for {timeout_s:g} s (the far side is frozen or unreachable; edge_timeout_s): {text}"
     if "closed" in text.lower() or "reset" in text.lower():

@@ -180,3 +180,24 @@ def test_a_worker_whose_model_copy_differs_is_refused_by_name_on_both_sides(mode
         assert "model fingerprint" in worker.stderr.read()
     finally:
         stop_tree(worker)
+
+
+def test_ringshm_serve_and_ringshm_worker_as_the_readme_shows(tmp_path):
+    from test_server import Server
+
+    port = free_port()
+    worker = start_worker(port)
+    server = Server(["--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                     "--stages", "2", "--max-seq-len", "512", "--max-rows", "2"], tmp_path / "serve.log")
+    try:
+        server.wait_healthy()
+        r = server.client().completions.create(model=server.client().models.list().data[0].id,
+                                               prompt="The capital of France is", max_tokens=8, temperature=0)
+        assert r.usage.completion_tokens == 8
+        with Engine(stages=2, max_seq_len=512, max_rows=2, progress=False) as engine:
+            assert r.choices[0].text == engine.generate("The capital of France is", max_new_tokens=8).text
+        assert server.stop() == 0
+        assert worker.wait(timeout=30) == 0
+    finally:
+        server.stop()
+        stop_tree(worker)
