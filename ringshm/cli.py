@@ -87,19 +87,18 @@ def _cluster_args(p: argparse.ArgumentParser) -> None:
                         f"${TOKEN_ENV}, else none)")
 
 
+def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
+    """``"10,10,10"`` -> ``(10, 10, 10)``; None / "" -> None."""
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
 def _engine_kwargs(a: argparse.Namespace) -> dict:
-    split = None
-    if a.layer_split:
-        try:
-            split = tuple(int(x) for x in a.layer_split.split(","))
-        except ValueError:
-            raise ValueError(f"--layer-split must be comma-separated integers, got {a.layer_split!r}") from None
-    node_stages = None
-    if a.node_stages:
-        try:
-            node_stages = tuple(int(x) for x in a.node_stages.split(","))
-        except ValueError:
-            raise ValueError(f"--node-stages must be comma-separated integers, got {a.node_stages!r}") from None
+    split, node_stages = _int_list(a.layer_split, "--layer-split"), _int_list(a.node_stages, "--node-stages")
     return dict(model=a.model, stages=a.stages, layer_split=split, device=a.device, dtype=a.dtype,
                 prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, depth=a.depth,
                 max_step_tokens=a.max_step_tokens, max_seq_len=a.max_seq_len,

@@ -36,6 +36,13 @@ TOKEN_ENV = "RINGSHM_TOKEN"  # the one environment variable: a secret does not b
 DEFAULT_PORT = 29500  # torch.distributed's customary master port
 
 
+def connect_timeout_s(cfg: EngineConfig) -> float:
+    """How long an edge may take to form: both ends' bridges start within seconds of the rendezvous (an
+    interpreter and torch to import), so 2 minutes, or ``startup_timeout_s`` if shorter. A peer that died in
+    between is noticed then instead of after a long startup timeout."""
+    return min(cfg.startup_timeout_s, 120.0)
+
+
 def wire_version() -> str:
     """The record format and the edge format, ``"<messages.VERSION>.<bridge.VERSION>"``: nodes must agree."""
     from ringshm import bridge, messages

@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 
-from ringshm.cluster import DEFAULT_PORT, TOKEN_ENV, Head, NodePlan, Rendezvous
+from ringshm.cluster import DEFAULT_PORT, TOKEN_ENV, Head, NodePlan, Rendezvous, connect_timeout_s
 from ringshm.config import EngineConfig, GenerationParams, check_logit_bias
 from ringshm.coordinator import Link, Stream, TokenEvent
 from ringshm.errors import EngineOwned, InvalidParameter
@@ -80,7 +80,7 @@ class Engine:
         if cfg.nnodes > 1:  # meet the workers before any stage starts: a refusal costs nothing
             self._head = Head(rdv, cfg, self.model_path, self.model_config, self.layer_ranges, self.max_seq_len)
             plan = NodePlan(0, node_ranges, cfg.stages, master_addr, master_port, self._head.session,
-                            rdv.local_addr(), cfg.edge_timeout_s, cfg.startup_timeout_s, cfg.edge_latency_ms,
+                            rdv.local_addr(), cfg.edge_timeout_s, connect_timeout_s(cfg), cfg.edge_latency_ms,
                             tuple(self._head.hosts))
         self._group = StageGroup(cfg, self.model_path, self.layer_ranges, self.max_seq_len,
                                  self.model_config.hidden, self.model_config.vocab, plan)

@@ -355,11 +355,11 @@ class StageGroup:
     def check(self) -> None:
         """Raise StageDied naming the first stage process that is gone; a bridge that is gone names the stage
         across its edge (a local stage then often exits too, but only because its ring peer went)."""
-        for p, edge, _, remote in self.bridges:
+        for p, _, _, remote in self.bridges:
             if not p.is_alive():
                 slot = self.cfg.stages + next(k for k, b in enumerate(self.bridges) if b[0] is p)
                 text = read_error(self.errors, slot) or f"the bridge exited with code {p.exitcode}"
-                raise StageDied(f"{self.describe(remote)} is unreachable (edge {edge}): {text}", remote, p.exitcode)
+                raise StageDied(f"{self.describe(remote)} is unreachable: {text}", remote, p.exitcode)
         for i, p in zip(self.plan.stages, self.procs):
             if not p.is_alive():
                 code = p.exitcode

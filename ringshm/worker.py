@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from ringshm.cluster import DEFAULT_PORT, NodePlan, Rendezvous, config_from_hello, fingerprint, join
+from ringshm.cluster import (DEFAULT_PORT, NodePlan, Rendezvous, config_from_hello, connect_timeout_s, fingerprint,
+                             join)
 from ringshm.stage import read_error
 
 POLL_S = 0.1
@@ -79,7 +80,7 @@ def run_worker(nnodes: int, node_rank: int, master_addr: str = "127.0.0.1", mast
     hello, store = join(rdv, check_here)
     path, cfg, mc, ranges = _local_model(hello, model)
     plan = NodePlan(node_rank, tuple(cfg.node_stage_ranges()), cfg.stages, master_addr, master_port,
-                    hello["session"], rdv.local_addr(), cfg.edge_timeout_s, cfg.startup_timeout_s,
+                    hello["session"], rdv.local_addr(), cfg.edge_timeout_s, connect_timeout_s(cfg),
                     cfg.edge_latency_ms, tuple(hello.get("hosts", ())) + ("",) * nnodes)
     stages = plan.stages
     log(f"joined: stages {stages.start}-{stages.stop - 1} of {cfg.stages} (layers {ranges[stages.start].start}-"

@@ -83,6 +83,7 @@ def test_two_nodes_equal_the_oracle_and_one_host_byte_for_byte(model_path, token
                                                                 assert_greedy_matches):
     port = free_port()
     worker = start_worker(port)  # before the head: it waits for it
+    assert "waiting for the head" in worker.stderr.readline()
     time.sleep(1.0)
     try:
         with Engine(model_path, stages=4, nnodes=2, master_port=port, **ENGINE) as engine:
