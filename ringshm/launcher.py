@@ -276,7 +276,7 @@ class StageGroup:
                                  dtype=cfg.dtype, device=cfg.device, in_ring=ring_of[i].name,
                                  out_ring=ring_of[i + 1].name, cores=cores,
                                  ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms,
-                                 max_op_tokens=cfg.max_op_tokens)
+                                 max_op_tokens=cfg.max_op_tokens, node=plan.node)
                 with _child_env((i - local.start) % n_gpus if n_gpus else None):
                     p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors), daemon=True,
                                     name=f"ringshm-stage-{i}")

@@ -42,14 +42,16 @@ class StageSpec:
     ring_timeout_s: float
     link_latency_ms: float = 0.0
     max_op_tokens: int = 1 << 20  # the op budget (EngineConfig.max_op_tokens): larger step ops are refused
+    node: int = 0  # the host it runs on (ringshm.cluster): set explicitly, never inferred from shared memory
 
 
 ERROR_BYTES = 2048  # per stage in the shared error buffer: "<type>: <message>", UTF-8, NUL-padded
 
 
 def process_title(spec: StageSpec) -> str:
-    """What ``ps`` shows for a stage: ``ringshm stage 1/3 layers 10-19``."""
-    return f"ringshm stage {spec.index}/{spec.n_stages} layers {spec.layer_start}-{spec.layer_stop - 1}"
+    """What ``ps`` shows for a stage: ``ringshm stage 1/3 layers 10-19`` (``... node 1`` on node 1 and up)."""
+    return (f"ringshm stage {spec.index}/{spec.n_stages} layers {spec.layer_start}-{spec.layer_stop - 1}"
+            + (f" node {spec.node}" if spec.node else ""))
 
 
 def write_error(errors, index: int, exc: BaseException) -> None:
