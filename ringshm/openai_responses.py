@@ -140,15 +140,16 @@ class OpenAIRequest:
         n_choices: choices in all. echoes: per choice, the prompt text to echo (None: no echo).
         logprobs: None, or the top-k count the answer shows. score_only: ``max_tokens`` 0 (echo only).
         token_text: ``TokenText`` of the tokenizer. metrics: the server's ``Metrics``.
-        include_usage: ``stream_options.include_usage``.
+        include_usage: ``stream_options.include_usage``. tokens_as_ids: vLLM's ``return_tokens_as_token_ids``:
+            each logprob token reads ``"token_id:<id>"`` instead of its text.
     """
 
     def __init__(self, kind: str, model_id: str, jobs: list[Job], n_choices: int, echoes: list[str | None],
                  logprobs: int | None, score_only: bool, token_text: TokenText, metrics, include_usage: bool,
-                 created: int):
+                 created: int, tokens_as_ids: bool = False):
         self.kind, self.model_id, self.jobs = kind, model_id, jobs
         self.logprobs, self.score_only, self.tt, self.metrics = logprobs, score_only, token_text, metrics
-        self.include_usage = include_usage
+        self.include_usage, self.tokens_as_ids = include_usage, tokens_as_ids
         self.choices = [_Choice(i, echoes[i]) for i in range(n_choices)]
         self.id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         self.created = created
@@ -168,23 +169,24 @@ class OpenAIRequest:
         """``lps`` (of ``tokens``; None for a prompt's first) in the endpoint's logprobs shape: chat's content
         entries, or completions' four lists with text offsets continuing from the choice's."""
         tt = self.tt
+        name = (lambda t: f"token_id:{t}") if self.tokens_as_ids else tt.text
         if self.kind == "chat":
-            return {"content": [{"token": tt.text(lp.token_id), "logprob": lp.logprob,
+            return {"content": [{"token": name(lp.token_id), "logprob": lp.logprob,
                                  "bytes": list(tt.bytes(lp.token_id)),
-                                 "top_logprobs": [{"token": tt.text(t), "logprob": v, "bytes": list(tt.bytes(t))}
+                                 "top_logprobs": [{"token": name(t), "logprob": v, "bytes": list(tt.bytes(t))}
                                                   for t, v in lp.top]} for lp in lps if lp is not None],
                     "refusal": None}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token, lp in zip(tokens, lps):
-            text = tt.text(token)
+            text = name(token)
             out["tokens"].append(text)
             out["text_offset"].append(c.offset)
-            c.offset += len(text)
+            c.offset += len(tt.text(token))
             if lp is None:  # a prompt's first token: nothing before it to score it
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
-            top = {tt.text(t): v for t, v in lp.top}
+            top = {name(t): v for t, v in lp.top}
             top.setdefault(text, lp.logprob)  # the chosen token is always listed (OpenAI: up to k + 1 entries)
             out["token_logprobs"].append(lp.logprob)
             out["top_logprobs"].append(top)

@@ -70,6 +70,7 @@ class RequestBody(BaseModel):
     min_tokens: Int = Field(0, ge=0)
     repetition_penalty: Number = Field(1.0, gt=0.0, allow_inf_nan=False)
     min_p: Number = Field(0.0, allow_inf_nan=False)
+    return_tokens_as_token_ids: Bool = False  # vLLM's: logprob tokens read "token_id:<id>"
 
     def logit_controls(self) -> dict:
         """``GenerationParams`` keyword arguments of the logit controls set in the body: ``logit_bias`` with

@@ -246,7 +246,8 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             token_text.append(TokenText(await off_loop(load_tokenizer, aengine.engine.model_path)))
         answer = OpenAIRequest(kind, served.pick(body.model), jobs, n_choices, echoes, logprobs, score_only,
                                token_text[0] if token_text else None, metrics,
-                               bool((body.stream_options or {}).get("include_usage")), int(time.time()))
+                               bool((body.stream_options or {}).get("include_usage")), int(time.time()),
+                               body.return_tokens_as_token_ids)
         if body.stream:
             first = await answer.first()
             return StreamingResponse(answer.events(first), media_type="text/event-stream",
