@@ -8,10 +8,13 @@ dead one), ``GET /metrics`` (Prometheus text format); and in ``ringshm.server_in
 
 Request fields (OpenAI's): ``model``, ``messages`` / ``prompt``, ``max_tokens`` (``max_completion_tokens``),
 ``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``, ``seed``, ``stop`` (a string or a list),
-``n`` (1 only), ``stream``, ``stream_options.include_usage``, ``logit_bias`` (``{"token id": bias in [-100,
-100]}``), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]); vLLM's extensions: ``top_k``,
-``repetition_penalty`` (> 0), ``min_tokens`` (0 .. max_tokens), ``ignore_eos``. A request with a logit control
-(not ``ignore_eos``) is decoded without speculation even when the server has ``--spec``. ``max_tokens`` defaults
+``n`` (1 .. 16), ``stream``, ``stream_options.include_usage``, ``logit_bias`` (``{"token id": bias in [-100,
+100]}``), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]), chat's ``logprobs`` + ``top_logprobs``
+(0 .. 20), completions' ``logprobs`` (0 .. 20), ``echo`` (with ``max_tokens`` 0: score the prompt) and a list
+of prompts; vLLM's extensions: ``top_k``, ``repetition_penalty`` (> 0), ``min_tokens`` (0 .. max_tokens),
+``ignore_eos``, ``return_tokens_as_token_ids``. How choices, logprobs and echo are answered:
+``ringshm.openai_responses``. A request with a logit control (not ``ignore_eos``) or with logprobs is decoded
+without speculation even when the server has ``--spec``. ``max_tokens`` defaults
 to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
 naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
 value (``ringshm.openai_schema.UNSUPPORTED``; ``response_format`` only ``{"type": "text"}``); other unknown
@@ -24,12 +27,12 @@ a full queue 429, both with ``Retry-After``. A stage that holds an op past ``op_
 and new requests and on ``/health`` (naming it) until it answers again. A dead stage: 503, then ``serve``
 shuts down and exits 3 for a supervisor to restart it.
 
-Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on its last choice chunk
-(the one with ``finish_reason``); with ``stream_options: {"include_usage": true}`` an extra chunk with empty
+Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on the ``finish_reason``
+chunk of its last choice to finish; with ``stream_options: {"include_usage": true}`` an extra chunk with empty
 ``choices`` and the usage follows it, as OpenAI sends it.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, never a stack trace: malformed
-JSON or fields, ``n > 1``, prompt + max_tokens over the context: 400; unknown model: 404; queue full: 429; a
+JSON or fields (``n`` over 16, ``top_logprobs`` over 20, ...), prompt + max_tokens over the context: 400; unknown model: 404; queue full: 429; a
 stage died: 503. An error after a stream has started is sent as one ``data: {"error": ...}`` event.
 
 A client that disconnects mid-stream cancels its own request only (Starlette cancels the response's body
