@@ -27,6 +27,7 @@ _LAZY = {
     "GenerationResult": "ringshm.results",
     "BatchResult": "ringshm.results",
     "TokenEvent": "ringshm.coordinator",
+    "TokenLogprob": "ringshm.logprobs",
     "EngineConfig": "ringshm.config",
     "GenerationParams": "ringshm.config",
 }
