@@ -107,8 +107,8 @@ def head_outputs(logits: torch.Tensor, plan: HeadPlan) -> StageOutput:
     out = StageOutput(argmax[plan.out_rows] if plan.out_rows else torch.zeros(0, dtype=torch.int64),
                       logits[plan.logit_rows].float() if plan.logit_rows else None)
     if plan.lp_rows:
-        rows = torch.tensor(plan.lp_rows, dtype=torch.int64)
-        chosen = torch.tensor(plan.lp_ids, dtype=torch.int64)
+        rows = torch.tensor(plan.lp_rows, dtype=torch.int64, device=logits.device)
+        chosen = torch.tensor(plan.lp_ids, dtype=torch.int64, device=logits.device)
         chosen = torch.where(chosen >= 0, chosen, argmax[rows])
         out.lp_chosen, out.lp_top_ids, out.lp_top = logprob_rows(logits[rows], chosen, plan.lp_k)
     return out
@@ -141,6 +141,6 @@ def logprob_rows(logits: torch.Tensor, chosen: torch.Tensor, ks: Sequence[int]
             vals.append(top.values.reshape(-1))
             ids.append(top.indices.reshape(-1))
         a = b
-    top_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
-    top_lp = torch.cat(vals) if vals else torch.zeros(0, dtype=torch.float32)
+    top_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=logits.device)
+    top_lp = torch.cat(vals) if vals else torch.zeros(0, dtype=torch.float32, device=logits.device)
     return chosen_lp.contiguous(), top_ids.contiguous(), top_lp.contiguous()
