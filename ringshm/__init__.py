@@ -28,6 +28,7 @@ _LAZY = {
     "GenerationResult": "ringshm.results",
     "BatchResult": "ringshm.results",
     "TokenEvent": "ringshm.coordinator",
+    "TokenLogprob": "ringshm.logprobs",
     "EngineConfig": "ringshm.config",
     "GenerationParams": "ringshm.config",
     "run_worker": "ringshm.worker",

@@ -212,6 +212,7 @@ class EngineConfig:
 
 
 SPEC_METHODS = (None, "ngram")
+MAX_TOP_LOGPROBS = 20  # the most top-k entries per position: OpenAI's chat top_logprobs limit (vLLM's default cap)
 MAX_SPEC_K = 16  # most draft tokens per verify segment (it bounds a step op's size, EngineConfig.max_op_tokens)
 
 
@@ -239,6 +240,11 @@ class GenerationParams:
         min_tokens: EOS ids are masked until this many tokens are generated, and stop strings are not looked
             for in their text (vLLM's rule); at most ``max_new_tokens``.
         ignore_eos: EOS does not end the stream (it runs to ``max_new_tokens`` or a stop string).
+        logprobs: None (off) or k in [0, ``MAX_TOP_LOGPROBS``]: each generated token's logprob and the k most
+            likely tokens at its position (vLLM's ``SamplingParams.logprobs``). They are the raw model's
+            log-softmax, before temperature, penalties and logit_bias (vLLM's default ``raw_logprobs``).
+        prompt_logprobs: None (off) or k in [0, ``MAX_TOP_LOGPROBS``]: the logprob of each prompt token after
+            the first given the ones before it, and the k most likely there (the first token has none).
         The order the sampler applies them in: ``ringshm.sampling.Sampler``. Any of logit_bias, the penalties
         or min_tokens makes even a greedy request take the last stage's logits, and rules out ``spec``.
 
@@ -264,6 +270,8 @@ class GenerationParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -317,6 +325,15 @@ class GenerationParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         object.__setattr__(self, "logit_bias", check_logit_bias(self.logit_bias))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 0 <= value <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be None or an int in [0, {MAX_TOP_LOGPROBS}] (top-k count), got "
+                                 f"{value!r}")
+        if self.spec is not None and (self.logprobs is not None or self.prompt_logprobs is not None):
+            raise ValueError("speculative decoding does not return logprobs: drop logprobs / prompt_logprobs or "
+                             "turn speculation off (spec=None, no --spec)")
         if self.spec is not None and self.processes_logits:
             raise ValueError("speculative decoding verifies the stage's plain argmax, so it cannot apply "
                              "logit_bias, presence/frequency/repetition penalties or min_tokens: drop those or "

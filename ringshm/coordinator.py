@@ -163,7 +163,10 @@ class Stream:
     ``row``: its KV row while admitted (-1 while it waits). ``n_prefilled``: prompt tokens already sent in
     prefill chunks. ``n_in_flight``: step ops in flight that carry a segment of it (its row is freed only at
     0). ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
-    (max_new_tokens) or "cancelled". ``ignore_eos``: EOS does not end it.
+    (max_new_tokens) or "cancelled". ``ignore_eos``: EOS does not end it. ``logprobs`` / ``prompt_logprobs``:
+    None, or the top-k count of each generated token's / prompt token's logprobs (``GenerationParams``), which
+    collect in ``token_logprobs`` (one ``TokenLogprob`` per token) and ``prompt_token_logprobs`` (None for the
+    first prompt token, then one per prompt token, filled as the prefill chunks are answered).
     """
 
     index: int
@@ -181,6 +184,10 @@ class Stream:
     n_prefilled: int = 0
     n_in_flight: int = 0
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    token_logprobs: list = field(default_factory=list)
+    prompt_token_logprobs: list = field(default_factory=list)
 
     @property
     def done(self) -> bool:
@@ -218,8 +225,10 @@ class Stream:
 
 @dataclass
 class TokenEvent:
-    """One committed token of one stream: its id and the text it adds (may be empty while held back)."""
+    """One committed token of one stream: its id, the text it adds (may be empty while held back) and, when
+    the stream asked for them, its ``TokenLogprob`` (``ringshm.logprobs``)."""
 
     stream: int
     token_id: int
     text: str
+    logprob: object = None

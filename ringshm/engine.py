@@ -238,7 +238,8 @@ class Engine:
             **params: the other fields of ``ringshm.config.GenerationParams``: temperature, top_k, top_p,
                 seed, stop, chat, prefill_depth, spec ("ngram"), spec_k, spec_depth, spec_ngram, and the logit
                 controls logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
-                ignore_eos.
+                ignore_eos, and logprobs / prompt_logprobs (top-k counts; the result's ``logprobs`` and
+                ``prompt_logprobs``).
 
         Raises:
             ValueError: empty prompt, bytes, ids outside the vocabulary, prompt + max_new_tokens > max_seq_len,
@@ -323,7 +324,8 @@ def new_stream(index: int, row: int, ids: list[int], p: GenerationParams, tokeni
                       presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
                       repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, eos_ids=eos_ids)
     s = Stream(index, row, ids, p.max_new_tokens, sampler, TextStream(tokenizer, p.stop, p.min_tokens), eos_ids,
-               ignore_eos=p.ignore_eos)
+               ignore_eos=p.ignore_eos, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
+               prompt_token_logprobs=[None] if p.prompt_logprobs is not None else [])
     if p.spec == "ngram":
         s.spec = SpecDecoder(s, NGramDrafter(p.spec_k, p.spec_ngram), p.spec_depth)
     return s

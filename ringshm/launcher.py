@@ -25,14 +25,12 @@ import os
 import time
 import weakref
 from contextlib import contextmanager
-
 from pathlib import Path
 
 from ringshm import messages as m
-
 from ringshm.bridge import EdgeSpec, bridge_main
 from ringshm.cluster import NodePlan
-from ringshm.config import EngineConfig, ModelConfig
+from ringshm.config import MAX_TOP_LOGPROBS, EngineConfig, ModelConfig
 from ringshm.errors import ResourceShortage, RingTimeout, StageDied, StageError, StageStartupError
 from ringshm.ring import Ring
 from ringshm.segment import SHM_DIR, shm_free_bytes, sweep_stale
@@ -63,23 +61,29 @@ def default_depth(cfg: EngineConfig) -> int:
 def ring_capacities(cfg: EngineConfig, hidden: int, vocab: int) -> list[int]:
     """Data bytes of each ring (``stages + 1``), sized from what its records can be, as powers of two.
 
-    A step op carries at most ``cfg.max_op_tokens`` tokens: ring 0 their ids (int64), the rings between stages
-    their hidden states (``[T, hidden]``, 4 bytes each), the last ring the replies (ids, plus fp32 logits
-    ``[n, vocab]`` of the segments that sample). Up to ``prefill_depth + depth`` ops are in flight. The last
-    ring must hold every reply in flight: the coordinator drains it only between sends, so a full one would
-    block the stages while the coordinator waits to send. A sampling stream has one op in flight, so all
-    replies together carry at most ``max_rows`` logits rows. The other rings only need room for a few records:
-    when one is full its producer waits (backpressure) while the consumer keeps draining it. With the
-    defaults and SmolLM2 (hidden 576, vocab 49152): 128 KiB, 4 MiB per hop between stages, 4 MiB.
+    A step op carries at most ``cfg.max_op_tokens`` tokens: ring 0 their ids (int64) and as many prompt
+    target ids (int64, prompt logprobs), the rings between stages their hidden states (``[T, hidden]``, 4
+    bytes each) and the targets, the last ring the replies (ids, plus fp32 logits ``[n, vocab]`` of the
+    segments that sample, plus logprobs: 4 + ``MAX_TOP_LOGPROBS`` x 12 bytes per scored position). Up to
+    ``prefill_depth + depth`` ops are in flight. The last ring must hold every reply in flight: the
+    coordinator drains it only between sends, so a full one would block the stages while the coordinator
+    waits to send. A plain or sampling stream has one decode op in flight, so all replies together carry at
+    most ``max_rows`` logits rows and ``max_rows`` decode logprob positions, plus the prompt positions of the
+    prefill ops (``prefill_depth`` x ``step_tokens``). The other rings only need room for a few records: when
+    one is full its producer waits (backpressure) while the consumer keeps draining it. With the defaults and
+    SmolLM2 (hidden 576, vocab 49152): 256 KiB, 4 MiB per hop between stages, 4 MiB.
     """
     tokens = cfg.max_op_tokens
     in_flight = cfg.prefill_depth + (cfg.stages if cfg.depth is None else cfg.depth) + 1
     ids = tokens * 8 + RECORD_OVERHEAD
-    first = _pow2(in_flight * ids + ids)
-    hidden_rec = tokens * hidden * 4 + RECORD_OVERHEAD
+    first = _pow2(in_flight * (ids + tokens * 8) + ids)
+    hidden_rec = tokens * (hidden * 4 + 8) + RECORD_OVERHEAD
     middle = _pow2(3 * hidden_rec)  # one being read, one being written, one waiting
     logits = cfg.max_rows * vocab * 4
-    last = _pow2(in_flight * (ids + RECORD_OVERHEAD) + 2 * logits)  # 2 x: the tail wasted when a record wraps
+    per_position = 4 + MAX_TOP_LOGPROBS * 12  # lp_chosen fp32, top-k ids int64 + logprobs fp32
+    logprobs = (cfg.prefill_depth * cfg.step_tokens + cfg.max_rows) * per_position
+    largest = ids + logits + tokens * per_position + RECORD_OVERHEAD  # a wrap wastes at most one record's tail
+    last = _pow2(in_flight * (ids + RECORD_OVERHEAD) + logits + logprobs + largest)
     return [first] + [middle] * (cfg.stages - 1) + [last]
 
 

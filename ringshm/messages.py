@@ -18,11 +18,35 @@ Record layout (little-endian, every section 8-byte aligned):
 
 The one compute op is ``STEP``: a segment is ``n_tokens`` consecutive positions of one KV row from ``start``
 (a decode is a 1-token segment, a speculative verify k+1 tokens, a prefill chunk n tokens; one op may mix
-them, a row at most once). Its tensor holds every segment's tokens in table order: int64 ids ``[T]`` into
-stage 0, fp32 hidden states ``[T, hidden]`` between stages (``HIDDEN`` set). ``want`` says what the last
-stage returns for the segment; its reply carries ``ids`` int64 ``[Σ outputs]`` (nothing for ``WANT_NONE``,
-1 for ``WANT_LAST``, ``n_tokens`` for ``WANT_ALL``, in table order) and, when any segment has
-``WANT_LOGITS``, fp32 ``[n_logit_segments, vocab]`` logits of those segments' last positions.
+them, a row at most once). Its first tensor holds every segment's tokens in table order: int64 ids ``[T]``
+into stage 0, fp32 hidden states ``[T, hidden]`` between stages (``HIDDEN`` set). When a segment has
+``WANT_PROMPT_LOGPROBS``, a second tensor, int64 ``targets [Σ n_targets]``, holds the token that follows each
+of those positions (the prompt's next id), in table order; stage 0 gets it from the coordinator and every
+stage forwards it unchanged, so the last stage, which never sees ids, can score them.
+
+``want`` (u32) says what the last stage returns for the segment:
+
+    bits 0-2   WANT_LAST (1): argmax at the last position; WANT_ALL (2): argmax at every position;
+               WANT_LOGITS (4, with LAST): also that position's fp32 logits [vocab] (the coordinator samples)
+    bit 3      WANT_LOGPROBS (with LAST or ALL): log-softmax at each output position: the argmax's logprob
+               and the top-k ids and logprobs
+    bit 4      WANT_PROMPT_LOGPROBS (not with ALL): log-softmax at each position that has a target: the
+               target's logprob and the top-k; that is every position, or all but the last with WANT_LAST
+               (the last position's next token is the one being generated)
+    bits 8-15  k, the top-k count (0 .. MAX_TOP_LOGPROBS) of both logprob kinds; 0 unless one is set
+    bits 16-31 zero
+
+Reply tensors, in this order, each only when some segment asks for it:
+
+    ids          int64 [Σ n_outputs]           nothing for WANT_NONE, 1 for WANT_LAST, n_tokens for WANT_ALL
+    logits       fp32  [n_logit_segments, V]    the last position of each WANT_LOGITS segment
+    lp_chosen    fp32  [P]                      P = Σ n_logprob_positions: per segment, first its target
+                                                positions, then its output positions (table order)
+    lp_top_ids   int64 [Σ k over the P]         each position's top-k ids, most likely first
+    lp_top       fp32  [Σ k over the P]         their logprobs
+
+Logprobs are fp32 log-softmax of the fp32 logits, computed row by row (a row's bits do not depend on the
+other rows of the op: batch invariance); the whole vocabulary never crosses the ring for them.
 
 A reply repeats the op's job, seq and segment table with ``flags | REPLY``; an error reply has ``op = ERROR``,
 ``aux`` = the failing stage, and one uint8 tensor holding ``"<ExceptionName>: <message>"`` in UTF-8.
@@ -37,6 +61,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+
+from ringshm.config import MAX_TOP_LOGPROBS
 
 # ---------------------------------------------------------------------------------------------- op codes
 RESET = 1  # forget rows: segment table = the rows (n_tokens 0); no tensor; reply: empty
@@ -56,16 +82,26 @@ WANT_NONE = 0  # nothing (a prefill chunk that is not the prompt's last)
 WANT_LAST = 1  # the argmax at the segment's last position (decode, a prompt's last chunk)
 WANT_ALL = 2  # the argmax at every position (speculative verify)
 WANT_LOGITS = 4  # with WANT_LAST: also the last position's fp32 logits (sampling)
-WANT_MASK = WANT_LAST | WANT_ALL | WANT_LOGITS
+WANT_LOGPROBS = 8  # with LAST / ALL: the output positions' logprobs and top-k (module docstring)
+WANT_PROMPT_LOGPROBS = 16  # the logprob of each position's target (the next prompt id) and the top-k
+WANT_K_SHIFT = 8  # bits 8-15: k, the top-k count of either logprob kind
+WANT_MASK = WANT_LAST | WANT_ALL | WANT_LOGITS | WANT_LOGPROBS | WANT_PROMPT_LOGPROBS | (0xFF << WANT_K_SHIFT)
+
+
+def want_k(k: int) -> int:
+    """The ``want`` bits carrying a top-k count ``k`` (0 .. ``MAX_TOP_LOGPROBS``)."""
+    if not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise ValueError(f"top-k count must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
+    return k << WANT_K_SHIFT
 
 MAGIC = 0x5352  # "RS"
-VERSION = 2  # the record layout above; a record of another version is refused (ProtocolError)
+VERSION = 3  # the record layout above; a record of another version is refused (ProtocolError)
 HEADER = struct.Struct("<HBBHBxIiQqqQ")
 SEGMENT = struct.Struct("<iiiI")
 TENSOR_DESC = struct.Struct("<BBxx4iQ")
 TENSOR_ALIGN = 64
 MAX_NDIM = 4
-MAX_TENSORS = 4
+MAX_TENSORS = 8
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8]
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
@@ -90,6 +126,22 @@ class Segment(NamedTuple):
     def n_outputs(self) -> int:
         """Argmax ids the reply carries for this segment."""
         return self.n_tokens if self.want & WANT_ALL else 1 if self.want & WANT_LAST else 0
+
+    @property
+    def k(self) -> int:
+        """The top-k count of its logprobs (bits 8-15 of ``want``)."""
+        return (self.want >> WANT_K_SHIFT) & 0xFF
+
+    def n_targets(self) -> int:
+        """Target ids the op's ``targets`` tensor holds for this segment (``WANT_PROMPT_LOGPROBS``): one per
+        position, but none for the last when it also generates (``WANT_LAST``)."""
+        if not self.want & WANT_PROMPT_LOGPROBS:
+            return 0
+        return self.n_tokens - 1 if self.want & WANT_LAST else self.n_tokens
+
+    def n_logprob_positions(self) -> int:
+        """Positions the reply carries logprobs (and top-k) for: its targets, then its outputs."""
+        return self.n_targets() + (self.n_outputs() if self.want & WANT_LOGPROBS else 0)
 
 
 def _align(n: int, a: int = 8) -> int:

@@ -32,7 +32,6 @@ Q, K and V are one fused matmul (``wqkv``), gate and up another (``w_gate_up``):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,23 +41,12 @@ from ringshm import kernels
 from ringshm.config import ModelConfig
 from ringshm.errors import KVRangeError
 from ringshm.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
-from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_MASK
+from ringshm.head import StageOutput, head_outputs, plan_head
+from ringshm.messages import (MAX_TOP_LOGPROBS, WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_LOGPROBS, WANT_MASK,
+                              WANT_PROMPT_LOGPROBS, Segment)
 from ringshm._C import ffi, lib
 from ringshm.qmatmul import BEST_ISA, PackedWeight, RawWeight, concat_rows, embed_rows
 from ringshm.qmatmul import status_text as qmatmul_status_text
-
-
-@dataclass
-class StageOutput:
-    """What the last stage returns for one op.
-
-    ``token_ids``: int64 argmax ids ``[Σ outputs]`` (``step``; ``[n]`` or ``[1]`` from ``forward``).
-    ``logits``: fp32 last-position logits ``[n_logit_segments, vocab]`` (``forward``: ``[vocab]``), only when
-    asked for.
-    """
-
-    token_ids: torch.Tensor
-    logits: torch.Tensor | None = None
 
 
 class _Layer:
@@ -228,6 +216,12 @@ class StageModel:
             if n < 1 or want & ~WANT_MASK or (want & WANT_LOGITS and not want & (WANT_LAST | WANT_ALL)):
                 raise ValueError(f"{where}: needs n_tokens >= 1 and a want of WANT_* bits (LOGITS only with "
                                  f"LAST or ALL), got want {want:#x}")
+            k = Segment(row, start, n, want).k
+            if (want & WANT_LOGPROBS and not want & (WANT_LAST | WANT_ALL)) or (
+                    want & WANT_PROMPT_LOGPROBS and want & WANT_ALL) or k > MAX_TOP_LOGPROBS or (
+                    k and not want & (WANT_LOGPROBS | WANT_PROMPT_LOGPROBS)):
+                raise ValueError(f"{where}: LOGPROBS needs LAST or ALL, PROMPT_LOGPROBS excludes ALL, and a top-k "
+                                 f"count (<= {MAX_TOP_LOGPROBS}) needs one of them; got want {want:#x}")
             if row in seen:
                 raise ValueError(f"{where}: row {row} is already segment {seen[row]}; a row may appear once per op")
             seen[row] = i
@@ -239,7 +233,8 @@ class StageModel:
             raise ValueError(f"the segments hold {sum(n for _, _, n, _ in table)} tokens, the op carries {n_tokens}")
         return table
 
-    def step(self, x: torch.Tensor, segments: Sequence[Sequence[int]]) -> torch.Tensor | StageOutput:
+    def step(self, x: torch.Tensor, segments: Sequence[Sequence[int]],
+             targets: torch.Tensor | None = None) -> torch.Tensor | StageOutput:
         """Run one step op: a ragged batch of segments, each ``n ≥ 1`` positions of its own KV row.
 
         ``x``: int64 token ids ``[T]`` on the first stage, else hidden states ``[T, hidden]`` (``dtype``), the
@@ -250,16 +245,20 @@ class StageModel:
 
         Returns hidden states ``[T, hidden]``, or on the last stage a ``StageOutput``: ``token_ids`` int64
         ``[Σ outputs]`` (per segment in table order: none for ``WANT_NONE``, the last position's argmax for
-        ``WANT_LAST``, every position's for ``WANT_ALL``) and ``logits`` fp32 ``[n, vocab]`` of the last
-        position of the n segments with ``WANT_LOGITS`` (None when none asks). On the native path a segment's
-        bytes do not depend on the other segments (batch invariance, module docstring).
+        ``WANT_LAST``, every position's for ``WANT_ALL``), ``logits`` fp32 ``[n, vocab]`` of the last
+        position of the n segments with ``WANT_LOGITS`` (None when none asks), and the logprobs of the
+        positions with ``WANT_LOGPROBS`` / ``WANT_PROMPT_LOGPROBS`` (``ringshm.head``; the layout is
+        ``ringshm.messages``'). ``targets``: int64 ``[Σ n_targets]``, the id after each prompt position that
+        ``WANT_PROMPT_LOGPROBS`` scores (only the last stage reads it). On the native path a segment's bytes
+        do not depend on the other segments (batch invariance, module docstring).
 
         Raises:
-            KVRangeError / ValueError: as ``check_segments`` (nothing is written), or ``x`` of the wrong shape
-                or dtype for this stage.
+            KVRangeError / ValueError: as ``check_segments`` (nothing is written), ``x`` of the wrong shape
+                or dtype for this stage, or (last stage) ``targets`` not one id per target position.
         """
         h = self._input(x)  # [T, hidden]
         table = self.check_segments(segments, h.shape[0])
+        plan = plan_head(table, [] if targets is None else targets.tolist()) if self.is_last else None
         rows = [r for r, _, _, _ in table]
         starts = [s for _, s, _, _ in table]
         lens = [n for _, _, n, _ in table]
@@ -272,7 +271,7 @@ class StageModel:
             self.length[r] = s + n
         if not self.is_last:
             return h
-        return self._head(h, table)
+        return self._head(h, plan)
 
     def forward(self, x: torch.Tensor, row: int, start: int, *, all_positions: bool = False,
                 return_logits: bool = False) -> torch.Tensor | StageOutput:
@@ -368,23 +367,13 @@ class StageModel:
             o += n
         return torch.cat(out) if len(out) > 1 else out[0]
 
-    def _head(self, h: torch.Tensor, table) -> StageOutput:
-        """Final norm + LM head on ``h [T, hidden]``, only at the positions the segments want."""
-        sel, logit_rows, o = [], [], 0
-        for _, _, n, want in table:
-            if want & WANT_ALL:
-                sel.extend(range(o, o + n))
-            elif want & WANT_LAST:
-                sel.append(o + n - 1)
-            if want & WANT_LOGITS and want & (WANT_ALL | WANT_LAST):
-                logit_rows.append(len(sel) - 1)
-            o += n
-        if not sel:
+    def _head(self, h: torch.Tensor, plan) -> StageOutput:
+        """Final norm + LM head on ``h [T, hidden]``, only at the positions ``plan`` (``ringshm.head``) needs."""
+        if not plan.positions:
             return StageOutput(torch.zeros(0, dtype=torch.int64))
-        normed = self._rms_norm(h[sel], self.norm)  # [n_sel, hidden]
+        normed = self._rms_norm(h[plan.positions], self.norm)  # [n_pos, hidden]
         if self.native:
-            logits = self.lm_head.matmul(normed)  # [n_sel, vocab]
+            logits = self.lm_head.matmul(normed)  # [n_pos, vocab]
         else:
             logits = F.linear(normed, self.lm_head).float()
-        ids = logits.argmax(dim=-1)  # [n_sel]
-        return StageOutput(ids, logits[logit_rows] if logit_rows else None)
+        return head_outputs(logits, plan)

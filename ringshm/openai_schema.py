@@ -12,6 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
 
+from ringshm.config import MAX_TOP_LOGPROBS
 from ringshm.errors import EngineClosed, QueueFull, QueueTimeout, RequestFailed, StageDied, StageStalled
 from ringshm.tokenizer import check_text
 
@@ -29,6 +30,9 @@ Int = Annotated[int, Strict()]
 Bool = Annotated[bool, Strict()]
 Text = Annotated[str, Strict(), Field(min_length=1)]
 Bias = Annotated[float, BeforeValidator(_number), Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+TopK = Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)]
+TokenIds = Annotated[list[Int], Field(min_length=1)]
+MAX_N = 16  # choices per prompt (n): each sampled choice holds a KV row of its own
 
 # Fields OpenAI (or vLLM) define that ringshm does not implement: accepted only at their neutral value,
 # otherwise 400 naming the field (never silently ignored). field -> (neutral test, what to say)
@@ -36,11 +40,8 @@ UNSUPPORTED = {
     "response_format": (lambda v: v is None or v == {"type": "text"}, 'response_format: only {"type": "text"} is '
                         "supported (no JSON mode, no json_schema: constrained decoding is not implemented)"),
     "min_p": (lambda v: v == 0, "min_p is not supported (use 0)"),
-    "top_logprobs": (lambda v: v is None, "top_logprobs is not supported"),
-    "logprobs": (lambda v: not v, "logprobs are not supported"),
     "best_of": (lambda v: v is None or v == 1, "best_of must be 1"),
     "suffix": (lambda v: not v, "suffix is not supported"),
-    "echo": (lambda v: v is False, "echo is not supported"),
     "tools": (lambda v: not v, "tools are not supported"),
 }
 
@@ -52,16 +53,15 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Annotated[str, Strict()] | None = None
-    max_tokens: Int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=0)  # 0: completions with echo only (scoring the prompt)
     temperature: Number = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: Number = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Int = Field(0, ge=0)
     seed: Int | None = None
     stop: Text | list[Text] | None = None
-    n: Int = 1
+    n: Int = Field(1, ge=1, le=MAX_N)
     stream: Bool = False
     stream_options: dict | None = None
-    logprobs: Bool | Int | None = None
     presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, Bias] | None = None
@@ -70,7 +70,7 @@ class RequestBody(BaseModel):
     min_tokens: Int = Field(0, ge=0)
     repetition_penalty: Number = Field(1.0, gt=0.0, allow_inf_nan=False)
     min_p: Number = Field(0.0, allow_inf_nan=False)
-    top_logprobs: Int | None = None
+    return_tokens_as_token_ids: Bool = False  # vLLM's: logprob tokens read "token_id:<id>"
 
     def logit_controls(self) -> dict:
         """``GenerationParams`` keyword arguments of the logit controls set in the body: ``logit_bias`` with
@@ -125,14 +125,31 @@ def plain_messages(messages: list[_Message]) -> list[dict]:
 
 
 class ChatRequest(RequestBody):
+    """Chat's fields: ``logprobs`` (bool) and ``top_logprobs`` (0 .. 20, only with ``logprobs``)."""
+
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     tools: list | None = None
+    logprobs: Bool | None = None
+    top_logprobs: TopK | None = None
+
+    def logprob_k(self) -> int | None:
+        """The top-k count of the answer's logprobs (None: none asked). Raises a 400 naming
+        ``top_logprobs`` when it is set without ``logprobs: true`` (OpenAI's rule)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(RequestBody):
-    prompt: Annotated[str, Strict()] | list[Int] | list[Annotated[str, Strict()]]
+    """Completions' fields: ``prompt`` (a string, a list of token ids, or a list of either: one choice per
+    prompt x n), ``logprobs`` (top-k count 0 .. 20: OpenAI's legacy API stops at 5, vLLM's default at 20),
+    ``echo``."""
+
+    prompt: (Annotated[str, Strict()] | TokenIds | Annotated[list[Annotated[str, Strict()] | TokenIds],
+                                                             Field(min_length=1)])
     echo: Bool = False
+    logprobs: TopK | None = None
     best_of: Int | None = None
     suffix: Annotated[str, Strict()] | None = None
 

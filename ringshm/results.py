@@ -24,6 +24,8 @@ class GenerationResult:
     time after the stages' busy time and the coordinator's work, per hop (decode ops x (stages + 1) hops):
     the ring's transfer and wake-up cost. A single stream's decode visits the stages one after another, so
     the three add up to the wall time.
+    ``logprobs``: one ``ringshm.logprobs.TokenLogprob`` per generated token, and ``prompt_logprobs``: None for
+    the first prompt token then one per prompt token, when the request asked for them (else None).
     """
 
     token_ids: list[int]
@@ -41,6 +43,8 @@ class GenerationResult:
     accepted_tokens: int = 0
     acceptance_rate: float = 0.0
     mean_accepted_length: float = 0.0
+    logprobs: list | None = None
+    prompt_logprobs: list | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -96,4 +100,6 @@ def result_of(s: Stream, busy0: list[float] | None = None, busy_first: list[floa
         n_output_tokens=n, stage_busy_s=busy, hop_overhead_us=hop_us, coordinator_us_per_op=coord_us,
         draft_tokens=spec.draft_tokens,
         accepted_tokens=spec.accepted_tokens, acceptance_rate=spec.acceptance_rate,
-        mean_accepted_length=spec.mean_accepted_length)
+        mean_accepted_length=spec.mean_accepted_length,
+        logprobs=list(s.token_logprobs) if s.logprobs is not None else None,
+        prompt_logprobs=list(s.prompt_token_logprobs) if s.prompt_logprobs is not None else None)

@@ -33,7 +33,8 @@ import torch
 
 from ringshm import messages as m
 from ringshm.coordinator import Link, Stream, TokenEvent
-from ringshm.errors import ReplyMismatch, RingTimeout
+from ringshm.errors import RingTimeout
+from ringshm.logprobs import cut, sampled_logprob, split_reply
 from ringshm.spec_decode import VerifyTag
 
 PREFILL, DECODE, VERIFY = 0, 1, 2  # what a segment is to the coordinator (the stage only sees the table)
@@ -186,16 +187,19 @@ class Scheduler:
         while self.n_decode_ops < self.depth or self.n_prefill_ops < self.prefill_depth:
             segs: list[m.Segment] = []
             ids: list[int] = []
+            targets: list[int] = []
             tag = StepTag()
             if self.n_decode_ops < self.depth:
                 self._add_decodes(segs, ids, tag)
             if self.n_prefill_ops < self.prefill_depth:
-                self._add_prefill_chunks(segs, ids, tag, self.max_step_tokens - len(ids))
+                self._add_prefill_chunks(segs, ids, targets, tag, self.max_step_tokens - len(ids))
             if not segs:
                 return
             try:
-                self.link.send(m.Message(m.STEP, job=self.job, segments=segs,
-                                         tensors=[torch.tensor(ids, dtype=torch.int64)]), tag=tag)
+                tensors = [torch.tensor(ids, dtype=torch.int64)]
+                if targets:  # the ids prompt logprobs score, forwarded by every stage to the last
+                    tensors.append(torch.tensor(targets, dtype=torch.int64))
+                self.link.send(m.Message(m.STEP, job=self.job, segments=segs, tensors=tensors), tag=tag)
             except BaseException:  # not sent (RingTimeout, StageDied): undo what building it claimed
                 for s, kind, v, seg in zip(tag.streams, tag.kinds, tag.verifies, segs):
                     if kind == PREFILL:
@@ -227,9 +231,11 @@ class Scheduler:
                 ids.extend(v.inputs)
                 tag.add(s, VERIFY, v)
 
-    def _add_prefill_chunks(self, segs: list[m.Segment], ids: list[int], tag: StepTag, budget: int) -> None:
+    def _add_prefill_chunks(self, segs: list[m.Segment], ids: list[int], targets: list[int], tag: StepTag,
+                            budget: int) -> None:
         """The next prompt chunk of each stream still reading its prompt, in admission order, within
-        ``budget`` tokens; the prompt's last chunk asks for the stream's first token."""
+        ``budget`` tokens; the prompt's last chunk asks for the stream's first token. A stream with
+        ``prompt_logprobs`` scores each chunk position against the next prompt id (``targets``)."""
         for s in self.active:
             if budget <= 0:
                 return
@@ -237,7 +243,12 @@ class Scheduler:
             if left <= 0 or s.done:
                 continue
             n = min(self.chunk, left, budget)
-            segs.append(m.Segment(s.row, s.n_prefilled, n, _want(s) if n == left else m.WANT_NONE))
+            want = _want(s) if n == left else m.WANT_NONE
+            if s.prompt_logprobs is not None:
+                k = max(s.prompt_logprobs, m.Segment(0, 0, 1, want).k)  # the last chunk may carry both kinds
+                want = (want & ~(0xFF << m.WANT_K_SHIFT)) | m.WANT_PROMPT_LOGPROBS | m.want_k(k)
+                targets.extend(s.prompt[s.n_prefilled + 1: s.n_prefilled + n + 1])
+            segs.append(m.Segment(s.row, s.n_prefilled, n, want))
             ids.extend(s.prompt[s.n_prefilled: s.n_prefilled + n])
             s.n_prefilled += n
             budget -= n
@@ -250,27 +261,22 @@ class Scheduler:
         self.n_prefill_ops -= tag.prefill
         for s in tag.streams:
             s.n_in_flight -= 1
-        ids = reply.tensors[0].tolist() if reply.tensors else []
-        logits = reply.tensors[1] if len(reply.tensors) > 1 else None
-        n_out = sum(seg.n_outputs() for seg in reply.segments)
-        n_logits = sum(1 for seg in reply.segments if seg.want & m.WANT_LOGITS)
-        if len(ids) != n_out or (logits.shape[0] if logits is not None else 0) != n_logits:
-            raise ReplyMismatch(f"seq {reply.seq}: the segment table asks for {n_out} ids and {n_logits} logit "
-                                f"rows, the reply carries {len(ids)} and "
-                                f"{0 if logits is None else logits.shape[0]}")
         events: list[TokenEvent] = []
-        pos = li = 0
-        for seg, s, kind, v in zip(reply.segments, tag.streams, tag.kinds, tag.verifies):
-            out = ids[pos: pos + seg.n_outputs()]
-            pos += len(out)
-            lg = None
-            if seg.want & m.WANT_LOGITS:
-                lg, li = logits[li], li + 1
+        for seg, s, kind, v, part in zip(reply.segments, tag.streams, tag.kinds, tag.verifies, split_reply(reply)):
+            lps = part.logprobs
+            if seg.n_targets():  # a prompt chunk's scores of the prompt's next ids
+                s.prompt_token_logprobs += [cut(lp, s.prompt[seg.start + i + 1], s.prompt_logprobs)
+                                            for i, lp in enumerate(lps[:seg.n_targets()])]
+                lps = lps[seg.n_targets():]
             if kind == VERIFY:
-                events.extend(s.spec.on_reply(out, v))
-            elif out and not s.done:  # a decode, or a prompt's last chunk: the next token
-                token = s.sampler(out[-1], lg, s.prompt, s.tokens)
-                events.append(TokenEvent(s.index, token, s.commit(token)))
+                events.extend(s.spec.on_reply(part.ids, v))
+            elif part.ids and not s.done:  # a decode, or a prompt's last chunk: the next token
+                token = s.sampler(part.ids[-1], part.logits, s.prompt, s.tokens)
+                lp = None
+                if s.logprobs is not None:  # the stage's (argmax taken as is), or from the logits sampled from
+                    lp = cut(lps[-1], token, s.logprobs) if lps else sampled_logprob(part.logits, token, s.logprobs)
+                    s.token_logprobs.append(lp)
+                events.append(TokenEvent(s.index, token, s.commit(token), lp))
             if s.done:
                 self._maybe_free(s)
         return events
@@ -286,5 +292,10 @@ class Scheduler:
 
 def _want(s: Stream) -> int:
     """What a stream's decode or last prefill chunk asks of the last stage: the argmax, plus the logits when
-    it samples or processes them (logit_bias, penalties, min_tokens: ``Sampler.needs_logits``)."""
-    return m.WANT_LAST | m.WANT_LOGITS if s.sampler.needs_logits else m.WANT_LAST
+    it samples or processes them (logit_bias, penalties, min_tokens: ``Sampler.needs_logits``), else, when it
+    asks for logprobs, the argmax's logprob and top-k (with logits, the coordinator computes them)."""
+    if s.sampler.needs_logits:
+        return m.WANT_LAST | m.WANT_LOGITS
+    if s.logprobs is not None:
+        return m.WANT_LAST | m.WANT_LOGPROBS | m.want_k(s.logprobs)
+    return m.WANT_LAST

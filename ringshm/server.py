@@ -8,10 +8,13 @@ dead one), ``GET /metrics`` (Prometheus text format); and in ``ringshm.server_in
 
 Request fields (OpenAI's): ``model``, ``messages`` / ``prompt``, ``max_tokens`` (``max_completion_tokens``),
 ``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``, ``seed``, ``stop`` (a string or a list),
-``n`` (1 only), ``stream``, ``stream_options.include_usage``, ``logit_bias`` (``{"token id": bias in [-100,
-100]}``), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]); vLLM's extensions: ``top_k``,
-``repetition_penalty`` (> 0), ``min_tokens`` (0 .. max_tokens), ``ignore_eos``. A request with a logit control
-(not ``ignore_eos``) is decoded without speculation even when the server has ``--spec``. ``max_tokens`` defaults
+``n`` (1 .. 16), ``stream``, ``stream_options.include_usage``, ``logit_bias`` (``{"token id": bias in [-100,
+100]}``), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]), chat's ``logprobs`` + ``top_logprobs``
+(0 .. 20), completions' ``logprobs`` (0 .. 20), ``echo`` (with ``max_tokens`` 0: score the prompt) and a list
+of prompts; vLLM's extensions: ``top_k``, ``repetition_penalty`` (> 0), ``min_tokens`` (0 .. max_tokens),
+``ignore_eos``, ``return_tokens_as_token_ids``. How choices, logprobs and echo are answered:
+``ringshm.openai_responses``. A request with a logit control (not ``ignore_eos``) or with logprobs is decoded
+without speculation even when the server has ``--spec``. ``max_tokens`` defaults
 to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
 naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
 value (``ringshm.openai_schema.UNSUPPORTED``; ``response_format`` only ``{"type": "text"}``); other unknown
@@ -24,12 +27,12 @@ a full queue 429, both with ``Retry-After``. A stage that holds an op past ``op_
 and new requests and on ``/health`` (naming it) until it answers again. A dead stage: 503, then ``serve``
 shuts down and exits 3 for a supervisor to restart it.
 
-Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on its last choice chunk
-(the one with ``finish_reason``); with ``stream_options: {"include_usage": true}`` an extra chunk with empty
+Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on the ``finish_reason``
+chunk of its last choice to finish; with ``stream_options: {"include_usage": true}`` an extra chunk with empty
 ``choices`` and the usage follows it, as OpenAI sends it.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, never a stack trace: malformed
-JSON or fields, ``n > 1``, prompt + max_tokens over the context: 400; unknown model: 404; queue full: 429; a
+JSON or fields (``n`` over 16, ``top_logprobs`` over 20, ...), prompt + max_tokens over the context: 400; unknown model: 404; queue full: 429; a
 stage died: 503. An error after a stream has started is sent as one ``data: {"error": ...}`` event.
 
 A client that disconnects mid-stream cancels its own request only (Starlette cancels the response's body
@@ -41,7 +44,6 @@ stops accepting, lets open responses finish for up to ``graceful_s``, then the l
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -59,12 +61,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringshm.errors import StageDied, StageStalled
 from ringshm.server_middleware import BodyLimit, CountRequests, Metrics
+from ringshm.openai_responses import Job, OpenAIRequest, TokenText
 from ringshm.openai_schema import (RETRY_AFTER_S, ApiError, ChatRequest, CompletionRequest, RequestBody, ServedModels,
                                    bad_request, engine_error, plain_messages)
 from ringshm.segment import is_alive
 from ringshm.server_info import add_info_routes
-from ringshm.serving import AsyncEngine, Chunk
-from ringshm.tokenizer import encode_chat
+from ringshm.serving import AsyncEngine
+from ringshm.tokenizer import encode_chat, load_tokenizer
 
 log = logging.getLogger("ringshm.server")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
@@ -185,71 +188,75 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def start(body: RequestBody, ids: list[int], max_tokens: int | None, default_max: int):
-        """Check what the engine does not, then submit: returns the request's chunk stream."""
-        if body.n != 1:
-            raise bad_request(f"n must be 1 (one choice per request), got {body.n}", "n")
+    def start(body: RequestBody, prompts: list[list[int]], max_tokens: int | None, default_max: int,
+              logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[Job]:
+        """Check what the engine does not, then start the request's streams (``ringshm.openai_responses``:
+        one per prompt x n, one per prompt when greedy). Raises ApiError, with nothing left running."""
         limit = aengine.max_seq_len
-        n_max = max_tokens if max_tokens is not None else max(1, min(default_max, limit - len(ids)))
-        if len(ids) + n_max > limit:
-            raise bad_request(f"this model's maximum context length is {limit} tokens; you requested "
-                       f"{len(ids) + n_max} tokens ({len(ids)} in the prompt, {n_max} for max_tokens): shorten "
-                       f"the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
+        score_only = max_tokens == 0
+        greedy = body.temperature == 0
+        per_prompt = 1 if greedy else body.n
+        room = aengine.engine.config.max_rows + aengine.max_waiting
+        if len(prompts) * per_prompt > room:
+            raise bad_request(f"{len(prompts)} prompt(s) x n={body.n} sampled choices need {len(prompts) * per_prompt} "
+                              f"KV rows; this server runs and queues at most {room} at once", "n")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
         controls = body.logit_controls()
-        if body.min_tokens > n_max:
-            raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({n_max})", "min_tokens")
-        params = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
-                      stop=stop, **controls)
+        base = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stop, **controls)
+        if logprobs is not None:
+            base["logprobs"] = logprobs
+        if prompt_logprobs is not None:
+            base["prompt_logprobs"] = prompt_logprobs
         processes_logits = any(k != "ignore_eos" for k in controls)
-        if spec is not None and body.temperature == 0 and not processes_logits:  # spec verifies the plain argmax
-            params.update(spec=spec, spec_k=spec_k, spec_depth=spec_depth)
+        if spec is not None and greedy and not processes_logits and logprobs is None and prompt_logprobs is None:
+            base.update(spec=spec, spec_k=spec_k, spec_depth=spec_depth)  # spec verifies the plain argmax
+        n_maxes = []
+        for p, ids in enumerate(prompts):
+            n_max = 1 if score_only else (
+                max_tokens if max_tokens is not None else max(1, min(default_max, limit - len(ids))))
+            if len(ids) + n_max > limit:
+                which = f"prompt {p}: " if len(prompts) > 1 else ""
+                raise bad_request(f"{which}this model's maximum context length is {limit} tokens; you requested "
+                                  f"{len(ids) + n_max} tokens ({len(ids)} in the prompt, {n_max} for max_tokens): "
+                                  f"shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
+            if body.min_tokens > n_max:
+                raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({n_max})",
+                                  "min_tokens")
+            n_maxes.append(n_max)
+        jobs: list[Job] = []
         try:
-            chunks = aengine.stream(ids, n_max, **params)
+            for p, (ids, n_max) in enumerate(zip(prompts, n_maxes)):
+                for j in range(per_prompt):
+                    index = p * body.n + j
+                    seed = None if body.seed is None else body.seed + index  # choice i: seed + i
+                    chunks = aengine.stream(ids, n_max, seed=seed, **base)
+                    indexes = list(range(p * body.n, (p + 1) * body.n)) if greedy else [index]
+                    jobs.append(Job(chunks, indexes, p, ids))
         except Exception as exc:
+            for job in jobs:
+                job.stream.cancel()
             raise engine_error(exc) from None
-        metrics.prompt_tokens.inc(len(ids))
-        return chunks
+        metrics.prompt_tokens.inc(sum(len(job.prompt_ids) for job in jobs))
+        if logprobs is not None or prompt_logprobs is not None:
+            metrics.logprob_requests.inc()
+        return jobs
 
-    async def respond(request: Request, body: RequestBody, chunks, kind: str):
-        model_id = served.pick(body.model)
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        obj = "chat.completion" if kind == "chat" else "text_completion"
+    token_text: list[TokenText] = []
+
+    async def respond(request: Request, body: RequestBody, jobs: list[Job], kind: str, n_choices: int,
+                      echoes: list[str | None], logprobs: int | None, score_only: bool = False):
+        if logprobs is not None and not token_text:  # its own tokenizer: the loop's thread reads it
+            token_text.append(TokenText(await off_loop(load_tokenizer, aengine.engine.model_path)))
+        answer = OpenAIRequest(kind, served.pick(body.model), jobs, n_choices, echoes, logprobs, score_only,
+                               token_text[0] if token_text else None, metrics,
+                               bool((body.stream_options or {}).get("include_usage")), int(time.time()),
+                               body.return_tokens_as_token_ids)
         if body.stream:
-            # The first chunk (or the error that ends the request before it) is awaited before the headers go
-            # out, so a request that never starts (queue wait, a stalled or dead stage) gets its status.
-            try:
-                first = await chunks.__anext__()
-            except Exception as exc:
-                chunks.cancel()
-                raise engine_error(exc) from None
-            except BaseException:
-                chunks.cancel()
-                raise
-            return StreamingResponse(_sse(chunks, metrics, rid, created, model_id, kind, body, first),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, last, prev = [], None, None
-        try:
-            async for last in chunks:
-                metrics.on_chunk(last, prev)
-                prev = last.time_s
-                text.append(last.text)
-                if await request.is_disconnected():
-                    chunks.cancel()
-                    metrics.finished.labels("cancelled").inc()
-                    return PlainTextResponse("", status_code=499)
-        except Exception as exc:
-            raise engine_error(exc) from None
-        finally:
-            chunks.cancel()
-        choice = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
-        if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
-        return {"id": rid, "object": obj, "created": created, "model": model_id, "choices": [choice],
-                "usage": last.usage}
+            first = await answer.first()
+            return StreamingResponse(answer.events(first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        out = await answer.body(request)
+        return PlainTextResponse("", status_code=499) if out is None else out
 
     tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="ringshm-tokenize")
     app.state.tokenize_pool = tokenize_pool
@@ -271,76 +278,41 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             raise bad_request("messages do not fit the model's chat template (check the roles and their "
                               "order)", "messages") from None
         max_tokens = body.max_completion_tokens or body.max_tokens
-        return await respond(request, body, start(body, ids, max_tokens, aengine.max_seq_len), "chat")
+        if max_tokens == 0:
+            raise bad_request("max_tokens must be at least 1 for chat (0 is for completions with echo)", "max_tokens")
+        k = body.logprob_k()
+        jobs = start(body, [ids], max_tokens, aengine.max_seq_len, logprobs=k)
+        return await respond(request, body, jobs, "chat", body.n, [None] * body.n, k)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
         served.pick(body.model)
         body.refuse_unsupported()
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
-            if len(prompt) != 1:
-                raise bad_request(f"one prompt per request, got {len(prompt)} (n=1 only)", "prompt")
-            prompt = prompt[0]
-        try:
-            ids = await off_loop(aengine.engine.encode, prompt)
-        except ValueError as exc:
-            raise bad_request(str(exc), "prompt") from None
-        return await respond(request, body, start(body, ids, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS),
-                             "completion")
+        many = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
+        prompts = body.prompt if many else [body.prompt]
+        if body.max_tokens == 0 and not body.echo:
+            raise bad_request("max_tokens 0 needs echo: true (it scores the prompt without generating)",
+                              "max_tokens")
+        ids_list = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids_list.append(await off_loop(aengine.engine.encode, prompt))
+            except ValueError as exc:
+                raise bad_request(f"prompt[{i}]: {exc}" if many else str(exc), "prompt") from None
+        echoes: list[str | None] = [None] * (len(prompts) * body.n)
+        if body.echo:
+            for i, (prompt, ids) in enumerate(zip(prompts, ids_list)):
+                text = prompt if isinstance(prompt, str) else await off_loop(aengine.engine.tokenizer.decode, ids)
+                echoes[i * body.n: (i + 1) * body.n] = [text] * body.n
+        k = body.logprobs
+        jobs = start(body, ids_list, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=k,
+                     prompt_logprobs=k if body.echo else None)
+        return await respond(request, body, jobs, "completion", len(prompts) * body.n, echoes, k,
+                             score_only=body.max_tokens == 0)
 
     add_info_routes(app, aengine, served, off_loop)
 
     return app
-
-
-def _event(obj) -> bytes:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
-
-
-async def _chain(first, rest):
-    yield first
-    async for c in rest:
-        yield c
-
-
-async def _sse(chunks, metrics: Metrics, rid: str, created: int, model_id: str, kind: str, body: RequestBody,
-               first: Chunk):
-    """The body of a streaming response: one event per chunk (``first``, then the rest of ``chunks``); usage
-    on the last; then ``[DONE]``."""
-    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    head = {"id": rid, "object": obj, "created": created, "model": model_id}
-
-    def choice(text: str, finish: str | None) -> dict:
-        if kind == "chat":
-            return {"index": 0, "delta": {"content": text} if text or finish is None else {},
-                    "finish_reason": finish, "logprobs": None}
-        return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-
-    prev = None
-    try:
-        if kind == "chat":
-            yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                               "finish_reason": None, "logprobs": None}]})
-        async for c in _chain(first, chunks):
-            metrics.on_chunk(c, prev)
-            prev = c.time_s
-            event = {**head, "choices": [choice(c.text, c.finish_reason)]}
-            if c.finish_reason is not None:
-                event["usage"] = c.usage
-            if c.text or c.finish_reason is not None:
-                yield _event(event)
-            if c.finish_reason is not None and (body.stream_options or {}).get("include_usage"):
-                yield _event({**head, "choices": [], "usage": c.usage})
-    except Exception as exc:  # after the headers: report in the stream
-        yield _event(engine_error(exc).body())
-    except BaseException:  # the client went away (Starlette cancels this generator): cancel our request only
-        chunks.cancel()
-        metrics.finished.labels("cancelled").inc()
-        raise
-    finally:
-        chunks.cancel()
-    yield b"data: [DONE]\n\n"
 
 
 def model_id_of(model_path: str) -> str:

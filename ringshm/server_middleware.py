@@ -30,6 +30,10 @@ class Metrics:
                              "request", registry=r, buckets=(0.01, 0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2))
         self.prompt_tokens = Counter("ringshm_prompt_tokens", "Prompt tokens of accepted requests", registry=r)
         self.generation_tokens = Counter("ringshm_generation_tokens", "Tokens generated", registry=r)
+        self.logprob_requests = Counter("ringshm_logprob_requests", "Accepted requests that asked for logprobs "
+                                        "(of generated or prompt tokens)", registry=r)
+        self.prompt_logprob_tokens = Counter("ringshm_prompt_logprob_tokens", "Prompt tokens scored for prompt "
+                                             "logprobs (echo with logprobs)", registry=r)
         self.step_running = Histogram("ringshm_step_running_requests", "Requests holding a KV row at each reply "
                                       "the dispatcher takes (continuous batching)", registry=r,
                                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))

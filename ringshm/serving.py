@@ -51,7 +51,9 @@ class Chunk:
 
     The last chunk of a request also carries ``finish_reason`` ("stop" or "length") and ``result`` (the
     request's ``GenerationResult``: token ids, text, TTFT, TPOT, speculation counters). ``time_s`` is
-    ``time.perf_counter()`` when the dispatcher committed the token.
+    ``time.perf_counter()`` when the dispatcher committed the token. ``logprob``: the token's
+    ``TokenLogprob`` when the request asked for ``logprobs``; ``prompt_logprobs``, on the first chunk of a
+    request that asked for them: None for the first prompt token, then one ``TokenLogprob`` per prompt token.
     """
 
     token_id: int
@@ -59,6 +61,8 @@ class Chunk:
     time_s: float
     finish_reason: str | None = None
     result: GenerationResult | None = None
+    logprob: object = None
+    prompt_logprobs: list | None = None
 
     @property
     def usage(self) -> dict | None:
@@ -77,6 +81,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     t_submit: float = field(default_factory=time.monotonic)
+    started: bool = False  # its first chunk went out
 
 
 def _put_all(q: asyncio.Queue, items: list) -> None:
@@ -470,10 +475,14 @@ class AsyncEngine:
         chunks: dict[int, list[Chunk]] = {}
         for ev in events:
             if ev.stream in self._active:
-                chunks.setdefault(ev.stream, []).append(Chunk(ev.token_id, ev.text, now))
+                chunks.setdefault(ev.stream, []).append(Chunk(ev.token_id, ev.text, now, logprob=ev.logprob))
         for rid, items in chunks.items():
             req = self._active[rid]
             s = req.stream
+            if not req.started:
+                req.started = True
+                if s.prompt_logprobs is not None:
+                    items[0].prompt_logprobs = list(s.prompt_token_logprobs)
             if s.done:
                 items[-1].finish_reason = s.finish_reason
                 items[-1].result = result_of(s)

@@ -199,6 +199,8 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20):
         ValueError / KVRangeError: a malformed op, a step op over ``max_op_tokens`` tokens, or a bad segment
             table (sent back as an ERROR reply naming the segment).
     """
+    import torch
+
     from ringshm import messages as m
 
     if msg.op == m.RESET:
@@ -206,17 +208,20 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20):
         return msg.reply([]) if is_last else msg
     if msg.op != m.STEP:
         raise ValueError(f"unknown op code {msg.op}")
-    if len(msg.tensors) != 1:
-        raise ValueError(f"a step op carries one tensor, got {len(msg.tensors)}")
+    n_targets = sum(seg.n_targets() for seg in msg.segments)
+    if len(msg.tensors) != 1 + bool(n_targets):
+        raise ValueError(f"a step op carries its tokens{' and its target ids' if n_targets else ''}: "
+                         f"{1 + bool(n_targets)} tensors, got {len(msg.tensors)}")
     if msg.n_tokens > max_op_tokens:
         raise ValueError(f"a step op of {msg.n_tokens} tokens is over the op budget of {max_op_tokens}")
     x = msg.tensors[0]
+    targets = msg.tensors[1] if n_targets else None
+    if targets is not None and (targets.dtype != torch.int64 or targets.shape != (n_targets,)):
+        raise ValueError(f"the op's targets must be int64 [{n_targets}], got {targets.dtype} {tuple(targets.shape)}")
     if model.device.type != "cpu":
         x = x.to(model.device)  # the one copy to the stage's device
-    out = model.step(x, msg.segments)
-    if not is_last:
-        return msg.forward([(out if out.device.type == "cpu" else out.cpu()).contiguous()])
-    tensors = [out.token_ids.cpu().contiguous()]
-    if out.logits is not None:
-        tensors.append(out.logits.float().cpu().contiguous())
-    return msg.reply(tensors)
+    out = model.step(x, msg.segments, targets)
+    if not is_last:  # the targets travel on unchanged to the last stage
+        hidden = (out if out.device.type == "cpu" else out.cpu()).contiguous()
+        return msg.forward([hidden] + ([targets] if targets is not None else []))
+    return msg.reply(out.tensors())

@@ -5,8 +5,9 @@ model that answers like an oracle, so losslessness is an exact equality and a ru
 written to it; the answer at position p is T[p + 1] when the row's tokens 0..p equal T's, else ``WRONG``.
 So any segment applied to the wrong row, out of order, or over positions never written shows up as a wrong
 token. Reading past what a row holds raises ``KVRangeError`` (an ERROR reply), exactly as ``StageModel`` does.
-With ``WANT_LOGITS`` a segment also gets fake logits ``[vocab]``: 10 at the oracle's answer, 9 at the id after it,
-0 elsewhere (so its argmax is the answer, and banning the answer picks the next id).
+Every position the head runs at has fake logits ``[vocab]``: 10 at the oracle's answer, 9 at the id after it, 0
+elsewhere (so its argmax is the answer, and banning the answer picks the next id); ``WANT_LOGITS`` returns them
+and the logprob bits are answered from them by ``ringshm.head``, as the real last stage does.
 ``RecordingModel`` records every step op the stage sees as a tuple of its segments ``(row, start, n)``.
 """
 
@@ -20,7 +21,7 @@ import torch
 from ringshm import messages as m
 from ringshm.coordinator import Link, Stream
 from ringshm.errors import KVRangeError, PeerDied
-from ringshm.model import StageOutput
+from ringshm.head import head_outputs, plan_head
 from ringshm.ring import Ring
 from ringshm.sampling import Sampler, TextStream
 from ringshm.stage import N_SLOTS, StageSpec, serve
@@ -51,7 +52,7 @@ class OracleModel:
         for r in rows:
             self.content[r] = []
 
-    def step(self, x, segments):
+    def step(self, x, segments, targets=None):
         """``StageModel.step`` over scripts: the same table checks (all before anything is written), the same
         outputs per ``want``."""
         ids = [int(t) for t in x.reshape(-1)]
@@ -68,26 +69,24 @@ class OracleModel:
                                    f"({len(self.content[row])} held)")
             if start + n > self.max_seq_len:
                 raise KVRangeError(f"segment {i}: row {row}: positions past max_seq_len {self.max_seq_len}")
-        out, logits, o = [], [], 0
-        for row, start, n, want in segments:
+        plan = plan_head(segments, [] if targets is None else targets.tolist())
+        where, o = [], 0  # op offset -> (row, position)
+        for row, start, n, _ in segments:
             self.content[row] = self.content[row][:start] + ids[o: o + n]
+            where += [(row, start + i) for i in range(n)]
             o += n
-            if want & m.WANT_ALL:
-                out += [self._answer(self.content[row][: start + i + 1]) for i in range(n)]
-            elif want & m.WANT_LAST:
-                out.append(self._answer(self.content[row]))
-            if want & m.WANT_LOGITS:
-                answer = self._answer(self.content[row])
-                row_logits = torch.zeros(self.vocab)  # [vocab]
-                row_logits[answer], row_logits[(answer + 1) % self.vocab] = 10.0, 9.0
-                logits.append(row_logits)
-        return StageOutput(torch.tensor(out, dtype=torch.int64), torch.stack(logits) if logits else None)
+        logits = torch.zeros(len(plan.positions), self.vocab)  # [n_pos, vocab]
+        for i, p in enumerate(plan.positions):
+            row, pos = where[p]
+            answer = self._answer(self.content[row][: pos + 1])
+            logits[i, answer], logits[i, (answer + 1) % self.vocab] = 10.0, 9.0
+        return head_outputs(logits, plan)
 
 
 class RecordingModel(OracleModel):
-    def step(self, x, segments):
+    def step(self, x, segments, targets=None):
         self.frames.append(tuple((g[0], g[1], g[2]) for g in segments))
-        return super().step(x, segments)
+        return super().step(x, segments, targets)
 
 
 class SwappingRing:

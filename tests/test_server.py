@@ -282,7 +282,7 @@ def test_a_client_dropping_mid_stream_leaves_its_seven_batch_mates_intact(server
     ("malformed_json", 400, None),
     ("wrong_field_type", 400, "temperature"),
     ("missing_messages", 400, "messages"),
-    ("n_above_1", 400, "n"),
+    ("n_above_16", 400, "n"),
     ("over_the_context", 400, "max_tokens"),
     ("unknown_model", 404, "model"),
 ])
@@ -292,7 +292,7 @@ def test_bad_request_gets_its_status_and_an_openai_error_body(server, model_id, 
     body = {"malformed_json": '{"model": "x", "messages": [',
             "wrong_field_type": json.dumps({"messages": msgs, "temperature": "hot"}),
             "missing_messages": json.dumps({"model": model_id}),
-            "n_above_1": json.dumps({"messages": msgs, "n": 2}),
+            "n_above_16": json.dumps({"messages": msgs, "n": 17}),
             "over_the_context": json.dumps({"messages": msgs, "max_tokens": 1024}),
             "unknown_model": json.dumps({"model": "gpt-4", "messages": msgs})}[case]
     code, text = _http(url, body)

@@ -224,13 +224,13 @@ def test_a_nan_temperature_literal_gets_400_not_a_range_message(serve_fake):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("min_p", 0.1), ("best_of", 2), ("logprobs", True),
+    ("response_format", {"type": "json_object"}), ("min_p", 0.1), ("best_of", 2), ("suffix", "the end"),
 ])
 def test_an_unsupported_field_gets_400_naming_it_unless_it_has_its_neutral_value(serve_fake, field, value):
     srv = serve_fake()
     status, body, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 1, field: value})
     assert status == 400 and _error(body)["param"] == field, body
-    neutral = {"response_format": {"type": "text"}, "min_p": 0, "best_of": 1, "logprobs": False}[field]
+    neutral = {"response_format": {"type": "text"}, "min_p": 0, "best_of": 1, "suffix": None}[field]
     status, body, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 1, field: neutral})
     assert status == 200, body
 
