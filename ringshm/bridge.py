@@ -21,7 +21,8 @@ is (its own header keeps the op's seq; the receiver checks it equals ``seq``), o
 
     rank 0 → rank 1: RECORD (count = records sent before it), HEARTBEAT, CLOSE (after a SHUTDOWN record),
                      ABORT (the local stage died: the reason)
-    rank 1 → rank 0: CREDIT (records written into the ring since the last one; 0 is a heartbeat), ABORT
+    rank 1 → rank 0: CREDIT (records written into the ring since the last one, sent every CREDIT_BATCH
+                     records or with a heartbeat; 0 is a heartbeat), ABORT
 
 The receiver checks every header before it allocates anything: magic, version, a kind that direction may
 carry, ``count`` in sequence, ``nbytes`` within its ring's largest record (``ABORT``: ``MAX_REASON_BYTES``),
@@ -219,7 +220,8 @@ def _record_seq(buf) -> tuple[int, int]:
 
 
 class _Credits:
-    """The sender's credit count, fed by its receive thread; also carries that thread's failure."""
+    """A count shared by two threads (the sender's credit; the receiver's records not yet credited back), and
+    the failure of the thread that feeds it."""
 
     def __init__(self, n: int):
         self.n = n
@@ -235,6 +237,12 @@ class _Credits:
         with self.cond:
             self.error = exc
             self.cond.notify()
+
+    def take_all(self) -> int:
+        """Take every credit there is (0 when none)."""
+        with self.cond:
+            n, self.n = self.n, 0
+            return n
 
     def take(self, timeout_s: float) -> bool:
         """Take one credit, waiting up to ``timeout_s``; False when none came. Raises the receive thread's error."""
@@ -312,7 +320,8 @@ def run_sender(ring, edge: Edge, timeout_s: float, upstream: str) -> None:
             return
 
 
-_CLOSED = object()
+_CLOSED, _CREDIT = object(), object()
+CREDIT_BATCH = CREDIT_WINDOW // 2  # the receiver returns credit in batches of this many records (or with a heartbeat)
 
 
 def run_receiver(ring, edge: Edge, timeout_s: float, latency_ms: float, downstream: str) -> None:
@@ -320,6 +329,12 @@ def run_receiver(ring, edge: Edge, timeout_s: float, latency_ms: float, downstre
 
     ``downstream`` names the stage that consumes the ring (for the ABORT reason when it dies). ``latency_ms``:
     each record is held this long after it arrived (emulated link latency).
+
+    Two paths into the ring, one at a time (``producer`` lock), in arrival order: while nothing waits and the
+    ring has room, the receive thread receives the record straight into its reservation (no copy, no
+    hand-over); otherwise the record goes into a private buffer and the main thread writes it when there is
+    room, sending heartbeats meanwhile. Credit goes back in batches of ``CREDIT_BATCH`` (and with every
+    heartbeat).
 
     Raises:
         EdgeError: the edge broke (the peer's ABORT reason, a timeout, a closed connection, a header that
@@ -331,6 +346,38 @@ def run_receiver(ring, edge: Edge, timeout_s: float, latency_ms: float, downstre
     period = timeout_s / 3
     inbox: queue.Queue = queue.Queue()
     held = threading.Semaphore(CREDIT_WINDOW)  # records received and not yet written into the ring
+    producer = threading.Lock()  # the ring's producer side
+    queued, drained = [0], [0]  # records put into the inbox (receive thread) / written from it (main thread):
+    # one writer each, so neither blocks; the difference is what waits, read under ``producer``
+    freed = _Credits(0)  # records written into the ring and not yet credited back
+
+    def written() -> None:
+        held.release()
+        freed.add(1)
+        if freed.n >= CREDIT_BATCH:
+            inbox.put(_CREDIT)  # only the main thread sends
+
+    def check_seq(buf, seq: int, count: int) -> None:
+        if _record_seq(buf)[1] != seq:
+            raise EdgeError(f"{edge.where}: record {count} says seq {seq} in the edge header and "
+                            f"{_record_seq(buf)[1]} in its own")
+
+    def write_direct(nbytes: int, seq: int, count: int) -> bool:
+        if latency_ms or not producer.acquire(blocking=False):
+            return False
+        try:
+            view = None if queued[0] != drained[0] else ring.try_reserve(nbytes)
+            if view is None:
+                return False
+            dst = torch.frombuffer(view, dtype=torch.uint8)
+            edge.recv(dst)
+            check_seq(view, seq, count)  # before the commit: a bad record never reaches the ring
+            del dst, view
+            ring.commit(nbytes)
+        finally:
+            producer.release()
+        written()
+        return True
 
     def receive() -> None:
         h = torch.empty(HEADER_WORDS, dtype=torch.int64)
@@ -344,20 +391,22 @@ def run_receiver(ring, edge: Edge, timeout_s: float, latency_ms: float, downstre
                 if kind == CLOSE:
                     inbox.put(_CLOSED)
                     return
-                payload = torch.empty(nbytes, dtype=torch.uint8)
                 if kind == ABORT:
-                    edge.recv(payload)
+                    reason = torch.empty(nbytes, dtype=torch.uint8)
+                    edge.recv(reason)
                     raise EdgeError(f"{edge.where}: the far side gave up: "
-                                    f"{bytes(payload.numpy()).decode('utf-8', 'replace')}")
+                                    f"{bytes(reason.numpy()).decode('utf-8', 'replace')}")
                 if count != expect:
                     raise EdgeError(f"{edge.where}: record {count} arrived, expected record {expect}")
                 if not held.acquire(blocking=False):
                     raise EdgeError(f"{edge.where}: the sender overran its credit of {CREDIT_WINDOW} records")
-                edge.recv(payload)
-                if _record_seq(payload.numpy())[1] != seq:
-                    raise EdgeError(f"{edge.where}: record {count} says seq {seq} in the edge header and "
-                                    f"{_record_seq(payload.numpy())[1]} in its own")
                 expect += 1
+                if write_direct(nbytes, seq, count):
+                    continue
+                payload = torch.empty(nbytes, dtype=torch.uint8)
+                edge.recv(payload)
+                check_seq(payload.numpy(), seq, count)
+                queued[0] += 1
                 inbox.put((time.monotonic(), payload))
         except BaseException as exc:
             inbox.put(exc)
@@ -365,40 +414,44 @@ def run_receiver(ring, edge: Edge, timeout_s: float, latency_ms: float, downstre
     threading.Thread(target=receive, daemon=True, name="ringshm-edge-recv").start()
     last_sent = time.monotonic()
 
-    def heartbeat() -> None:
+    def send_credit() -> None:  # also the heartbeat (credit 0)
         nonlocal last_sent
-        edge.send(pack_header(CREDIT, credits=0))
+        edge.send(pack_header(CREDIT, credits=freed.take_all()))
         last_sent = time.monotonic()
 
     while True:
         try:
             item = inbox.get(timeout=max(0.0, last_sent + period - time.monotonic()))
         except queue.Empty:
-            heartbeat()
+            send_credit()
             continue
         if item is _CLOSED:
             return
+        if item is _CREDIT:
+            if freed.n >= CREDIT_BATCH:
+                send_credit()
+            continue
         if isinstance(item, BaseException):
             raise item
         arrived, payload = item
         while (hold := arrived + latency_ms / 1e3 - time.monotonic()) > 0:
             time.sleep(min(hold, period))
         n = payload.numel()
-        while True:
-            try:
-                dst = ring.reserve(n, timeout_s=max(0.0, last_sent + period - time.monotonic()))
-                break
-            except RingTimeout:
-                heartbeat()
-            except PeerDied:
-                edge.abort(f"{downstream} exited")
-                raise
-        dst[:] = payload.numpy().data
-        del dst
-        ring.commit(n)
-        held.release()
-        edge.send(pack_header(CREDIT, credits=1))
-        last_sent = time.monotonic()
+        with producer:  # the receive thread does not wait for it: it queues meanwhile
+            while True:
+                try:
+                    dst = ring.reserve(n, timeout_s=max(0.0, last_sent + period - time.monotonic()))
+                    break
+                except RingTimeout:
+                    send_credit()
+                except PeerDied:
+                    edge.abort(f"{downstream} exited")
+                    raise
+            dst[:] = payload.numpy().data
+            del dst
+            ring.commit(n)
+            drained[0] += 1
+        written()
 
 
 def bridge_main(spec: EdgeSpec, errors, peer_stage: str) -> None:

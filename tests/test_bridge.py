@@ -135,6 +135,36 @@ def test_records_cross_in_order_byte_for_byte_and_a_long_full_ring_does_not_kill
             r.unlink()
 
 
+def test_records_keep_their_order_while_the_ring_fills_and_drains_over_and_over():
+    """The receiver writes some records straight from the edge and queues others while the ring is full; a
+    record must never overtake one queued before it (a slow consumer keeps switching between the two)."""
+    timeout_s = 2.0
+    e0, e1, _store = _pair(timeout_s)
+    src, dst = Ring.create(1 << 20), Ring.create(1 << 13)  # dst holds about two records
+    sender = _Run(bridge.run_sender, src, e0, timeout_s, "stage 1")
+    receiver = _Run(bridge.run_receiver, dst, e1, timeout_s, 0.0, "stage 2")
+    try:
+        sender.start()
+        receiver.start()
+        sent = [record(i, m.STEP, 2000 + 8 * (i % 7)) for i in range(300)] + [record(300, m.SHUTDOWN)]
+        threading.Thread(target=lambda: [src.send(r, timeout_s=30) for r in sent], daemon=True).start()
+        got = []
+        for i in range(len(sent)):
+            got.append(bytes(dst.recv(timeout_s=30)))
+            if i % 3 == 0:
+                time.sleep(0.002)
+        assert [m.decode(r).seq for r in got] == list(range(len(sent)))
+        assert got == sent
+        sender.join(10)
+        receiver.join(10)
+        assert sender.error is None and receiver.error is None, (sender.error, receiver.error)
+    finally:
+        for r in (src, dst):
+            if not (sender.is_alive() or receiver.is_alive()):
+                r.close()
+            r.unlink()
+
+
 def test_a_frozen_sender_kills_the_edge_within_its_timeout():
     timeout_s = 0.6
     e0, e1, _store = _pair(timeout_s)
