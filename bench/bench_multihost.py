@@ -30,7 +30,8 @@ import torch
 
 from ring_bench_workers import record_echo
 from ringshm import messages as m
-from ringshm.bridge import EdgeSpec, bridge_main
+from ringshm.bridge import bridge_main
+from ringshm.edge import EdgeSpec
 from ringshm.engine import Engine
 from ringshm.ring import Ring
 from ringshm.stage import ERROR_BYTES

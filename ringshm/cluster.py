@@ -44,10 +44,10 @@ def connect_timeout_s(cfg: EngineConfig) -> float:
 
 
 def wire_version() -> str:
-    """The record format and the edge format, ``"<messages.VERSION>.<bridge.VERSION>"``: nodes must agree."""
-    from ringshm import bridge, messages
+    """The record format and the edge format, ``"<messages.VERSION>.<edge.VERSION>"``: nodes must agree."""
+    from ringshm import edge, messages
 
-    return f"{messages.VERSION}.{bridge.VERSION}"
+    return f"{messages.VERSION}.{edge.VERSION}"
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ringshm import messages as m
-from ringshm.bridge import EdgeSpec, bridge_main
+from ringshm.bridge import bridge_main
+from ringshm.edge import EdgeSpec
 from ringshm.cluster import NodePlan
 from ringshm.config import MAX_TOP_LOGPROBS, EngineConfig, ModelConfig
 from ringshm.errors import ResourceShortage, RingTimeout, StageDied, StageError, StageStartupError

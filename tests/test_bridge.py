@@ -1,4 +1,4 @@
-"""The edge between hosts (ringshm.bridge) and the rendezvous (ringshm.cluster), without a model.
+"""The edge between hosts (ringshm.edge, ringshm.bridge) and the rendezvous (ringshm.cluster), without a model.
 
 - Header rules: every field a hostile peer controls is checked before anything is allocated.
 - Both ends of an edge in this process (two gloo ranks on threads, real rings): records cross in order and
@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringshm import bridge, cluster, messages as m
-from ringshm.bridge import CREDIT_WINDOW, HEADER_WORDS, Edge, EdgeSpec, pack_header, parse_header
+from ringshm import bridge, cluster, edge, messages as m
+from ringshm.edge import CREDIT_WINDOW, Edge, EdgeSpec, pack_header, parse_header
 from ringshm.errors import ClusterRefused, EdgeError
 from ringshm.ring import Ring
 from ringshm.stage import ERROR_BYTES, read_error
@@ -51,25 +51,25 @@ def record(seq: int, op: int = m.PING, payload_bytes: int = 0) -> bytes:
 
 # --------------------------------------------------------------------------------------------- header rules
 @pytest.mark.parametrize("words, rule", [
-    ([0x1234, 1, bridge.RECORD, 0, 0, 64, 0, 0], "bad magic"),
-    ([bridge.MAGIC, 99, bridge.RECORD, 0, 0, 64, 0, 0], "wire version 99"),
-    ([bridge.MAGIC, 1, 77, 0, 0, 64, 0, 0], "kind 77"),
-    ([bridge.MAGIC, 1, bridge.CREDIT, 0, 0, 0, 1, 0], "not allowed in this direction"),
-    ([bridge.MAGIC, 1, bridge.RECORD, 0, 0, 2**60, 0, 0], "refused before allocating"),
-    ([bridge.MAGIC, 1, bridge.RECORD, 0, 0, 4, 0, 0], "refused before allocating"),
-    ([bridge.MAGIC, 1, bridge.RECORD, -1, 0, 64, 0, 0], "negative"),
-    ([bridge.MAGIC, 1, bridge.HEARTBEAT, 0, 0, 8, 0, 0], "refused before allocating"),
-    ([bridge.MAGIC, 1, bridge.ABORT, 0, 0, bridge.MAX_REASON_BYTES + 1, 0, 0], "refused before allocating"),
+    ([0x1234, 1, edge.RECORD, 0, 0, 64, 0, 0], "bad magic"),
+    ([edge.MAGIC, 99, edge.RECORD, 0, 0, 64, 0, 0], "wire version 99"),
+    ([edge.MAGIC, 1, 77, 0, 0, 64, 0, 0], "kind 77"),
+    ([edge.MAGIC, 1, edge.CREDIT, 0, 0, 0, 1, 0], "not allowed in this direction"),
+    ([edge.MAGIC, 1, edge.RECORD, 0, 0, 2**60, 0, 0], "refused before allocating"),
+    ([edge.MAGIC, 1, edge.RECORD, 0, 0, 4, 0, 0], "refused before allocating"),
+    ([edge.MAGIC, 1, edge.RECORD, -1, 0, 64, 0, 0], "negative"),
+    ([edge.MAGIC, 1, edge.HEARTBEAT, 0, 0, 8, 0, 0], "refused before allocating"),
+    ([edge.MAGIC, 1, edge.ABORT, 0, 0, edge.MAX_REASON_BYTES + 1, 0, 0], "refused before allocating"),
 ])
 def test_a_header_that_breaks_a_rule_is_refused_naming_it(words, rule):
     with pytest.raises(EdgeError, match=rule):
-        parse_header(torch.tensor(words, dtype=torch.int64), bridge.FORWARD_KINDS, 1 << 20)
+        parse_header(torch.tensor(words, dtype=torch.int64), edge.FORWARD_KINDS, 1 << 20)
 
 
 def test_a_credit_over_the_window_is_refused():
     with pytest.raises(EdgeError, match="over the window"):
-        parse_header(pack_header(bridge.CREDIT, credits=CREDIT_WINDOW + 1), bridge.BACKWARD_KINDS, 0)
-    assert parse_header(pack_header(bridge.CREDIT, credits=3), bridge.BACKWARD_KINDS, 0)[4] == 3
+        parse_header(pack_header(edge.CREDIT, credits=CREDIT_WINDOW + 1), edge.BACKWARD_KINDS, 0)
+    assert parse_header(pack_header(edge.CREDIT, credits=3), edge.BACKWARD_KINDS, 0)[4] == 3
 
 
 # ------------------------------------------------------------------------------ both ends in one process
@@ -186,9 +186,9 @@ def test_a_frozen_sender_kills_the_edge_within_its_timeout():
 
 # -------------------------------------------------------------- a receiving bridge process, hostile headers
 @pytest.mark.parametrize("words, rule", [
-    ([bridge.MAGIC, bridge.VERSION, bridge.RECORD, 0, 0, 2**60, 0, 0], "refused before allocating"),
-    ([0xBAD, bridge.VERSION, bridge.RECORD, 0, 0, 64, 0, 0], "bad magic"),
-    ([bridge.MAGIC, bridge.VERSION, bridge.RECORD, 5, 0, 64, 0, 0], "expected record 0"),
+    ([edge.MAGIC, edge.VERSION, edge.RECORD, 0, 0, 2**60, 0, 0], "refused before allocating"),
+    ([0xBAD, edge.VERSION, edge.RECORD, 0, 0, 64, 0, 0], "bad magic"),
+    ([edge.MAGIC, edge.VERSION, edge.RECORD, 5, 0, 64, 0, 0], "expected record 0"),
 ])
 def test_a_hostile_header_closes_the_edge_and_nothing_reaches_the_ring(words, rule):
     port = free_port()
