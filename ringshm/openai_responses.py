@@ -186,7 +186,9 @@ class OpenAIRequest:
                 out["token_logprobs"].append(None)
                 out["top_logprobs"].append(None)
                 continue
-            top = {name(t): v for t, v in lp.top}
+            top: dict[str, float] = {}
+            for t, v in lp.top:  # most likely first: where two ids read as the same text, the likelier stays
+                top.setdefault(name(t), v)
             top.setdefault(text, lp.logprob)  # the chosen token is always listed (OpenAI: up to k + 1 entries)
             out["token_logprobs"].append(lp.logprob)
             out["top_logprobs"].append(top)
@@ -196,7 +198,7 @@ class OpenAIRequest:
         """Apply one job's chunk to its choices: ``(choice, text, logprobs or None, finish_reason)`` per
         choice, the echo (prompt text and logprobs) first on a choice's first chunk."""
         job = self.jobs[j]
-        self.metrics.on_chunk(chunk, self._prev_s.get(j))
+        self.metrics.on_chunk(chunk, self._prev_s.get(j), generated=not self.score_only)
         self._prev_s[j] = chunk.time_s
         if chunk.prompt_logprobs is not None:
             self.metrics.prompt_logprob_tokens.inc(len(chunk.prompt_logprobs) - 1)
@@ -223,6 +225,7 @@ class OpenAIRequest:
             if chunk.finish_reason is not None:
                 finish = c.finish_reason = "length" if self.score_only else chunk.finish_reason
                 self._n_open -= 1
+                self.metrics.finished.labels(finish).inc()  # per choice, as usage counts them
             out.append((c, text, payload, finish))
         return out
 
@@ -248,7 +251,7 @@ class OpenAIRequest:
                 for c, _, payload, _ in self._on_chunk(j, chunk):
                     merged_lps[c.index] = _join(merged_lps[c.index], payload)
                 if await request.is_disconnected():
-                    self.metrics.finished.labels("cancelled").inc()
+                    self.metrics.finished.labels("cancelled").inc(self._n_open)
                     return None
         except Exception as exc:
             raise engine_error(exc) from None
@@ -306,7 +309,7 @@ class OpenAIRequest:
             yield _event(engine_error(exc).body())
         except BaseException:  # the client went away (Starlette cancels this generator): cancel ours only
             self.merged.cancel()
-            self.metrics.finished.labels("cancelled").inc()
+            self.metrics.finished.labels("cancelled").inc(self._n_open)
             raise
         finally:
             self.merged.cancel()

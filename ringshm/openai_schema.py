@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
 from ringshm.config import MAX_TOP_LOGPROBS
 from ringshm.errors import EngineClosed, QueueFull, QueueTimeout, RequestFailed, StageDied, StageStalled
@@ -22,6 +22,16 @@ def _number(value):
     """A JSON number (not a bool, not a string such as "NaN"); NaN / infinity are refused by the field."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"must be a number, got {value!r}")
+    return value
+
+
+def _check_prompt(value):
+    """A completions prompt that is not empty, and a list of prompts of one kind (strings or id lists)."""
+    if isinstance(value, list):
+        if not value or any(isinstance(p, list) and not p for p in value):
+            raise ValueError("the prompt is empty: give a string, a list of token ids, or a non-empty list of either")
+        if any(isinstance(p, list) for p in value) and not all(isinstance(p, list) for p in value):
+            raise ValueError("a list of prompts holds strings or token-id lists, not both")
     return value
 
 
@@ -46,22 +56,36 @@ UNSUPPORTED = {
 }
 
 
-class RequestBody(BaseModel):
-    """Fields both endpoints take. Types are strict: ``true`` is not an int, ``"8"`` not a number, and NaN /
-    infinity are refused; a wrong type is a 400 naming the field."""
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (OpenAI's extra last chunk with the usage)."""
 
     model_config = ConfigDict(extra="ignore")
+
+    include_usage: Bool = False
+
+
+class RequestBody(BaseModel):
+    """Fields both endpoints take. Types are strict: ``true`` is not an int, ``"8"`` not a number, and NaN /
+    infinity are refused; a wrong type is a 400 naming the field. An explicit ``null`` is the field's default
+    (OpenAI's fields are nullable)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
     model: Annotated[str, Strict()] | None = None
     max_tokens: Int | None = Field(None, ge=0)  # 0: completions with echo only (scoring the prompt)
     temperature: Number = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: Number = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Int = Field(0, ge=0)
-    seed: Int | None = None
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM
     stop: Text | list[Text] | None = None
     n: Int = Field(1, ge=1, le=MAX_N)
     stream: Bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = None
     presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
     logit_bias: dict[str, Bias] | None = None
@@ -92,7 +116,10 @@ class RequestBody(BaseModel):
         return out
 
     def refuse_unsupported(self) -> None:
-        """Raise a 400 naming the first field set to a value ringshm does not implement."""
+        """Raise a 400 naming the first field set to a value ringshm does not implement, or
+        ``stream_options`` without ``stream`` (vLLM's rule)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be given with stream: true", "stream_options")
         for name, (neutral, what) in UNSUPPORTED.items():
             if name in type(self).model_fields and not neutral(getattr(self, name)):
                 raise bad_request(what, name)
@@ -146,8 +173,8 @@ class CompletionRequest(RequestBody):
     prompt x n), ``logprobs`` (top-k count 0 .. 20: OpenAI's legacy API stops at 5, vLLM's default at 20),
     ``echo``."""
 
-    prompt: (Annotated[str, Strict()] | TokenIds | Annotated[list[Annotated[str, Strict()] | TokenIds],
-                                                             Field(min_length=1)])
+    prompt: Annotated[Annotated[str, Strict()] | TokenIds | list[Annotated[str, Strict()]] | list[TokenIds],
+                      BeforeValidator(_check_prompt)]
     echo: Bool = False
     logprobs: TopK | None = None
     best_of: Int | None = None

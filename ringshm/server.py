@@ -214,13 +214,19 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         for p, ids in enumerate(prompts):
             n_max = 1 if score_only else (
                 max_tokens if max_tokens is not None else max(1, min(default_max, limit - len(ids))))
+            if score_only and len(ids) + 1 > limit:
+                which = f"prompt {p}: " if len(prompts) > 1 else ""
+                raise bad_request(f"{which}scoring a prompt (max_tokens 0) takes one position past it: at most "
+                                  f"{limit - 1} prompt tokens in this model's {limit}-token context, got {len(ids)}",
+                                  "prompt", "context_length_exceeded")
             if len(ids) + n_max > limit:
                 which = f"prompt {p}: " if len(prompts) > 1 else ""
                 raise bad_request(f"{which}this model's maximum context length is {limit} tokens; you requested "
                                   f"{len(ids) + n_max} tokens ({len(ids)} in the prompt, {n_max} for max_tokens): "
                                   f"shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
-            if body.min_tokens > n_max:
-                raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens ({n_max})",
+            if body.min_tokens > (0 if score_only else n_max):
+                raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens "
+                                  f"({0 if score_only else n_max})",
                                   "min_tokens")
             n_maxes.append(n_max)
         jobs: list[Job] = []
@@ -236,7 +242,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             for job in jobs:
                 job.stream.cancel()
             raise engine_error(exc) from None
-        metrics.prompt_tokens.inc(sum(len(job.prompt_ids) for job in jobs))
+        metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))  # each prompt once, as usage counts it
         if logprobs is not None or prompt_logprobs is not None:
             metrics.logprob_requests.inc()
         return jobs
@@ -249,7 +255,8 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             token_text.append(TokenText(await off_loop(load_tokenizer, aengine.engine.model_path)))
         answer = OpenAIRequest(kind, served.pick(body.model), jobs, n_choices, echoes, logprobs, score_only,
                                token_text[0] if token_text else None, metrics,
-                               bool((body.stream_options or {}).get("include_usage")), int(time.time()),
+                               body.stream_options is not None and body.stream_options.include_usage,
+                               int(time.time()),
                                body.return_tokens_as_token_ids)
         if body.stream:
             first = await answer.first()

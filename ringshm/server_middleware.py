@@ -55,13 +55,16 @@ class Metrics:
         self.step_running.observe(n_running)
         self.step_segments.observe(n_segments)
 
-    def on_chunk(self, chunk: Chunk, previous_s: float | None) -> None:
+    def on_chunk(self, chunk: Chunk, previous_s: float | None, generated: bool = True) -> None:
+        """One stream's token: ITL, TTFT, speculation counters, and a generated token unless ``generated`` is
+        False (``max_tokens`` 0 computes one token it does not return). Finish reasons are counted per choice
+        by the response (``ringshm.openai_responses``)."""
         if previous_s is not None:
             self.itl.observe(chunk.time_s - previous_s)
-        self.generation_tokens.inc()
+        if generated:
+            self.generation_tokens.inc()
         if chunk.result is not None:
             self.ttft.observe(chunk.result.ttft_s)
-            self.finished.labels(chunk.finish_reason).inc()
             if self.spec:
                 self.draft_tokens.inc(chunk.result.draft_tokens)
                 self.accepted_tokens.inc(chunk.result.accepted_tokens)

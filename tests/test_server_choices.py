@@ -194,6 +194,11 @@ def test_greedy_n_answers_n_identical_choices_from_one_stream(srv, client, strea
     ("/v1/completions", {"prompt": []}, "prompt"),
     ("/v1/completions", {"prompt": [[100], []]}, "prompt"),
     ("/v1/completions", {"logit_bias": {"1024": 5}}, "logit_bias"),
+    ("/v1/completions", {"prompt": ["hi", [100]]}, "prompt"),  # strings and id lists mixed
+    ("/v1/completions", {"seed": 2**63}, "seed"),  # int64, as vLLM
+    ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
+    ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options"),
+    ("/v1/completions", {"max_tokens": 0, "echo": True, "min_tokens": 1}, "min_tokens"),
 ])
 def test_a_bad_value_gets_400_naming_the_field_before_anything_runs(srv, path, body, param):
     ops = srv.aengine.engine.stage_ops()[0]
@@ -216,3 +221,51 @@ def test_logprob_requests_and_prompt_logprob_tokens_are_counted(srv, client):
                                    logprobs=True)
     assert metric("ringshm_logprob_requests_total") == requests + 2
     assert metric("ringshm_prompt_logprob_tokens_total") == tokens + 5
+
+
+def test_an_explicit_null_is_the_fields_default(srv):
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "stream_options", "presence_penalty",
+                               "frequency_penalty", "seed", "stop", "echo", "logprobs", "min_tokens", "ignore_eos",
+                               "top_k", "repetition_penalty", "return_tokens_as_token_ids", "logit_bias")}
+    status, parsed, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 2, **nulls})
+    assert status == 200, parsed
+    assert len(parsed["choices"]) == 1 and parsed["choices"][0]["logprobs"] is None
+
+
+def test_two_ids_with_the_same_text_keep_the_likelier_in_completions_top_logprobs():
+    from ringshm.logprobs import TokenLogprob
+    from ringshm.openai_responses import OpenAIRequest
+
+    class SameText:  # ids 5 and 6 both read "x" (say, two partial UTF-8 tokens)
+        def text(self, t):
+            return "x" if t in (5, 6) else f"t{t}"
+
+        def bytes(self, t):
+            return self.text(t).encode()
+
+    answer = OpenAIRequest.__new__(OpenAIRequest)
+    answer.kind, answer.tt, answer.tokens_as_ids = "completion", SameText(), False
+    choice = type("C", (), {"offset": 0})()
+    out = answer._payload(choice, [6], [TokenLogprob(6, -2.0, [(7, -0.5), (5, -1.0), (6, -2.0)])])
+    assert out["top_logprobs"] == [{"t7": -0.5, "x": -1.0}]  # not -2.0: the dict stays sorted, the likelier kept
+    assert out["token_logprobs"] == [-2.0]
+
+
+def test_finish_reasons_count_per_choice_and_scoring_generates_no_token(srv, client):
+    def metric(name):
+        _, text, _ = srv.get("/metrics")
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+    length = 'ringshm_request_finished_total{finish_reason="length"}'
+    finished, generated, prompt = metric(length), metric("ringshm_generation_tokens_total"), metric(
+        "ringshm_prompt_tokens_total")
+    client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                   temperature=0, n=3)
+    assert metric(length) == finished + 3  # one greedy stream answers three choices: three finish
+    client.completions.create(model=MODEL_ID, prompt=A[:6], max_tokens=0, echo=True, logprobs=1)
+    assert metric("ringshm_generation_tokens_total") == generated + 2  # the chat's stream; scoring returns none
+    client.completions.create(model=MODEL_ID, prompt=A[:6], max_tokens=1, temperature=1.0, seed=1, n=2)
+    assert metric("ringshm_prompt_tokens_total") > prompt
+    before = metric("ringshm_prompt_tokens_total")
+    client.completions.create(model=MODEL_ID, prompt=A[:6], max_tokens=1, temperature=1.0, seed=1, n=2)
+    assert metric("ringshm_prompt_tokens_total") == before + 6  # the prompt once, as usage counts it
