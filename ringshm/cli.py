@@ -64,6 +64,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     _cluster_args(p)
     p.add_argument("--node-stages", default=None,
                    help="stages per node, comma-separated, e.g. 1,3 (default: as even as possible, node 0 first)")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds the stages may take to load and answer, and node 0 may wait for its workers")
     p.add_argument("--edge-timeout", type=float, default=5.0,
                    help="seconds an edge between hosts may stay silent before it counts as dead (heartbeats every "
                         "third of it)")
@@ -71,12 +73,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="emulated latency on the edges between hosts only (benchmarks)")
 
 
-def _cluster_args(p: argparse.ArgumentParser) -> None:
-    """The rendezvous flags, shared by serve / generate (node 0) and worker (the other nodes)."""
+def _cluster_args(p: argparse.ArgumentParser, worker: bool = False) -> None:
+    """The rendezvous flags, shared by serve / generate (node 0) and worker (the other nodes: --nnodes and
+    --node-rank required there)."""
     from ringshm.cluster import DEFAULT_PORT, TOKEN_ENV
 
-    p.add_argument("--nnodes", type=int, default=1, help="hosts the stages run on (the others run `ringshm worker`)")
-    p.add_argument("--node-rank", type=int, default=0, help="this host's node: 0 runs the coordinator")
+    if worker:
+        p.add_argument("--nnodes", type=int, required=True, help="hosts the stages run on, as the head was given")
+        p.add_argument("--node-rank", type=int, required=True, help="this host's node, 1 .. nnodes-1")
+    else:
+        p.add_argument("--nnodes", type=int, default=1, help="hosts the stages run on (the others run `ringshm "
+                       "worker`)")
+        p.add_argument("--node-rank", type=int, default=0, help="this host's node: 0 runs the coordinator")
     p.add_argument("--master-addr", default="127.0.0.1", help="node 0's address, where the nodes meet")
     p.add_argument("--master-port", type=int, default=DEFAULT_PORT, help="node 0's rendezvous port (TCPStore)")
     p.add_argument("--bind-addr", default=None,
@@ -103,7 +111,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, depth=a.depth,
                 max_step_tokens=a.max_step_tokens, max_seq_len=a.max_seq_len,
                 max_rows=a.max_rows, op_timeout_s=a.op_timeout, link_latency_ms=a.link_latency_ms,
-                nnodes=a.nnodes, node_stages=node_stages, edge_timeout_s=a.edge_timeout,
+                startup_timeout_s=a.startup_timeout, nnodes=a.nnodes, node_stages=node_stages,
+                edge_timeout_s=a.edge_timeout,
                 edge_latency_ms=a.edge_latency_ms, **_rendezvous_kwargs(a))
 
 
@@ -173,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Join the head (node 0: `ringshm serve` / `generate` with --nnodes) and run "
                                      "this node's stages until the head shuts the engine down (exit 0) or an edge "
                                      "or stage fails (exit 1). The model, split and options come from the head.")
-    _cluster_args(wrk)
+    _cluster_args(wrk, worker=True)
     wrk.add_argument("--model", default=None,
                      help="this node's copy of the head's model (default: the head's path, which must exist here); "
                           "a copy whose fingerprint differs is refused")
@@ -275,9 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``ringshm`` console script. Bad arguments exit with status 2 and a message."""
     import os
 
-    # torch.distributed's C++ side logs every socket wait it retries (the rendezvous waits for its peer):
-    # only errors, unless the caller asked for more. Set before torch is imported; children inherit it.
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    # torch.distributed's C++ side logs every socket wait it retries and a stack trace for each failed try (the
+    # rendezvous waits for its peer): our own message says what failed, unless the caller asked for more. Set before torch is imported; children inherit it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":

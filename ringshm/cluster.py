@@ -13,8 +13,9 @@ session id (the key prefix of every edge) and a nonce. A worker (which may start
 ``wait_s`` for the head) claims its node rank, checks the wire version and the model fingerprint (of its own
 copy: ``--model`` or the head's path), and answers ``ringshm/node<r>`` with its nonce and an HMAC of both
 nonces under the shared token (``--token`` / ``RINGSHM_TOKEN``; none = the empty key). The head checks that
-proof and answers ``ringshm/ack<r>`` with its own, which the worker checks in turn. Any mismatch is refused by
-name on both sides, before a stage starts.
+proof and answers ``ringshm/ack<r>/<nonce>`` with its own, which the worker checks in turn. Any mismatch is
+refused by name, before a stage starts; an unproven answer does not end the head's wait (``Head``). The store
+listens on ``master_addr`` only; without a token, anyone who reaches it may join.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import hashlib
 import hmac
 import json
 import secrets
+import signal
 import socket
+import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -121,110 +124,204 @@ def _proof(token: str | None, message: str) -> str:
     return hmac.new((token or "").encode(), message.encode(), hashlib.sha256).hexdigest()
 
 
-def _store(rdv: Rendezvous, is_head: bool):
-    """The head's TCPStore (served here when ``is_head``, else a client that waits up to ``wait_s`` for it)."""
+SLICE_S = 1.0  # every rendezvous wait is cut into slices this long: signals and deadlines are honoured between
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_interrupted() -> None:
+    """Raise KeyboardInterrupt when a stop signal is pending (``ringshm serve`` blocks them while the engine
+    starts; between slices of a rendezvous wait they must still stop it)."""
+    if signal.pthread_sigmask(signal.SIG_BLOCK, []) & _STOP_SIGNALS and signal.sigpending() & _STOP_SIGNALS:
+        raise KeyboardInterrupt
+
+
+def _serve_store(rdv: Rendezvous):
+    """The head's TCPStore, listening on ``master_addr`` only (a socket bound here and handed over: the store
+    owns and closes it), and the address it listens on. Raises ClusterRefused when the address or port cannot be
+    had."""
     import torch.distributed as dist
 
+    sock = None
     try:
-        return dist.TCPStore(rdv.master_addr, rdv.master_port, None, is_head, timedelta(seconds=rdv.wait_s),
-                             wait_for_workers=False)
-    except (RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if is_head:
-            raise ClusterRefused(f"cannot serve the rendezvous on {rdv.master_addr}:{rdv.master_port} ({first}): "
-                                 f"pick a free --master-port") from None
-        raise ClusterRefused(f"no head at {rdv.master_addr}:{rdv.master_port} within {rdv.wait_s:g} s ({first}): "
-                             f"start `ringshm serve/generate --nnodes N --node-rank 0` there, or check the address "
-                             f"and port") from None
+        family, kind, proto, _, addr = socket.getaddrinfo(rdv.master_addr, rdv.master_port,
+                                                          type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        store = dist.TCPStore(rdv.master_addr, rdv.master_port, None, True, timedelta(seconds=SLICE_S),
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except (OSError, RuntimeError, ValueError) as exc:
+        if sock is not None:
+            sock.close()
+        raise ClusterRefused(f"cannot serve the rendezvous on {rdv.master_addr}:{rdv.master_port} ("
+                             f"{_first_line(exc)}): give an address of this host (--master-addr) and a free "
+                             f"--master-port") from None
+    bound = sock.getsockname()
+    sock.detach()  # the store owns the descriptor now
+    return store, bound
 
 
-def _get_json(store, key: str, timeout_s: float, missing: str) -> dict:
+def _connect_store(rdv: Rendezvous, deadline: float):
+    """A client of the head's TCPStore, retrying in ``SLICE_S`` slices until ``deadline`` (monotonic)."""
+    import torch.distributed as dist
+
+    last = "nothing answered"
+    while True:
+        _check_interrupted()
+        try:
+            return dist.TCPStore(rdv.master_addr, rdv.master_port, None, False, timedelta(seconds=SLICE_S),
+                                 wait_for_workers=False)
+        except (RuntimeError, ValueError) as exc:
+            last = _first_line(exc)
+        if time.monotonic() >= deadline:
+            raise ClusterRefused(f"no head at {rdv.master_addr}:{rdv.master_port} within {rdv.wait_s:g} s ({last}): "
+                                 f"start `ringshm serve/generate --nnodes N --node-rank 0` there, or check the "
+                                 f"address and port")
+        time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+
+def _wait_value(store, key: str, deadline: float) -> bytes | None:
+    """The value of ``key`` once it exists, or None at ``deadline``; waits in ``SLICE_S`` slices.
+
+    Raises:
+        ClusterRefused: the store is gone (the connection to it failed).
+    """
+    import torch.distributed as dist
+
+    while True:
+        _check_interrupted()
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        try:
+            store.wait([key], timedelta(seconds=min(SLICE_S, left)))
+            return store.get(key)
+        except dist.DistNetworkError as exc:
+            raise ClusterRefused(f"the rendezvous store went away ({_first_line(exc)})") from None
+        except RuntimeError:  # DistStoreError: this slice timed out
+            continue
+
+
+def _parse(raw: bytes | None) -> dict | None:
+    """A JSON object, or None for anything else (bad UTF-8, bad JSON, another type)."""
     try:
-        store.wait([key], timedelta(seconds=timeout_s))
-        return json.loads(store.get(key))
-    except (RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ClusterRefused(f"{missing} ({first})") from None
+        value = json.loads(raw) if raw is not None else None
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class Head:
     """Node 0's side of the rendezvous: serves the store, posts the HELLO, checks every worker's answer.
 
+    An answer whose proof of the token does not check out (or that is not an answer at all) is refused and
+    otherwise ignored: the head keeps waiting for a worker that proves it, so a stranger who can reach the
+    port cannot end the session (a worker with the wrong token learns why from its own refusal). A worker
+    that proves itself and refuses (wire version, model fingerprint) ends the startup at once.
+
     Args:
         rdv: where to meet (``node_rank`` must be 0). cfg: the engine config (sent to the workers).
         model_path / mc / layer_ranges: the model and split (their fingerprint goes into the HELLO).
         max_seq_len: KV positions per row (the head's cap, so every node sizes its cache alike).
+        log: where progress lines go (waiting for node r, refused answers).
 
     Raises:
         ValueError: node_rank is not 0 (other nodes run ``ringshm worker``).
-        ClusterRefused: the port is taken, a worker did not join within ``wait_s``, or a worker refused / was
-            refused (wire version, model fingerprint, token), naming the node and the reason.
+        ClusterRefused: the address or port cannot be served, no proven worker joined within ``wait_s`` (the
+            message names the last refused answer), or a proven worker refused, naming the node and reason.
+        KeyboardInterrupt: a stop signal arrived while waiting.
     """
 
     def __init__(self, rdv: Rendezvous, cfg: EngineConfig, model_path: str, mc: ModelConfig,
-                 layer_ranges: list[range], max_seq_len: int):
+                 layer_ranges: list[range], max_seq_len: int, log=lambda text: None):
         if rdv.node_rank != 0:
             raise ValueError(f"the coordinator is node 0, got node_rank={rdv.node_rank}: run `ringshm worker` on "
                              f"the other nodes")
         self.rdv = rdv
         self.session = secrets.token_hex(8)
-        self.store = _store(rdv, True)
+        self.store, self.address = _serve_store(rdv)
         nonce = secrets.token_hex(16)
-        config = asdict(cfg)
-        hello = {"wire": wire_version(), "session": self.session, "nnodes": cfg.nnodes, "config": config,
+        hello = {"wire": wire_version(), "session": self.session, "nnodes": cfg.nnodes, "config": asdict(cfg),
                  "model": model_path, "fingerprint": fingerprint(model_path, mc, layer_ranges),
                  "max_seq_len": max_seq_len, "nonce": nonce}
         self.store.set(HELLO_KEY, json.dumps(hello))
         self.hosts = [rdv.local_addr()] + [""] * (cfg.nnodes - 1)
+        deadline = time.monotonic() + rdv.wait_s
         for r in range(1, cfg.nnodes):
-            answer = _get_json(self.store, f"ringshm/node{r}", rdv.wait_s,
-                               f"node {r} did not join within {rdv.wait_s:g} s: start `ringshm worker --nnodes "
-                               f"{cfg.nnodes} --node-rank {r} --master-addr {rdv.master_addr} --master-port "
-                               f"{rdv.master_port}` on it")
-            self.hosts[r] = str(answer.get("bind_addr", "?"))
-            where = f"node {r} ({self.hosts[r]})"
+            log(f"waiting for node {r}: `ringshm worker --nnodes {cfg.nnodes} --node-rank {r} --master-addr "
+                f"{rdv.master_addr} --master-port {rdv.master_port}` (up to {rdv.wait_s:g} s)")
+            self.hosts[r] = self._admit(r, nonce, deadline, log)
+
+    def _admit(self, r: int, nonce: str, deadline: float, log) -> str:
+        """Wait for node ``r``'s proven answer and acknowledge it; returns its address."""
+        key, refused = f"ringshm/node{r}", ""
+        while True:
+            raw = _wait_value(self.store, key, deadline)
+            if raw is None:
+                raise ClusterRefused(f"node {r} did not join within {self.rdv.wait_s:g} s" + (
+                    f"; refused meanwhile: {refused}" if refused else
+                    f": start `ringshm worker --node-rank {r} --master-addr {self.rdv.master_addr} --master-port "
+                    f"{self.rdv.master_port} ...` on it"))
+            self.store.delete_key(key)  # the next answer for node r is a new one
+            answer = _parse(raw)
+            theirs = str(answer.get("nonce", "")) if answer else ""
+            if answer is None or not hmac.compare_digest(str(answer.get("proof", "")),
+                                                         _proof(self.rdv.token, f"worker:{r}:{nonce}:{theirs}")):
+                refused = ("an answer that is not a JSON object" if answer is None else
+                           f"a worker at {answer.get('bind_addr', '?')} whose token does not match this head's "
+                           f"(give every node the same --token or {TOKEN_ENV})")
+                log(f"node {r}: refused {refused}")
+                if answer is not None and theirs:
+                    self.store.set(f"ringshm/ack{r}/{theirs}",
+                                   json.dumps({"ok": False, "error": "token: the head's token differs"}))
+                continue
+            where = f"node {r} ({answer.get('bind_addr', '?')})"
             if answer.get("error"):
                 raise ClusterRefused(f"{where} refused to join: {answer['error']}")
-            if not hmac.compare_digest(str(answer.get("proof", "")),
-                                       _proof(rdv.token, f"worker:{r}:{nonce}:{answer.get('nonce', '')}")):
-                self.store.set(f"ringshm/ack{r}", json.dumps({"ok": False, "error": "token: the head's token differs"}))
-                try:  # keep serving the store until the worker has read why (its own message names the token)
-                    self.store.wait([f"ringshm/read{r}"], timedelta(seconds=5))
-                except RuntimeError:
-                    pass
-                raise ClusterRefused(f"{where} was refused: its token does not match this head's (give every node "
-                                     f"the same --token or {TOKEN_ENV})")
-            self.store.set(f"ringshm/ack{r}", json.dumps(
-                {"ok": True, "proof": _proof(rdv.token, f"head:{r}:{answer['nonce']}"), "hosts": self.hosts[:r + 1]}))
+            self.store.set(f"ringshm/ack{r}/{theirs}", json.dumps(
+                {"ok": True, "proof": _proof(self.rdv.token, f"head:{r}:{theirs}"), "hosts": self.hosts[:r]}))
+            return str(answer.get("bind_addr", ""))
 
     def close(self) -> None:
         """Stop serving the store (the edges no longer need it once formed)."""
         self.store = None
 
 
-def join(rdv: Rendezvous, fingerprint_of) -> tuple[dict, object]:
+def join(rdv: Rendezvous, nnodes: int, fingerprint_of) -> tuple[dict, object]:
     """A worker's side of the rendezvous: wait for the head's HELLO, check it, answer, check the head's proof.
 
     ``fingerprint_of(hello)``: this node's fingerprint of the model the HELLO names (it may raise, e.g. the
-    model is not on this node). Returns ``(hello, store)``.
+    model is not on this node). Returns ``(hello, store)``. Every wait is cut into slices, so the whole takes
+    at most about ``wait_s`` and a stop signal ends it.
 
     Raises:
-        ClusterRefused: no head within ``wait_s``, a wire version or fingerprint that differs, a node rank
-            already taken or outside the head's ``nnodes``, or a token that differs (either way round).
+        ClusterRefused: no head within ``wait_s``, a wire version, node count or fingerprint that differs, a
+            node rank already taken, or a token that differs (either way round).
+        KeyboardInterrupt: a stop signal arrived while waiting.
     """
-    store = _store(rdv, False)
+    deadline = time.monotonic() + rdv.wait_s
+    store = _connect_store(rdv, deadline)
     r = rdv.node_rank
-    hello = _get_json(store, HELLO_KEY, rdv.wait_s, f"the head at {rdv.master_addr}:{rdv.master_port} posted no "
-                                                    f"HELLO within {rdv.wait_s:g} s")
+    where = f"the head at {rdv.master_addr}:{rdv.master_port}"
+    hello = _parse(_wait_value(store, HELLO_KEY, deadline))
+    if hello is None:
+        raise ClusterRefused(f"{where} posted no HELLO within {rdv.wait_s:g} s (is it a ringshm head?)")
+    if store.add(f"ringshm/claim{r}", 1) > 1:  # refused here only: the worker that holds the rank carries on
+        raise ClusterRefused(f"node rank: another worker already joined {where} as node {r}")
     error = None
     if hello.get("wire") != wire_version():
         error = (f"wire version: the head speaks {hello.get('wire')!r}, this worker {wire_version()!r}: run the same "
                  f"ringshm version on every node")
-    elif not 1 <= r < int(hello.get("nnodes", 0)):
-        error = (f"node rank: this worker is node {r}, the head runs {hello.get('nnodes')} nodes (ranks 1-"
-                 f"{int(hello.get('nnodes', 1)) - 1} are workers)")
-    elif store.add(f"ringshm/claim{r}", 1) > 1:
-        error = f"node rank: another worker already joined as node {r}"
+    elif hello.get("nnodes") != nnodes:
+        error = f"nnodes: the head runs {hello.get('nnodes')} nodes, this worker was started with --nnodes {nnodes}"
+    elif not 1 <= r < nnodes:
+        error = f"node rank: this worker is node {r}, ranks 1-{nnodes - 1} are workers"
     else:
         try:
             mine = fingerprint_of(hello)
@@ -238,15 +335,16 @@ def join(rdv: Rendezvous, fingerprint_of) -> tuple[dict, object]:
         "wire": wire_version(), "nonce": nonce, "bind_addr": rdv.local_addr(), "error": error,
         "proof": _proof(rdv.token, f"worker:{r}:{hello.get('nonce', '')}:{nonce}")}))
     if error:
-        raise ClusterRefused(f"refused to join the head at {rdv.master_addr}:{rdv.master_port}: {error}")
-    ack = _get_json(store, f"ringshm/ack{r}", rdv.wait_s, "the head did not answer this node's HELLO")
-    store.set(f"ringshm/read{r}", "1")
+        raise ClusterRefused(f"refused to join {where}: {error}")
+    ack = _parse(_wait_value(store, f"ringshm/ack{r}/{nonce}", deadline))
+    if ack is None:
+        raise ClusterRefused(f"{where} did not answer this node's HELLO within {rdv.wait_s:g} s")
     if not ack.get("ok"):
-        raise ClusterRefused(f"the head refused this node: {ack.get('error')} (give every node the same --token or "
+        raise ClusterRefused(f"{where} refused this node: {ack.get('error')} (give every node the same --token or "
                              f"{TOKEN_ENV})")
     if not hmac.compare_digest(str(ack.get("proof", "")), _proof(rdv.token, f"head:{r}:{nonce}")):
-        raise ClusterRefused(f"token: the head at {rdv.master_addr}:{rdv.master_port} does not know this worker's "
-                             f"token: refusing it (give every node the same --token or {TOKEN_ENV})")
+        raise ClusterRefused(f"token: {where} does not know this worker's token: refusing it (give every node the "
+                             f"same --token or {TOKEN_ENV})")
     hello["hosts"] = ack.get("hosts", [])
     return hello, store
 

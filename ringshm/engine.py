@@ -9,6 +9,7 @@ garbage-collected or the interpreter exits) stops the stages, reaps them and unl
 from __future__ import annotations
 
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 
@@ -78,7 +79,9 @@ class Engine:
                      local=node_ranges[0])
         plan, self._head = None, None
         if cfg.nnodes > 1:  # meet the workers before any stage starts: a refusal costs nothing
-            self._head = Head(rdv, cfg, self.model_path, self.model_config, self.layer_ranges, self.max_seq_len)
+            self._head = Head(rdv, cfg, self.model_path, self.model_config, self.layer_ranges, self.max_seq_len,
+                              log=(lambda text: print(f"ringshm: {text}", file=sys.stderr, flush=True))
+                              if progress else (lambda text: None))
             plan = NodePlan(0, node_ranges, cfg.stages, master_addr, master_port, self._head.session,
                             rdv.local_addr(), cfg.edge_timeout_s, connect_timeout_s(cfg), cfg.edge_latency_ms,
                             tuple(self._head.hosts))

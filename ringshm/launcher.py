@@ -360,10 +360,12 @@ class StageGroup:
     def check(self) -> None:
         """Raise StageDied naming the first stage process that is gone; a bridge that is gone names the stage
         across its edge (a local stage then often exits too, but only because its ring peer went)."""
-        for p, _, _, remote in self.bridges:
+        for k, (p, edge, _, remote) in enumerate(self.bridges):
             if not p.is_alive():
-                slot = self.cfg.stages + next(k for k, b in enumerate(self.bridges) if b[0] is p)
-                text = read_error(self.errors, slot) or f"the bridge exited with code {p.exitcode}"
+                text = read_error(self.errors, self.cfg.stages + k)
+                if not text:  # it wrote nothing: this host's own bridge process was killed or crashed
+                    how = f"killed by signal {-p.exitcode}" if (p.exitcode or 0) < 0 else f"exit code {p.exitcode}"
+                    text = f"this node's bridge of edge {edge} (pid {p.pid}) died: {how}"
                 raise StageDied(f"{self.describe(remote)} is unreachable: {text}", remote, p.exitcode)
         for i, p in zip(self.plan.stages, self.procs):
             if not p.is_alive():

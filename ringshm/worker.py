@@ -67,9 +67,6 @@ def run_worker(nnodes: int, node_rank: int, master_addr: str = "127.0.0.1", mast
                      os.environ.get(TOKEN_ENV) if token is None else token, wait_s)
 
     def check_here(hello: dict) -> str:
-        if int(hello.get("nnodes", 0)) != nnodes:
-            raise ValueError(f"nnodes: the head runs {hello.get('nnodes')} nodes, this worker was started with "
-                             f"--nnodes {nnodes}")
         path, cfg, mc, ranges = _local_model(hello, model)
         check_memory(cfg, mc, ranges, int(hello["max_seq_len"]),
                      bytes_per_weight=checkpoint_bytes_per_weight(path, mc),
@@ -77,7 +74,7 @@ def run_worker(nnodes: int, node_rank: int, master_addr: str = "127.0.0.1", mast
         return fingerprint(path, mc, ranges)
 
     log(f"node {node_rank}/{nnodes}: waiting for the head at {master_addr}:{master_port}")
-    hello, store = join(rdv, check_here)
+    hello, store = join(rdv, nnodes, check_here)
     path, cfg, mc, ranges = _local_model(hello, model)
     plan = NodePlan(node_rank, tuple(cfg.node_stage_ranges()), cfg.stages, master_addr, master_port,
                     hello["session"], rdv.local_addr(), cfg.edge_timeout_s, connect_timeout_s(cfg),

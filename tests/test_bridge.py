@@ -232,7 +232,7 @@ def test_a_worker_refuses_a_head_of_another_wire_version_and_says_so_to_it():
     store = _fake_head(port, wire="99.1")
     rdv = cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10)
     with pytest.raises(ClusterRefused, match="wire version: the head speaks '99.1'"):
-        cluster.join(rdv, lambda hello: "f")
+        cluster.join(rdv, 2, lambda hello: "f")
     answer = json.loads(store.get("ringshm/node1"))
     assert "wire version" in answer["error"]  # the head relays it: "node 1 refused to join: wire version ..."
 
@@ -242,7 +242,7 @@ def test_a_worker_refuses_a_model_whose_fingerprint_differs():
     store = _fake_head(port)
     rdv = cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10)
     with pytest.raises(ClusterRefused, match="model fingerprint"):
-        cluster.join(rdv, lambda hello: "not f")
+        cluster.join(rdv, 2, lambda hello: "not f")
     assert "model fingerprint" in json.loads(store.get("ringshm/node1"))["error"]
 
 
@@ -255,34 +255,76 @@ def test_a_worker_checks_the_heads_proof_of_the_token(worker_token, head_proof_t
     def head():
         answer = json.loads(store.get("ringshm/node1"))
         assert answer["proof"] == cluster._proof(worker_token, f"worker:1:n:{answer['nonce']}")
-        store.set("ringshm/ack1", json.dumps(
+        store.set(f"ringshm/ack1/{answer['nonce']}", json.dumps(
             {"ok": True, "proof": cluster._proof(head_proof_token, f"head:1:{answer['nonce']}")}))
 
     t = threading.Thread(target=head, daemon=True)
     t.start()
     if worker_token == head_proof_token:
-        hello, _ = cluster.join(rdv, lambda hello: "f")
+        hello, _ = cluster.join(rdv, 2, lambda hello: "f")
         assert hello["session"] == "s"
     else:
         with pytest.raises(ClusterRefused, match="token: the head .* does not know this worker's token"):
-            cluster.join(rdv, lambda hello: "f")
+            cluster.join(rdv, 2, lambda hello: "f")
     t.join(10)
 
 
-def test_a_second_worker_with_a_taken_node_rank_is_refused():
+def test_a_second_worker_with_a_taken_node_rank_is_refused_without_touching_the_first_ones_answer():
     port = free_port()
     store = _fake_head(port)
     store.add("ringshm/claim1", 1)  # node 1 already joined
-    with pytest.raises(ClusterRefused, match="already joined as node 1"):
-        cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10), lambda hello: "f")
+    store.set("ringshm/node1", "the first worker's answer")
+    with pytest.raises(ClusterRefused, match="already joined .* as node 1"):
+        cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10), 2, lambda hello: "f")
+    assert store.get("ringshm/node1") == b"the first worker's answer"
+
+
+def test_the_head_ignores_answers_without_a_proof_and_admits_the_worker_that_has_one(model_path):
+    """A stranger who reaches the port (garbage, a non-object, a wrong proof, an unproven refusal) cannot end
+    the head's wait; the real worker then joins."""
+    from ringshm.config import EngineConfig
+    from ringshm.loader import read_config
+
+    port = free_port()
+    cfg = EngineConfig(stages=2, nnodes=2)
+    mc = read_config(model_path)
+    ranges = cfg.layer_ranges(mc.n_layers)
+    box = {}
+    head = threading.Thread(target=lambda: box.update(head=cluster.Head(
+        cluster.Rendezvous(0, "127.0.0.1", port, token="s3cret", wait_s=30), cfg, str(model_path), mc, ranges,
+        512)), daemon=True)
+    head.start()
+    client = cluster._connect_store(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10), time.monotonic() + 10)
+    client.wait([cluster.HELLO_KEY], timedelta(seconds=10))
+    for junk in (b"\xff\xfe", b"[1, 2, 3]", b'{"error": "go away"}',
+                 json.dumps({"nonce": "x", "proof": "0" * 64, "error": "go away"}).encode()):
+        client.set("ringshm/node1", junk)
+        deadline = time.monotonic() + 10
+        while client.check(["ringshm/node1"]) and time.monotonic() < deadline:  # the head took it
+            time.sleep(0.05)
+    assert head.is_alive()  # still waiting
+    hello, _ = cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, token="s3cret", wait_s=10), 2,
+                            lambda hello: hello["fingerprint"])
+    head.join(10)
+    assert box["head"].hosts[1] == "127.0.0.1" and hello["session"] == box["head"].session
+    box["head"].close()
 
 
 def test_a_worker_waits_for_a_head_and_gives_up_naming_the_address():
     port = free_port()
     t0 = time.monotonic()
     with pytest.raises(ClusterRefused, match=f"no head at 127.0.0.1:{port} within 1 s"):
-        cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=1), lambda hello: "f")
-    assert time.monotonic() - t0 < 20
+        cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=1), 2, lambda hello: "f")
+    assert time.monotonic() - t0 < 3  # the wait it was given, not twice it
+
+
+def test_the_head_serves_the_rendezvous_on_master_addr_only():
+    port = free_port()
+    store, address = cluster._serve_store(cluster.Rendezvous(0, "127.0.0.1", port))
+    assert address == ("127.0.0.1", port)
+    with pytest.raises(ClusterRefused, match="free --master-port"):
+        cluster._serve_store(cluster.Rendezvous(0, "127.0.0.1", port))
+    del store
 
 
 def test_node_stages_split_evenly_node_0_first_or_as_given():
