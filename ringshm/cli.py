@@ -264,6 +264,10 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
+    # serve blocks SIGINT / SIGTERM while the engine starts (ringshm.server.serve). Block them before torch is
+    # imported: the thread it starts inherits the mask, so a signal stays pending for the main thread (which
+    # a rendezvous wait checks, ringshm.cluster) instead of being dropped on a thread that ignores it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     from ringshm.server import serve
 
     return serve(a.host, a.port, max_waiting=a.max_waiting, graceful_s=a.graceful_timeout,
