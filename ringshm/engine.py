@@ -17,7 +17,8 @@ from ringshm.cluster import DEFAULT_PORT, TOKEN_ENV, Head, NodePlan, Rendezvous,
 from ringshm.config import EngineConfig, GenerationParams, check_logit_bias
 from ringshm.coordinator import Link, Stream, TokenEvent
 from ringshm.errors import EngineOwned, InvalidParameter
-from ringshm.launcher import StageGroup, check_memory, checkpoint_bytes_per_weight, default_depth
+from ringshm.launcher import StageGroup, default_depth
+from ringshm.resources import check_memory, checkpoint_bytes_per_weight
 from ringshm.results import BatchResult, GenerationResult, result_of
 from ringshm.sampling import Sampler, TextStream
 from ringshm.scheduler import Scheduler, StepStats

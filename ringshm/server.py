@@ -47,7 +47,6 @@ import asyncio
 import logging
 import signal
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager

@@ -24,8 +24,11 @@ POLL_S = 0.1
 
 
 def _local_model(hello: dict, model: str | None):
-    """(path, EngineConfig, ModelConfig, layer ranges) of this node's copy of the head's model, after the
-    checks that must pass before it joins (the model is here; its stages fit this host's memory)."""
+    """(path, EngineConfig, ModelConfig, layer ranges) of this node's copy of the head's model.
+
+    Raises:
+        FileNotFoundError: the model is not on this node.
+    """
     from ringshm.loader import read_config
 
     path = model or hello["model"]
@@ -55,7 +58,8 @@ def run_worker(nnodes: int, node_rank: int, master_addr: str = "127.0.0.1", mast
     import os
 
     from ringshm.cluster import TOKEN_ENV
-    from ringshm.launcher import StageGroup, check_memory, checkpoint_bytes_per_weight
+    from ringshm.launcher import StageGroup
+    from ringshm.resources import check_memory, checkpoint_bytes_per_weight
 
     log = log or (lambda text: print(f"ringshm worker: {text}", file=sys.stderr, flush=True))
     if isinstance(nnodes, bool) or not isinstance(nnodes, int) or nnodes < 2:
@@ -94,7 +98,7 @@ def watch(group, settle_s: float, log) -> int:
     """Wait until a stage or bridge of ``group`` ends, give the rest ``settle_s`` to end on their own (after a
     SHUTDOWN every one does; after a failure the sending bridge first forwards what its stage sent), and
     return 0 when all ended cleanly, else 1 with the reason logged."""
-    children = group._children
+    children = group.children
     while all(p.is_alive() for p in children):
         time.sleep(POLL_S)
     deadline = time.monotonic() + settle_s

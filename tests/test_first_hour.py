@@ -19,7 +19,7 @@ from ringshm import EngineOwned, ResourceShortage, StageStartupError
 from ringshm.cli import build_parser, main
 from ringshm.config import EngineConfig
 from ringshm.engine import Engine
-from ringshm.launcher import check_memory, ring_capacities
+from ringshm.resources import check_memory, ring_capacities
 from ringshm.loader import read_config
 from ringshm.segment import Segment, list_segments, process_start_time
 
@@ -80,7 +80,7 @@ def test_rings_for_five_stages_fit_a_containers_default_64_mib_of_shm(model_path
 
 
 def test_rings_that_do_not_fit_dev_shm_are_refused_with_the_numbers_and_the_fix(model_path, monkeypatch):
-    monkeypatch.setattr("ringshm.launcher.shm_free_bytes", lambda: 20 * 2**20)
+    monkeypatch.setattr("ringshm.resources.shm_free_bytes", lambda: 20 * 2**20)
     before = set(list_segments())
     t0 = time.monotonic()
     with pytest.raises(ResourceShortage) as info:
@@ -104,7 +104,7 @@ def test_a_segment_dev_shm_cannot_back_fails_with_enospc_not_a_later_sigbus(monk
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_any_stage_starts(model_path, monkeypatch):
-    monkeypatch.setattr("ringshm.launcher.available_memory_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr("ringshm.resources.available_memory_bytes", lambda: 16 * 2**30)
     t0 = time.monotonic()
     with pytest.raises(ResourceShortage) as info:
         Engine(model_path, stages=3, max_rows=64, max_seq_len=8192, progress=False)
