@@ -22,7 +22,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import time
 from datetime import timedelta
 
 import pytest
