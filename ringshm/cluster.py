@@ -1,4 +1,5 @@
-"""Stages on several hosts: where the nodes meet, how they prove they belong together, who runs what.
+"""Stages on several hosts: where the nodes meet and how they prove they belong together (what each node then
+runs: ``ringshm.launcher.NodePlan``).
 
 The coordinator's host is node 0 (the head); every other host runs ``ringshm worker`` (``ringshm.worker``).
 Stages are split over the nodes in order (``EngineConfig.node_stage_ranges``); inside a node every hop is a
@@ -37,13 +38,6 @@ from ringshm.errors import ClusterRefused
 HELLO_KEY = "ringshm/hello"
 TOKEN_ENV = "RINGSHM_TOKEN"  # the one environment variable: a secret does not belong on a command line (ps)
 DEFAULT_PORT = 29500  # torch.distributed's customary master port
-
-
-def connect_timeout_s(cfg: EngineConfig) -> float:
-    """How long an edge may take to form: both ends' bridges start within seconds of the rendezvous (an
-    interpreter and torch to import), so 2 minutes, or ``startup_timeout_s`` if shorter. A peer that died in
-    between is noticed then instead of after a long startup timeout."""
-    return min(cfg.startup_timeout_s, 120.0)
 
 
 def wire_version() -> str:
@@ -357,56 +351,3 @@ def config_from_hello(hello: dict, model_path: str) -> EngineConfig:
             c[key] = tuple(c[key])
     c["model"] = model_path
     return EngineConfig(**c)
-
-
-@dataclass(frozen=True)
-class NodePlan:
-    """What one node runs: its stages, its rings' neighbours across hosts, and how its bridges meet.
-
-    ``stages``: the global indices of this node's stages; ``node_ranges``: every node's. Ring ``i`` is stage
-    ``i``'s input (ring ``n_stages``: the replies). A node owns rings ``stages.start .. stages.stop``; node 0 of
-    a multi-node engine also owns the coordinator's reply ring, fed by the return edge.
-    """
-
-    node: int
-    node_ranges: tuple[range, ...]
-    n_stages: int
-    store_addr: str = "127.0.0.1"
-    store_port: int = DEFAULT_PORT
-    session: str = ""
-    bind_addr: str = "127.0.0.1"
-    timeout_s: float = 5.0
-    connect_timeout_s: float = 600.0
-    latency_ms: float = 0.0
-    hosts: tuple[str, ...] = ()
-
-    @property
-    def stages(self) -> range:
-        return self.node_ranges[self.node]
-
-    @property
-    def nnodes(self) -> int:
-        return len(self.node_ranges)
-
-    def node_of(self, stage: int) -> int:
-        """The node running ``stage``."""
-        return next(j for j, r in enumerate(self.node_ranges) if stage in r)
-
-    def host(self, node: int) -> str:
-        """How messages name ``node``: ``node 1 (10.0.0.2)`` where its address is known."""
-        addr = self.hosts[node] if node < len(self.hosts) and self.hosts[node] else ""
-        return f"node {node} ({addr})" if addr else f"node {node}"
-
-    def edges(self) -> list[tuple[int, int, int]]:
-        """This node's bridges as ``(edge, rank, remote stage)``: rank 0 sends (its ring's producer is here),
-        rank 1 receives; the remote stage is the one across the edge (-1: the coordinator)."""
-        if self.nnodes == 1:
-            return []
-        out = []
-        if self.node > 0:  # ring stages.start comes from the previous node
-            out.append((self.stages.start, 1, self.stages.start - 1))
-        stop = self.stages.stop  # ring stages.stop goes to the next node, or back to the coordinator
-        out.append((stop, 0, stop if stop < self.n_stages else -1))
-        if self.node == 0:
-            out.append((self.n_stages, 1, self.n_stages - 1))
-        return out

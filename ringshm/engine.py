@@ -13,11 +13,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from ringshm.cluster import DEFAULT_PORT, TOKEN_ENV, Head, NodePlan, Rendezvous, connect_timeout_s
+from ringshm.cluster import DEFAULT_PORT, TOKEN_ENV, Head, Rendezvous
 from ringshm.config import EngineConfig, GenerationParams, check_logit_bias
 from ringshm.coordinator import Link, Stream, TokenEvent
 from ringshm.errors import EngineOwned, InvalidParameter
-from ringshm.launcher import StageGroup, default_depth
+from ringshm.launcher import NodePlan, StageGroup, connect_timeout_s, default_depth
 from ringshm.resources import check_memory, checkpoint_bytes_per_weight
 from ringshm.results import BatchResult, GenerationResult, result_of
 from ringshm.sampling import Sampler, TextStream

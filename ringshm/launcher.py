@@ -24,12 +24,13 @@ import multiprocessing as mp
 import os
 import time
 import weakref
+from dataclasses import dataclass
 from contextlib import contextmanager
 
 from ringshm import messages as m
 from ringshm.bridge import bridge_main
 from ringshm.edge import EdgeSpec
-from ringshm.cluster import NodePlan
+from ringshm.cluster import DEFAULT_PORT
 from ringshm.config import EngineConfig
 from ringshm.errors import RingTimeout, StageDied, StageError, StageStartupError
 from ringshm.ring import Ring
@@ -37,6 +38,66 @@ from ringshm.resources import check_shm, ring_capacities
 from ringshm.segment import sweep_stale
 from ringshm.stage import (ERROR_BYTES, LOADED, N_SLOTS, SLOT_BUSY_S, SLOT_OPS, SLOT_STATE, StageSpec, read_error,
                            stage_main)
+
+
+def connect_timeout_s(cfg: EngineConfig) -> float:
+    """How long an edge may take to form: both ends' bridges start within seconds of the rendezvous (an
+    interpreter and torch to import), so 2 minutes, or ``startup_timeout_s`` if shorter. A peer that died in
+    between is noticed then instead of after a long startup timeout."""
+    return min(cfg.startup_timeout_s, 120.0)
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What one node runs: its stages, its rings' neighbours across hosts, and how its bridges meet.
+
+    ``stages``: the global indices of this node's stages; ``node_ranges``: every node's. Ring ``i`` is stage
+    ``i``'s input (ring ``n_stages``: the replies). A node owns rings ``stages.start .. stages.stop``; node 0 of
+    a multi-node engine also owns the coordinator's reply ring, fed by the return edge.
+    """
+
+    node: int
+    node_ranges: tuple[range, ...]
+    n_stages: int
+    store_addr: str = "127.0.0.1"
+    store_port: int = DEFAULT_PORT
+    session: str = ""
+    bind_addr: str = "127.0.0.1"
+    timeout_s: float = 5.0
+    connect_timeout_s: float = 600.0
+    latency_ms: float = 0.0
+    hosts: tuple[str, ...] = ()
+
+    @property
+    def stages(self) -> range:
+        return self.node_ranges[self.node]
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.node_ranges)
+
+    def node_of(self, stage: int) -> int:
+        """The node running ``stage``."""
+        return next(j for j, r in enumerate(self.node_ranges) if stage in r)
+
+    def host(self, node: int) -> str:
+        """How messages name ``node``: ``node 1 (10.0.0.2)`` where its address is known."""
+        addr = self.hosts[node] if node < len(self.hosts) and self.hosts[node] else ""
+        return f"node {node} ({addr})" if addr else f"node {node}"
+
+    def edges(self) -> list[tuple[int, int, int]]:
+        """This node's bridges as ``(edge, rank, remote stage)``: rank 0 sends (its ring's producer is here),
+        rank 1 receives; the remote stage is the one across the edge (-1: the coordinator)."""
+        if self.nnodes == 1:
+            return []
+        out = []
+        if self.node > 0:  # ring stages.start comes from the previous node
+            out.append((self.stages.start, 1, self.stages.start - 1))
+        stop = self.stages.stop  # ring stages.stop goes to the next node, or back to the coordinator
+        out.append((stop, 0, stop if stop < self.n_stages else -1))
+        if self.node == 0:
+            out.append((self.n_stages, 1, self.n_stages - 1))
+        return out
 
 
 def default_depth(cfg: EngineConfig) -> int:

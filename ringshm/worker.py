@@ -16,8 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from ringshm.cluster import (DEFAULT_PORT, NodePlan, Rendezvous, config_from_hello, connect_timeout_s, fingerprint,
-                             join)
+from ringshm.cluster import DEFAULT_PORT, Rendezvous, config_from_hello, fingerprint, join
 from ringshm.stage import read_error
 
 POLL_S = 0.1
@@ -58,7 +57,7 @@ def run_worker(nnodes: int, node_rank: int, master_addr: str = "127.0.0.1", mast
     import os
 
     from ringshm.cluster import TOKEN_ENV
-    from ringshm.launcher import StageGroup
+    from ringshm.launcher import NodePlan, StageGroup, connect_timeout_s
     from ringshm.resources import check_memory, checkpoint_bytes_per_weight
 
     log = log or (lambda text: print(f"ringshm worker: {text}", file=sys.stderr, flush=True))

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from ringshm import bridge, cluster, edge, messages as m
 from ringshm.edge import CREDIT_WINDOW, Edge, EdgeSpec, pack_header, parse_header
 from ringshm.errors import ClusterRefused, EdgeError
+from ringshm.launcher import NodePlan
 from ringshm.ring import Ring
 from ringshm.stage import ERROR_BYTES, read_error
 
@@ -336,6 +337,6 @@ def test_node_stages_split_evenly_node_0_first_or_as_given():
         EngineConfig(stages=4, nnodes=2, node_stages=(1, 2))
     with pytest.raises(ValueError, match="at least one stage per node"):
         EngineConfig(stages=2, nnodes=3)
-    plan = cluster.NodePlan(1, (range(0, 2), range(2, 4)), 4)
+    plan = NodePlan(1, (range(0, 2), range(2, 4)), 4)
     assert plan.edges() == [(2, 1, 1), (4, 0, -1)]
-    assert cluster.NodePlan(0, (range(0, 2), range(2, 4)), 4).edges() == [(2, 0, 2), (4, 1, 3)]
+    assert NodePlan(0, (range(0, 2), range(2, 4)), 4).edges() == [(2, 0, 2), (4, 1, 3)]
