@@ -330,9 +330,12 @@ def join(rdv: Rendezvous, nnodes: int, fingerprint_of) -> tuple[dict, object]:
         "proof": _proof(rdv.token, f"worker:{r}:{hello.get('nonce', '')}:{nonce}")}))
     if error:
         raise ClusterRefused(f"refused to join {where}: {error}")
-    ack = _parse(_wait_value(store, f"ringshm/ack{r}/{nonce}", deadline))
+    # The wait for the head's answer starts now, not when this worker started waiting for a head: the head
+    # admits nodes in rank order, within its own startup timeout (in its HELLO), however late it came.
+    answer_s = _answer_wait_s(hello, rdv.wait_s)
+    ack = _parse(_wait_value(store, f"ringshm/ack{r}/{nonce}", time.monotonic() + answer_s))
     if ack is None:
-        raise ClusterRefused(f"{where} did not answer this node's HELLO within {rdv.wait_s:g} s")
+        raise ClusterRefused(f"{where} did not answer this node's HELLO within {answer_s:g} s")
     if not ack.get("ok"):
         raise ClusterRefused(f"{where} refused this node: {ack.get('error')} (give every node the same --token or "
                              f"{TOKEN_ENV})")
@@ -341,6 +344,16 @@ def join(rdv: Rendezvous, nnodes: int, fingerprint_of) -> tuple[dict, object]:
                              f"same --token or {TOKEN_ENV})")
     hello["hosts"] = ack.get("hosts", [])
     return hello, store
+
+
+def _answer_wait_s(hello: dict, wait_s: float) -> float:
+    """How long a worker waits for the head's answer once it has answered: the head's startup timeout (the
+    longest the head itself waits for its nodes), else the worker's ``wait_s``."""
+    try:
+        head_s = float((hello.get("config") or {}).get("startup_timeout_s", wait_s))
+    except (TypeError, ValueError, AttributeError):
+        head_s = wait_s
+    return head_s if 0 < head_s <= 86400 else wait_s
 
 
 def config_from_hello(hello: dict, model_path: str) -> EngineConfig:

@@ -46,6 +46,7 @@ class Link:
         self._seq = 0
         self.work_s = 0.0  # coordinator time between taking a reply and sending the next op (see send)
         self._t_reply: float | None = None
+        self.busy_since = 0.0  # time.monotonic() of the last send that found nothing in flight (see send)
 
     @property
     def in_flight(self) -> int:
@@ -65,6 +66,8 @@ class Link:
         if self._t_reply is not None:  # the coordinator's own work since the last reply (sampling, text, ...)
             self.work_s += time.perf_counter() - self._t_reply
             self._t_reply = None
+        if not self.pending:  # work arrives after idle: the stall clocks of ringshm.serving start here
+            self.busy_since = time.monotonic()
         msg.seq = self._seq
         self._seq += 1
         n = m.encoded_size(msg)

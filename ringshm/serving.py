@@ -197,7 +197,8 @@ class AsyncEngine:
         self.max_queue_wait_s = max_queue_wait_s
         self.on_step = on_step
         self._stalled: StageStalled | None = None
-        self._progress: list[tuple[int, float]] = []  # per stage: (ops applied, when that count was first seen)
+        self._progress: list[tuple[int, float]] = []  # per stage: (ops applied, when its stall clock started)
+        self._progress_base = 0.0  # the clock base _progress was started from (see _watch_stall)
         engine.tokenizer  # noqa: B018 -- load it here, not on the first request
         # The dispatcher decodes with its own tokenizer instance: the callers' threads encode with the
         # engine's, and one HF tokenizer used from two threads at once can fail ("Already borrowed").
@@ -365,20 +366,27 @@ class AsyncEngine:
             link.drain()
 
     def _watch_stall(self, run: Scheduler, last_reply: float, op_timeout_s: float) -> None:
-        """No reply yet: name a stage that has had an op waiting and applied none for ``op_timeout_s``.
+        """No reply yet: name a stage that has held work it was given for ``op_timeout_s`` without progress.
 
-        Stage i has work while the stage before it (stage 0: the coordinator) has passed on more ops than i
-        has applied; its clock restarts whenever its applied-op counter moves or it has nothing to do. A
-        stopped stage makes the stages before it wait on their full output rings (their counters freeze too),
-        so the last stage that looks stuck is named. On a stall every open request fails with
-        ``StageStalled`` (their rows free as the stalled ops come back)."""
+        The clock rule (a stage is timed only while it holds work):
+        - Stage i has work while the stage before it (stage 0: the coordinator) has passed on more ops than i
+          has applied (``Engine.stage_ops``).
+        - Every stage's clock starts at ``base``, the later of the last reply (every stage moved then) and
+          the first send after nothing was in flight (``Link.busy_since``: work arriving after idle).
+          Time spent idle therefore never counts, however long it was.
+        - It restarts whenever the stage's applied-op counter moves or it is seen with nothing to do.
+        A stopped stage makes the stages before it wait on their full output rings (their counters freeze too),
+        so the last stage that looks stuck is named. Without per-stage counters the engine as a whole is timed
+        from ``base``. On a stall every open request fails with ``StageStalled`` (their rows free as the
+        stalled ops come back)."""
         now = time.monotonic()
+        base = max(last_reply, self.engine._link.busy_since)
         stage_ops = getattr(self.engine, "stage_ops", None)
         stalled = None
         if stage_ops is not None:
             ops = stage_ops()
-            if len(self._progress) != len(ops):
-                self._progress = [(n, now) for n in ops]
+            if self._progress_base != base or len(self._progress) != len(ops):
+                self._progress, self._progress_base = [(n, base) for n in ops], base
             upstream = self.engine._link.n_sent
             for i, n in enumerate(ops):
                 seen, since = self._progress[i]
@@ -387,8 +395,8 @@ class AsyncEngine:
                 elif now - since > op_timeout_s:
                     stalled = (i, now - since)  # the last one: a stopped stage also freezes those before it
                 upstream = n
-        elif now - last_reply > op_timeout_s:
-            stalled = (-1, now - last_reply)
+        elif now - base > op_timeout_s:
+            stalled = (-1, now - base)
         if stalled is None or self._stalled is not None:
             return
         i, held_s = stalled

@@ -14,6 +14,7 @@ and the logprob bits are answered from them by ``ringshm.head``, as the real las
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +90,21 @@ class RecordingModel(OracleModel):
         return super().step(x, segments, targets)
 
 
+class GatedModel(OracleModel):
+    """An oracle whose ops wait on ``gate`` (a stopped stage) and take ``op_s`` each (a busy one)."""
+
+    def __init__(self, *args, op_s: float = 0.0, **kw):
+        super().__init__(*args, **kw)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.op_s = op_s
+
+    def step(self, *args, **kw):
+        assert self.gate.wait(timeout=60)
+        time.sleep(self.op_s)
+        return super().step(*args, **kw)
+
+
 class SwappingRing:
     """Wraps the stage's output ring: holds back reply ``swap_at`` and sends it after the next one."""
 
@@ -128,15 +144,31 @@ class TamperingRing(SwappingRing):
         self.ring.send(data, timeout_s=5)
 
 
+class RelayModel:
+    """A first stage in front of the oracle: takes ``op_s`` per op and passes the token ids on unchanged (as a
+    real stage passes hidden states), so a fake run has stages that can be busy or idle one after another."""
+
+    def __init__(self, op_s: float = 0.0):
+        self.op_s = op_s
+        self.device = torch.device("cpu")
+
+    def reset(self, rows) -> None:
+        pass
+
+    def step(self, x, segments, targets=None):
+        time.sleep(self.op_s)
+        return x
+
+
 @dataclass
 class FakeRing:
-    """A coordinator ``Link`` wired to one fake stage running ``serve`` in a thread."""
+    """A coordinator ``Link`` wired to fake stages running ``serve`` in threads (relays first, the oracle last)."""
 
     link: Link
     model: OracleModel
-    thread: threading.Thread
-    rings: tuple[Ring, Ring]
-    status: list  # the stage's shared counters (N_SLOTS doubles), as ``StageGroup.status`` holds them
+    threads: list[threading.Thread]
+    rings: list[Ring]
+    status: list  # the stages' shared counters (N_SLOTS doubles each), as ``StageGroup.status`` holds them
 
     def close(self) -> None:
         try:
@@ -144,37 +176,45 @@ class FakeRing:
             self.link.recv(timeout_s=5)
         except Exception:
             pass
-        self.thread.join(timeout=5)
+        for t in self.threads:
+            t.join(timeout=5)
         for r in self.rings:
             r.close()
             r.unlink()
 
 
 def start_fake_ring(model: OracleModel, swap_at: int | None = None, tamper_at: int | None = None,
-                    max_op_tokens: int = 1 << 20) -> FakeRing:
-    to_stage, from_stage = Ring.create(1 << 20), Ring.create(1 << 20)
-    spec = StageSpec(index=0, n_stages=1, model_path="", layer_start=0, layer_stop=1, max_rows=model.max_rows,
-                     max_seq_len=model.max_seq_len, dtype="float32", device="cpu", in_ring=to_stage.name,
-                     out_ring=from_stage.name, cores=1, ring_timeout_s=5, max_op_tokens=max_op_tokens)
-    status = [0.0] * N_SLOTS
-    out = (SwappingRing(from_stage, swap_at) if swap_at is not None else
-           TamperingRing(from_stage, tamper_at) if tamper_at is not None else from_stage)
+                    max_op_tokens: int = 1 << 20, relays: list[RelayModel] = ()) -> FakeRing:
+    """The oracle ``model`` as the last of ``len(relays) + 1`` fake stages, each ``serve`` on its own thread."""
+    models = [*relays, model]
+    n = len(models)
+    rings = [Ring.create(1 << 20) for _ in range(n + 1)]
+    status = [0.0] * (N_SLOTS * n)
+    threads = []
+    for i, stage_model in enumerate(models):
+        spec = StageSpec(index=i, n_stages=n, model_path="", layer_start=i, layer_stop=i + 1,
+                         max_rows=model.max_rows, max_seq_len=model.max_seq_len, dtype="float32", device="cpu",
+                         in_ring=rings[i].name, out_ring=rings[i + 1].name, cores=1, ring_timeout_s=5,
+                         max_op_tokens=max_op_tokens)
+        out = rings[i + 1]
+        if i == n - 1:
+            out = (SwappingRing(out, swap_at) if swap_at is not None else
+                   TamperingRing(out, tamper_at) if tamper_at is not None else out)
 
-    def run():
-        try:
-            serve(model, spec, to_stage, out, status)
-        except PeerDied:
-            pass
+        def run(stage_model=stage_model, spec=spec, rin=rings[i], out=out):
+            try:
+                serve(stage_model, spec, rin, out, status)
+            except PeerDied:
+                pass
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+        threads.append(threading.Thread(target=run, daemon=True))
+        threads[-1].start()
 
     def check_stages():
-        if not thread.is_alive():
-            raise PeerDied("the fake stage thread ended")
+        if not all(t.is_alive() for t in threads):
+            raise PeerDied("a fake stage thread ended")
 
-    return FakeRing(Link(to_stage, from_stage, check_stages, op_timeout_s=10), model, thread,
-                    (to_stage, from_stage), status)
+    return FakeRing(Link(rings[0], rings[-1], check_stages, op_timeout_s=10), model, threads, rings, status)
 
 
 def make_stream(index: int, script: list[int], prompt_len: int, max_new_tokens: int, row: int = -1) -> Stream:

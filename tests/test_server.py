@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import urllib.error
@@ -33,6 +34,7 @@ from ringshm.segment import list_segments, process_start_time
 from ringshm.serving import AsyncEngine
 
 N_NEW = 12
+SMALL_OP_TIMEOUT_S = 3  # --op-timeout of the small server
 MAIN_ARGS = ["--stages", "3", "--max-seq-len", "1024", "--max-rows", "8", "--prefill-chunk", "64"]
 PROMPTS = CHATS[:3] + ["Name a colour.", "What is 2 + 2?", "Say hello in French.", "Give me a fruit.",
                        "Why is the sea salty?"]
@@ -349,8 +351,9 @@ def test_async_engine_tasks_get_solo_answers_and_a_cancelled_task_cancels_only_i
 # ---------------------------------------------------------------------------- small server: 429 and 503
 @pytest.fixture(scope="module")
 def small_server(tmp_path_factory):
-    server = Server(["--stages", "2", "--max-seq-len", "256", "--max-rows", "1", "--max-waiting", "1",
-                     "--prefill-chunk", "64", "--op-timeout", "3"], tmp_path_factory.mktemp("server") / "small.log")
+    server = Server(["--stages", "2", "--max-seq-len", "512", "--max-rows", "1", "--max-waiting", "1",
+                     "--prefill-chunk", "256", "--op-timeout", str(SMALL_OP_TIMEOUT_S)],
+                    tmp_path_factory.mktemp("server") / "small.log")
     server.wait_healthy()
     yield server
     server.stop()
@@ -379,15 +382,37 @@ def test_a_request_beyond_max_rows_plus_max_waiting_gets_429(small_server):
           and small_server.metrics()["ringshm_requests_waiting{}"] == 0, what="both requests cancelled")
 
 
+def test_requests_after_idling_past_op_timeout_are_answered_one_after_another_and_at_once(small_server):
+    """Issue 19: a server idle longer than --op-timeout answered its next requests with 503 stage_stalled."""
+    client = small_server.client()
+    model = client.models.list().data[0].id
+    # Prompts of ~170 tokens, one prefill chunk: an op takes longer than the dispatcher's step wait, so the
+    # stall watch looks at the stages while they work. The first request ends on its last prefill chunk
+    # (max_tokens 1, as a scoring harness sends): the watch last saw stage 0 done and stage 1 busy.
+    prompts = [f"{word} " * 150 + "Summarise." for word in ("alpha", "beta", "gamma", "delta", "omega", "sigma")]
+    assert _chat(client, model, prompts[0], max_tokens=1).choices[0].finish_reason in ("length", "stop")
+    time.sleep(SMALL_OP_TIMEOUT_S + 1)  # idle
+    for prompt in prompts[1:4]:
+        assert _chat(client, model, prompt, max_tokens=4).choices[0].finish_reason in ("length", "stop")
+    time.sleep(SMALL_OP_TIMEOUT_S + 1)
+    with ThreadPoolExecutor(2) as pool:  # max_rows 1 + max_waiting 1
+        done = list(pool.map(lambda p: _chat(client, model, p, max_tokens=4), prompts[4:]))
+    assert all(c.choices[0].finish_reason in ("length", "stop") for c in done)
+
+
 def test_a_stopped_stage_is_reported_after_op_timeout_then_the_server_recovers(small_server):
     client = small_server.client()
     model = client.models.list().data[0].id
     pid = json.loads(_http(f"{small_server.url}/health")[1])["stages"][1]["pid"]
+    time.sleep(SMALL_OP_TIMEOUT_S + 1)  # idle first: the stall clock runs only while a stage holds work
     os.kill(pid, signal.SIGSTOP)
     try:
+        t0 = time.monotonic()
         with pytest.raises(openai.InternalServerError) as info:
             _chat(client, model, "Hi")
+        held_s = time.monotonic() - t0
         assert info.value.status_code == 503 and "stage 1" in str(info.value)
+        assert SMALL_OP_TIMEOUT_S <= held_s < SMALL_OP_TIMEOUT_S + 2, held_s  # op_timeout_s + about a step
         code, text = _http(f"{small_server.url}/health")
         assert code == 503 and json.loads(text)["stalled_stage"] == 1, text
     finally:

@@ -15,28 +15,13 @@ import urllib.request
 import pytest
 import uvicorn
 
-from fake_stage import OracleModel
+from fake_stage import GatedModel
 from ringshm.server import create_app
 from ringshm.serving import AsyncEngine
 from ringshm.stage import SLOT_OPS
 from test_serving import FakeEngine
 
 MODEL_ID = "fake"
-
-
-class GatedModel(OracleModel):
-    """An oracle whose ops wait on ``gate`` (a stopped stage) and take ``op_s`` each (a busy one)."""
-
-    def __init__(self, *args, op_s: float = 0.0, **kw):
-        super().__init__(*args, **kw)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.op_s = op_s
-
-    def step(self, *args, **kw):
-        assert self.gate.wait(timeout=60)
-        time.sleep(self.op_s)
-        return super().step(*args, **kw)
 
 
 class ServerEngine(FakeEngine):

@@ -30,8 +30,8 @@ def scripts(n: int, length: int = 400, seed: int = 0) -> list[list[int]]:
 class FakeEngine:
     """What ``AsyncEngine`` uses of an ``Engine``, over one fake stage; a prompt is a list of token ids."""
 
-    def __init__(self, model: OracleModel):
-        self.ring = start_fake_ring(model)
+    def __init__(self, model: OracleModel, relays=()):
+        self.ring = start_fake_ring(model, relays=relays)
         self._link, self._job, self.model_path, self.tokenizer = self.ring.link, 0, "", None
         self.config = SimpleNamespace(max_rows=model.max_rows, prefill_chunk=4, prefill_depth=8, op_timeout_s=10)
         self.max_seq_len = 4096
