@@ -1,10 +1,15 @@
 """Build and install ringshm; the C ring and kernels become the cffi extension ``ringshm._C``."""
 
+import re
+from pathlib import Path
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'__version__ = "([^"]+)"', (Path(__file__).parent / "ringshm" / "version.py").read_text())[1]
 
 setup(
     name="ringshm",
-    version="0.1.0",
+    version=VERSION,
     description="Single-host pipeline-parallel LLM inference over lock-free shared-memory rings",
     packages=find_packages(include=["ringshm", "ringshm.*"]),
     python_requires=">=3.10",

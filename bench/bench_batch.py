@@ -32,7 +32,7 @@ import time
 import pytest
 
 from conftest import cpu_label
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 
 STAGES = 3
 CHUNK = 64

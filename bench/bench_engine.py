@@ -14,9 +14,9 @@ import time
 import pytest
 import torch
 
-from ringshm.engine import Engine
-from ringshm.model import StageModel
-from ringshm.models import default_model_path
+from ringshm.engine.engine import Engine
+from ringshm.model.packaged import default_model_path
+from ringshm.model.stage_model import StageModel
 
 PROMPT = "Explain in a few sentences how a ring buffer lets two processes exchange messages."
 N_NEW = 48

@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ringshm import kernels
+from ringshm.model import kernels
 
 HQ, HKV, D = 9, 3, 64
 SHAPES = [(n, ctx) for n in (1, 8) for ctx in (128, 512, 1024, 4096)] + [(256, ctx) for ctx in (512, 1024, 4096)]

@@ -1,4 +1,4 @@
-"""The quantized matmul (ringshm.qmatmul) vs torch's fp32 ``F.linear`` on the dequantized weights, same run.
+"""The quantized matmul (ringshm.model.qmatmul) vs torch's fp32 ``F.linear`` on the dequantized weights, same run.
 
 Shapes are SmolLM2-135M's: the fused QKV (576 → 960), the attention output (576 → 576), the fused gate-up
 (576 → 3072) and down (1536 → 576), all Q4_1 as in the checkpoint, and the tied LM head (576 → 49152, Q8_0).
@@ -23,7 +23,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from ringshm import qmatmul as qm
+from ringshm.model import qmatmul as qm
 
 SHAPES = {  # name: (N, K, type)
     "qkv 576->960": (960, 576, qm.Q4_1),

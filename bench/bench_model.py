@@ -19,9 +19,9 @@ import time
 import pytest
 import torch
 
-from ringshm.model import StageModel
-from ringshm.models import default_model_path
-from ringshm.tokenizer import load_tokenizer
+from ringshm.model.packaged import default_model_path
+from ringshm.model.stage_model import StageModel
+from ringshm.model.tokenizer import load_tokenizer
 
 PROMPT = ("Explain how a single-producer single-consumer ring buffer in shared memory lets two processes "
           "exchange messages without locks. Cover the head and tail indices, memory ordering, what happens "

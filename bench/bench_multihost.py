@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from ring_bench_workers import record_echo
-from ringshm import messages as m
-from ringshm.bridge import bridge_main
-from ringshm.edge import EdgeSpec
-from ringshm.engine import Engine
-from ringshm.ring import Ring
-from ringshm.stage import ERROR_BYTES
+from ringshm.engine.engine import Engine
+from ringshm.transport import messages as m
+from ringshm.transport.bridge import bridge_main
+from ringshm.transport.edge import EdgeSpec
+from ringshm.transport.error_buffer import ERROR_BYTES
+from ringshm.transport.ring import Ring
 
 CTX = mp.get_context("spawn")
 RTT_PER_ROUND = 200

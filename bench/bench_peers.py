@@ -70,10 +70,9 @@ BASELINE_STAGE_RSS_MB = {1: 983.0, 3: 584.0}
 def _llama_worker(conn, model_path: str, n_threads: int) -> None:
     """Serve ("decode", ids, n_new) / ("prefill", ids) / ("rss",) / ("close",) on ``conn`` with one Llama."""
     try:
+        import llama_cpp
         import numpy as np
         import psutil
-
-        import llama_cpp
 
         proc = psutil.Process()
         rss_base = proc.memory_info().rss
@@ -179,8 +178,8 @@ class Session:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ringshm.engine import Engine
-        from ringshm.models import default_model_path
+        from ringshm.engine.engine import Engine
+        from ringshm.model.packaged import default_model_path
 
         self.model_path = default_model_path()
         self.cpu = cpu_info()

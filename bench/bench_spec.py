@@ -11,7 +11,7 @@ import statistics
 
 import pytest
 
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 
 N_NEW = 48
 SPEC = dict(spec="ngram", spec_k=6, spec_depth=2)

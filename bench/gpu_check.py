@@ -30,8 +30,8 @@ def oracle_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]
 def main() -> int:
     from transformers import AutoModelForCausalLM
 
-    from ringshm.engine import Engine
-    from ringshm.models import default_model_path
+    from ringshm.engine.engine import Engine
+    from ringshm.model.packaged import default_model_path
 
     if not torch.cuda.is_available():
         print("gpu_check: torch sees no CUDA device", file=sys.stderr)

@@ -62,7 +62,7 @@ def ring_sink(in_name: str, ack_name: str, record_bytes: int, copy_out: bool) ->
 def record_echo(in_name: str, out_name: str) -> None:
     """Send every ring record back unchanged until a SHUTDOWN record has gone back (bench_multihost.py: the
     records cross bridges, which only carry real ringshm records)."""
-    from ringshm import messages as m
+    from ringshm.transport import messages as m
 
     rin, rout = Ring.attach(in_name, role="consumer"), Ring.attach(out_name, role="producer")
     while True:

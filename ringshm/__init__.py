@@ -11,27 +11,43 @@ from __future__ import annotations
 
 from importlib import import_module
 
-from ringshm.errors import (ClusterRefused, EdgeError, EngineClosed, EngineOwned, InvalidParameter, KVCacheOverflow, PeerDied, QueueFull, QueueTimeout,
-                            RecordTooLarge, RequestFailed, ResourceShortage, RingshmError, RingTimeout,
-                            StageDied, StageError, StageStalled, StageStartupError)
-from ringshm.ring import Ring
-
-__version__ = "0.1.0"
+from ringshm.errors import (
+    ClusterRefused,
+    EdgeError,
+    EngineClosed,
+    EngineOwned,
+    InvalidParameter,
+    KVCacheOverflow,
+    PeerDied,
+    QueueFull,
+    QueueTimeout,
+    RecordTooLarge,
+    RequestFailed,
+    ResourceShortage,
+    RingshmError,
+    RingTimeout,
+    StageDied,
+    StageError,
+    StageStalled,
+    StageStartupError,
+)
+from ringshm.transport.ring import Ring
+from ringshm.version import __version__
 
 # name -> module that defines it; imported on first access (they pull in torch).
 _LAZY = {
-    "Engine": "ringshm.engine",
-    "BatchStream": "ringshm.engine",
-    "AsyncEngine": "ringshm.serving",
-    "Chunk": "ringshm.serving",
-    "RequestStream": "ringshm.serving",
-    "GenerationResult": "ringshm.results",
-    "BatchResult": "ringshm.results",
-    "TokenEvent": "ringshm.coordinator",
-    "TokenLogprob": "ringshm.logprobs",
+    "Engine": "ringshm.engine.engine",
+    "BatchStream": "ringshm.engine.engine",
+    "AsyncEngine": "ringshm.engine.async_engine",
+    "Chunk": "ringshm.engine.request_stream",
+    "RequestStream": "ringshm.engine.request_stream",
+    "GenerationResult": "ringshm.engine.results",
+    "BatchResult": "ringshm.engine.results",
+    "TokenEvent": "ringshm.engine.coordinator",
+    "TokenLogprob": "ringshm.engine.logprobs",
     "EngineConfig": "ringshm.config",
     "GenerationParams": "ringshm.config",
-    "run_worker": "ringshm.worker",
+    "run_worker": "ringshm.runtime.worker",
 }
 
 __all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "EdgeError", "EngineClosed", "EngineOwned", "InvalidParameter", "KVCacheOverflow", "PeerDied",

@@ -12,7 +12,7 @@ Text streams to stdout as it is generated; a one-line summary (TTFT, decode tok/
 stderr. With ``--json``, stdout holds exactly one JSON object: the result's fields. With ``--batch-file``
 (one prompt per line), every prompt is served at once; each answer is printed when the run ends as
 ``[i] text``, and ``--json`` gives ``{"wall_s", "output_tok_s", "results": [...]}``. ``serve`` runs
-the OpenAI-compatible server (``ringshm.server``) until SIGTERM or Ctrl-C, then exits 0.
+the OpenAI-compatible server (``ringshm.server.app``) until SIGTERM or Ctrl-C, then exits 0.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 def _cluster_args(p: argparse.ArgumentParser, worker: bool = False) -> None:
     """The rendezvous flags, shared by serve / generate (node 0) and worker (the other nodes: --nnodes and
     --node-rank required there)."""
-    from ringshm.cluster import DEFAULT_PORT, TOKEN_ENV
+    from ringshm.transport.cluster import DEFAULT_PORT, TOKEN_ENV
 
     if worker:
         p.add_argument("--nnodes", type=int, required=True, help="hosts the stages run on, as the head was given")
@@ -126,7 +126,7 @@ def _rendezvous_kwargs(a: argparse.Namespace) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     """The ``ringshm`` argument parser: ``generate``, ``serve`` and ``worker``; every option's help shows its
     default."""
-    from ringshm import __version__
+    from ringshm.version import __version__
 
     parser = argparse.ArgumentParser(prog="ringshm", description="Pipeline-parallel LLM inference over "
                                      "shared-memory rings.", formatter_class=_HelpFormatter)
@@ -195,9 +195,19 @@ def _sampling(a: argparse.Namespace) -> dict:
                 chat=a.chat, spec=a.spec, spec_k=a.spec_k, spec_depth=a.spec_depth)
 
 
-def _generate_batch(a: argparse.Namespace) -> int:
-    from ringshm.engine import Engine
+def _start_engine(a: argparse.Namespace):
+    """The ``Engine`` of ``generate``'s options. A stop signal while the stages load stops them at once (they
+    are killed: they hold nothing yet) and says so on stderr before it propagates."""
+    from ringshm.engine.engine import Engine
 
+    try:
+        return Engine(progress=not a.json, **_engine_kwargs(a))
+    except (KeyboardInterrupt, Signalled):
+        print("\nringshm: stopped while the stages loaded; every stage process and segment is gone", file=sys.stderr)
+        raise
+
+
+def _generate_batch(a: argparse.Namespace) -> int:
     try:
         with open(a.batch_file, encoding="utf-8") as f:
             lines = [(n, line.rstrip("\n")) for n, line in enumerate(f, 1) if line.strip()]
@@ -206,7 +216,7 @@ def _generate_batch(a: argparse.Namespace) -> int:
     prompts = [text for _, text in lines]
     if not prompts:
         raise ValueError(f"--batch-file {a.batch_file} holds no prompt (one per line)")
-    with Engine(progress=not a.json, **_engine_kwargs(a)) as engine:
+    with _start_engine(a) as engine:
         out = engine.generate_batch(prompts, a.max_new_tokens, **_sampling(a))
     if a.json:
         print(json.dumps({"wall_s": out.wall_s, "output_tok_s": out.output_tok_s,
@@ -220,23 +230,42 @@ def _generate_batch(a: argparse.Namespace) -> int:
     return 0
 
 
-def _check_early(a: argparse.Namespace) -> None:
-    """What can be checked before any stage starts (loading the stages takes seconds)."""
-    from ringshm.config import EngineConfig, GenerationParams
+def _check_engine(a: argparse.Namespace) -> None:
+    """The engine options, checked before torch is imported or any stage starts (loading takes seconds)."""
+    from ringshm.config import EngineConfig
 
-    GenerationParams(max_new_tokens=a.max_new_tokens, **_sampling(a))
     EngineConfig(**{k: v for k, v in _engine_kwargs(a).items() if k != "model" and k not in RENDEZVOUS_KEYS})
     if a.node_rank != 0:
         raise ValueError(f"--node-rank {a.node_rank}: generate / serve run the coordinator, node 0; start the other "
                          f"nodes with `ringshm worker --node-rank N`")
+
+
+def _check_early(a: argparse.Namespace) -> None:
+    """What ``generate`` can check before any stage starts."""
+    from ringshm.config import GenerationParams
+
+    _check_engine(a)
+    GenerationParams(max_new_tokens=a.max_new_tokens, **_sampling(a))
     if a.max_new_tokens >= a.max_seq_len:
         raise ValueError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in --max-seq-len "
                          f"{a.max_seq_len}: lower --max-new-tokens or raise --max-seq-len")
 
 
-def _generate(a: argparse.Namespace) -> int:
-    from ringshm.engine import Engine
+def _check_serve(a: argparse.Namespace) -> None:
+    """What ``serve`` can check before any stage starts (the listening socket is bound after this)."""
+    from ringshm.config import GenerationParams
 
+    _check_engine(a)
+    GenerationParams(spec=a.spec, spec_k=a.spec_k, spec_depth=a.spec_depth)
+    for flag, value, ok, rule in (("--max-waiting", a.max_waiting, a.max_waiting >= 0, ">= 0"),
+                                  ("--max-queue-wait", a.max_queue_wait, a.max_queue_wait > 0, "> 0"),
+                                  ("--max-body-bytes", a.max_body_bytes, a.max_body_bytes >= 1, ">= 1"),
+                                  ("--graceful-timeout", a.graceful_timeout, a.graceful_timeout >= 0, ">= 0")):
+        if not ok:
+            raise ValueError(f"{flag} must be {rule}, got {value}")
+
+
+def _generate(a: argparse.Namespace) -> int:
     if a.batch_file and a.prompt is not None:
         raise ValueError("give either a PROMPT or --batch-file, not both")
     if not a.batch_file and not a.prompt:
@@ -244,12 +273,11 @@ def _generate(a: argparse.Namespace) -> int:
     _check_early(a)
     if a.batch_file:
         return _generate_batch(a)
-
     def show(ev) -> None:
         sys.stdout.write(ev.text)
         sys.stdout.flush()
 
-    with Engine(progress=not a.json, **_engine_kwargs(a)) as engine:
+    with _start_engine(a) as engine:
         result = engine.generate(a.prompt, a.max_new_tokens, on_token=None if a.json else show, **_sampling(a))
         stages = engine.config.stages
     if a.json:
@@ -264,13 +292,22 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    # serve blocks SIGINT / SIGTERM while the engine starts (ringshm.server.serve). Block them before torch is
-    # imported: the thread it starts inherits the mask, so a signal stays pending for the main thread (which
-    # a rendezvous wait checks, ringshm.cluster) instead of being dropped on a thread that ignores it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    from ringshm.server import serve
+    from ringshm.server.listen import bind_listener
 
-    return serve(a.host, a.port, max_waiting=a.max_waiting, graceful_s=a.graceful_timeout,
+    # Arguments and the port first, before torch and the stages: a mistake costs a second, not a model load.
+    _check_serve(a)
+    sock = bind_listener(a.host, a.port)
+    # serve blocks SIGINT / SIGTERM while the engine starts (ringshm.server.app.serve). Block them before torch is
+    # imported: the thread it starts inherits the mask, so a signal stays pending for the main thread (which
+    # the startup waits check, ringshm.transport.cluster.check_interrupted) instead of being dropped on a thread
+    # that ignores it.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # it unblocks the stop signals when it starts (ringshm.server.app)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    from ringshm.server.app import serve
+
+    return serve(a.host, a.port, sock=sock, max_waiting=a.max_waiting, graceful_s=a.graceful_timeout,
                  max_queue_wait_s=a.max_queue_wait, max_body_bytes=a.max_body_bytes,
                  model_name=a.served_model_name, spec=a.spec, spec_k=a.spec_k, spec_depth=a.spec_depth,
                  log_level=a.log_level,
@@ -278,7 +315,7 @@ def _serve(a: argparse.Namespace) -> int:
 
 
 def _worker(a: argparse.Namespace) -> int:
-    from ringshm.worker import run_worker
+    from ringshm.runtime.worker import run_worker
 
     return run_worker(a.nnodes, a.node_rank, a.master_addr, a.master_port, model=a.model, token=a.token,
                       bind_addr=a.bind_addr, wait_s=a.wait)
@@ -331,7 +368,7 @@ class Signalled(BaseException):
 def _exit_on_signals():
     """While the body runs, SIGTERM and SIGHUP raise ``Signalled`` (SIGINT raises KeyboardInterrupt already).
 
-    The stages ignore all three (``ringshm.stage``): the coordinator stops them in order when it unwinds.
+    The stages ignore all three (``ringshm.runtime.stage``): the coordinator stops them in order when it unwinds.
     """
     def handler(signum, frame):
         raise Signalled(signum)

@@ -1,7 +1,7 @@
 """Typed, frozen configuration: what a model is (``ModelConfig``). No environment knobs.
 
 The shape of a checkpoint comes from its own metadata (GGUF key/values or an HF ``config.json``), read by
-``ringshm.loader.read_config``; nothing here reads files or the environment. An engine configuration (how to
+``ringshm.model.loader.read_config``; nothing here reads files or the environment. An engine configuration (how to
 run: stages, rows, chunk sizes) belongs in this module too, next to ``ModelConfig``.
 """
 
@@ -74,7 +74,7 @@ class EngineConfig:
     """How to run a model: stage processes, KV rows, prefill chunking. No environment knobs.
 
     Args:
-        model: a ``.gguf`` file or an HF directory; None = the default model (``ringshm.models``).
+        model: a ``.gguf`` file or an HF directory; None = the default model (``ringshm.model.packaged``).
         stages: stage processes, each owning a contiguous layer range.
         layer_split: layers per stage (e.g. ``(10, 10, 10)``), summing to the model's layer count; None =
             as even as possible, earlier stages taking the remainder.
@@ -83,8 +83,8 @@ class EngineConfig:
         prefill_depth: step ops carrying prefill chunks in flight at once (1 = serial; more pipelines the
             stages).
         depth: step ops carrying decode / verify segments in flight at once: the pipeline's micro-batches
-            (``ringshm.scheduler``). None = ``ringshm.launcher.default_depth``: one per stage where every stage
-            computes on its own (a GPU each, or 2+ cores per stage), else 1.
+            (``ringshm.engine.scheduler``). None = ``ringshm.runtime.launcher.default_depth``: one per stage
+            where every stage computes on its own (a GPU each, or 2+ cores per stage), else 1.
         max_step_tokens: token budget of one step op for prefill chunks (decode and verify segments always
             go in). None = ``prefill_chunk``.
         max_seq_len: positions per KV row (prompt + generated); capped at the model's context length.
@@ -94,8 +94,9 @@ class EngineConfig:
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.
         link_latency_ms: simulated latency of every hop (0: none), standing in for the slow links the seed
             project ran over; each receiver holds a record until its send time plus this.
-        nnodes: hosts the stages run on (``ringshm.cluster``): the coordinator's host is node 0, the others run
-            ``ringshm worker``; between hosts the ring crosses over torch.distributed (``ringshm.bridge``).
+        nnodes: hosts the stages run on (``ringshm.transport.cluster``): the coordinator's host is node 0, the
+            others run ``ringshm worker``; between hosts the ring crosses over torch.distributed
+            (``ringshm.transport.bridge``).
         node_stages: stages per node, in node order (e.g. ``(1, 3)``), summing to ``stages``; None = as even as
             possible, earlier nodes taking the remainder.
         edge_timeout_s: an edge between hosts that carries nothing for this long (no record, no heartbeat: a
@@ -245,7 +246,7 @@ class GenerationParams:
             log-softmax, before temperature, penalties and logit_bias (vLLM's default ``raw_logprobs``).
         prompt_logprobs: None (off) or k in [0, ``MAX_TOP_LOGPROBS``]: the logprob of each prompt token after
             the first given the ones before it, and the k most likely there (the first token has none).
-        The order the sampler applies them in: ``ringshm.sampling.Sampler``. Any of logit_bias, the penalties
+        The order the sampler applies them in: ``ringshm.engine.sampling.Sampler``. Any of logit_bias, the penalties
         or min_tokens makes even a greedy request take the last stage's logits, and rules out ``spec``.
 
     Raises:

@@ -77,7 +77,7 @@ def check_status(status: int, context: str = "") -> int:
     raise cls(f"{context}: {what}" if context else what)
 
 
-# Model side: loading a checkpoint and addressing the KV cache (ringshm/loader.py, ringshm/model.py).
+# Model side: loading a checkpoint and addressing the KV cache (ringshm/model/loader.py, ringshm/model/stage_model.py).
 
 
 class InvalidParameter(RingshmError, ValueError):
@@ -143,11 +143,11 @@ class KVCacheOverflow(StageError, ValueError):
 
 class ClusterRefused(RingshmError, ConnectionRefusedError):
     """A node refused another (wire version, model fingerprint, token, node rank) or never showed up
-    (``ringshm.cluster``); the message names the node and the reason."""
+    (``ringshm.transport.cluster``); the message names the node and the reason."""
 
 
 class EdgeError(RingshmError, ConnectionError):
-    """An edge between hosts broke (``ringshm.bridge``): the peer closed it or went silent, or sent something
+    """An edge between hosts broke (``ringshm.transport.bridge``): the peer closed it or went silent, or sent something
     that breaks the wire."""
 
 

@@ -3,7 +3,7 @@ then decodes until it is killed. Usage: python _multihost_head.py PORT"""
 
 import sys
 
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 
 if __name__ == "__main__":
     port = int(sys.argv[1])

@@ -24,7 +24,7 @@ from ringshm.errors import (
     RoleTaken,
     SegmentMismatch,
 )
-from ringshm.segment import Segment
+from ringshm.transport.segment import Segment
 
 # Stress record: seq u64 | crc32 of the body u32 | body length u32 | body.
 STRESS_HEADER = struct.Struct("<QII")

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ringshm.loader import Checkpoint, StageWeights
-from ringshm.model import StageModel
-from ringshm.models import default_model_path
+from ringshm.model.loader import Checkpoint, StageWeights
+from ringshm.model.packaged import default_model_path
+from ringshm.model.stage_model import StageModel
 
 TIE_MARGIN = 1e-2  # DESIGN.md: oracle top-1/top-2 logit margin under which a divergence is a float tie
 MAX_SEQ_LEN = 512  # positions per KV row in the session stage
@@ -88,7 +88,7 @@ def full_stage(full_stage_session) -> StageModel:
 
 @pytest.fixture(scope="session")
 def tokenizer(model_path):
-    from ringshm.tokenizer import load_tokenizer
+    from ringshm.model.tokenizer import load_tokenizer
 
     return load_tokenizer(model_path)
 
@@ -167,7 +167,7 @@ def no_segment_left_behind():
     ``pytestmark = pytest.mark.usefixtures("no_segment_left_behind")``)."""
     import os
 
-    from ringshm.segment import Segment, creator_of, list_segments
+    from ringshm.transport.segment import Segment, creator_of, list_segments
 
     before = set(list_segments())
     yield

@@ -1,4 +1,4 @@
-"""A fake-ring harness: the real rings, protocol, stage loop (``ringshm.stage.serve``) and coordinator, with a
+"""A fake-ring harness: the real rings, protocol, stage loop (``ringshm.runtime.stage.serve``) and coordinator, with a
 model that answers like an oracle, so losslessness is an exact equality and a run takes milliseconds.
 
 ``OracleModel`` holds scripted sequences T (keyed by their first token). A row's KV "content" is the tokens
@@ -7,7 +7,7 @@ So any segment applied to the wrong row, out of order, or over positions never w
 token. Reading past what a row holds raises ``KVRangeError`` (an ERROR reply), exactly as ``StageModel`` does.
 Every position the head runs at has fake logits ``[vocab]``: 10 at the oracle's answer, 9 at the id after it, 0
 elsewhere (so its argmax is the answer, and banning the answer picks the next id); ``WANT_LOGITS`` returns them
-and the logprob bits are answered from them by ``ringshm.head``, as the real last stage does.
+and the logprob bits are answered from them by ``ringshm.model.head``, as the real last stage does.
 ``RecordingModel`` records every step op the stage sees as a tuple of its segments ``(row, start, n)``.
 """
 
@@ -19,13 +19,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ringshm import messages as m
-from ringshm.coordinator import Link, Stream
+from ringshm.engine.coordinator import Link, Stream
+from ringshm.engine.sampling import Sampler, TextStream
 from ringshm.errors import KVRangeError, PeerDied
-from ringshm.head import head_outputs, plan_head
-from ringshm.ring import Ring
-from ringshm.sampling import Sampler, TextStream
-from ringshm.stage import N_SLOTS, StageSpec, serve
+from ringshm.model.head import head_outputs, plan_head
+from ringshm.runtime.stage import N_SLOTS, StageSpec, serve
+from ringshm.transport import messages as m
+from ringshm.transport.ring import Ring
 
 WRONG = 0  # the token an oracle gives for a context that is not a prefix of its script
 EOS = 2

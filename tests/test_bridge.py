@@ -1,4 +1,5 @@
-"""The edge between hosts (ringshm.edge, ringshm.bridge) and the rendezvous (ringshm.cluster), without a model.
+"""The edge between hosts (ringshm.transport.edge, .bridge) and the rendezvous (ringshm.transport.cluster),
+without a model.
 
 - Header rules: every field a hostile peer controls is checked before anything is allocated.
 - Both ends of an edge in this process (two gloo ranks on threads, real rings): records cross in order and
@@ -22,12 +23,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringshm import bridge, cluster, edge, messages as m
-from ringshm.edge import CREDIT_WINDOW, Edge, EdgeSpec, pack_header, parse_header
 from ringshm.errors import ClusterRefused, EdgeError
-from ringshm.launcher import NodePlan
-from ringshm.ring import Ring
-from ringshm.stage import ERROR_BYTES, read_error
+from ringshm.runtime.launcher import NodePlan
+from ringshm.transport import bridge, cluster, edge
+from ringshm.transport import messages as m
+from ringshm.transport.edge import CREDIT_WINDOW, Edge, EdgeSpec, pack_header, parse_header
+from ringshm.transport.error_buffer import ERROR_BYTES, read_error
+from ringshm.transport.ring import Ring
 
 pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
 
@@ -284,7 +286,7 @@ def test_the_head_ignores_answers_without_a_proof_and_admits_the_worker_that_has
     """A stranger who reaches the port (garbage, a non-object, a wrong proof, an unproven refusal) cannot end
     the head's wait; the real worker then joins."""
     from ringshm.config import EngineConfig
-    from ringshm.loader import read_config
+    from ringshm.model.loader import read_config
 
     port = free_port()
     cfg = EngineConfig(stages=2, nnodes=2)

@@ -23,12 +23,13 @@ import pytest
 import torch.distributed as dist
 
 from fake_stage import GatedModel, RelayModel, make_stream, start_fake_ring
-from ringshm import bridge, cluster, messages as m
+from ringshm.engine.async_engine import AsyncEngine
+from ringshm.engine.scheduler import Scheduler
 from ringshm.errors import ClusterRefused, QueueTimeout, StageStalled
-from ringshm.ring import Ring
-from ringshm.scheduler import Scheduler
-from ringshm.serving import AsyncEngine
-from ringshm.stage import N_SLOTS, SLOT_OPS
+from ringshm.runtime.stage import N_SLOTS, SLOT_OPS
+from ringshm.transport import bridge, cluster
+from ringshm.transport import messages as m
+from ringshm.transport.ring import Ring
 from test_bridge import _pair, _Run, free_port, record
 from test_serving import FakeEngine, scripts
 
@@ -51,7 +52,7 @@ class WatchedEngine(FakeEngine):
 
 @pytest.fixture
 def watched(monkeypatch):
-    monkeypatch.setattr("ringshm.tokenizer.load_tokenizer", lambda path: None)  # fake prompts are ids
+    monkeypatch.setattr("ringshm.model.tokenizer.load_tokenizer", lambda path: None)  # fake prompts are ids
     made = []
 
     def make(model, **kw) -> AsyncEngine:

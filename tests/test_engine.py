@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_prompts import long_user_message
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 
 N_SHORT = 16  # greedy tokens compared for the short prompts
 N_LONG = 8  # and for the long one (its prefill dominates)

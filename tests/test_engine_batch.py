@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from engine_prompts import LONG_TEXT, LONG_TOPICS
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 from ringshm.errors import StageDied
-from ringshm.segment import list_segments, process_start_time
+from ringshm.transport.segment import list_segments, process_start_time
 
 N_NEW = 10
 CHUNK = 32

@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 from ringshm.errors import StageDied, StageStartupError
-from ringshm.segment import list_segments, process_start_time
+from ringshm.transport.segment import list_segments, process_start_time
 
 KW = dict(prefill_chunk=64, max_rows=1, max_seq_len=256, progress=False)
 

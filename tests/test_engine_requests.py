@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from engine_prompts import long_user_message
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 from ringshm.errors import KVCacheOverflow
 
 ENGINE_KW = dict(prefill_chunk=64, prefill_depth=8, max_rows=2, max_seq_len=1024, progress=False)

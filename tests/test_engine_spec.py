@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 
 N_NEW = 24
 PASSAGE = ("A ring buffer moves records between two processes without copying them through the kernel. "

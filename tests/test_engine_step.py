@@ -14,13 +14,14 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine_prompts import long_user_message
 from ringshm.config import GenerationParams
-from ringshm.engine import Engine
-from ringshm.sampling import Sampler
-from ringshm.scheduler import Scheduler
+from ringshm.engine.engine import Engine
+from ringshm.engine.sampling import Sampler
+from ringshm.engine.scheduler import Scheduler
 
 SEED = 20261201
 CHUNK = 64

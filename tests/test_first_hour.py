@@ -18,10 +18,10 @@ import ringshm
 from ringshm import EngineOwned, ResourceShortage, StageStartupError
 from ringshm.cli import build_parser, main
 from ringshm.config import EngineConfig
-from ringshm.engine import Engine
-from ringshm.resources import check_memory, ring_capacities
-from ringshm.loader import read_config
-from ringshm.segment import Segment, list_segments, process_start_time
+from ringshm.engine.engine import Engine
+from ringshm.model.loader import read_config
+from ringshm.runtime.resources import check_memory, ring_capacities
+from ringshm.transport.segment import Segment, list_segments, process_start_time
 
 KW = dict(prefill_chunk=64, max_rows=1, max_seq_len=256, progress=False)
 pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
@@ -35,8 +35,9 @@ def _run(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess:
 def test_import_ringshm_does_not_import_torch_and_engine_names_load_lazily():
     code = ("import sys, ringshm; assert 'torch' not in sys.modules, 'torch imported'; "
             "from ringshm import Engine, AsyncEngine, GenerationResult, BatchResult, StageDied, QueueFull; "
-            "import ringshm.engine, ringshm.serving; "
-            "assert Engine is ringshm.engine.Engine and AsyncEngine is ringshm.serving.AsyncEngine; print('ok')")
+            "import ringshm.engine.engine, ringshm.engine.async_engine; "
+            "assert Engine is ringshm.engine.engine.Engine; "
+            "assert AsyncEngine is ringshm.engine.async_engine.AsyncEngine; print('ok')")
     out = _run("-c", code)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
@@ -80,7 +81,7 @@ def test_rings_for_five_stages_fit_a_containers_default_64_mib_of_shm(model_path
 
 
 def test_rings_that_do_not_fit_dev_shm_are_refused_with_the_numbers_and_the_fix(model_path, monkeypatch):
-    monkeypatch.setattr("ringshm.resources.shm_free_bytes", lambda: 20 * 2**20)
+    monkeypatch.setattr("ringshm.runtime.resources.shm_free_bytes", lambda: 20 * 2**20)
     before = set(list_segments())
     t0 = time.monotonic()
     with pytest.raises(ResourceShortage) as info:
@@ -104,7 +105,7 @@ def test_a_segment_dev_shm_cannot_back_fails_with_enospc_not_a_later_sigbus(monk
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_any_stage_starts(model_path, monkeypatch):
-    monkeypatch.setattr("ringshm.resources.available_memory_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr("ringshm.runtime.resources.available_memory_bytes", lambda: 16 * 2**30)
     t0 = time.monotonic()
     with pytest.raises(ResourceShortage) as info:
         Engine(model_path, stages=3, max_rows=64, max_seq_len=8192, progress=False)

@@ -1,4 +1,4 @@
-"""The C kernels (csrc/kernels.c via ringshm.kernels) against the plain torch reference, and their contracts.
+"""The C kernels (csrc/kernels.c via ringshm.model.kernels) against the plain torch reference, and their contracts.
 
 The reference is an independent implementation (matmul, boolean mask, torch.softmax); the C path is an online
 softmax with a hand-written exp, so agreement to 1e-5 is a real check, not a tautology.
@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from ringshm import kernels
 from ringshm.errors import KVRangeError
+from ringshm.model import kernels
 
 ATOL = RTOL = 1e-5
 

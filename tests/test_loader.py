@@ -15,12 +15,12 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from ringshm.dequant import dequantize
 from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitecture, UnsupportedQuantType
-from ringshm import loader
-from ringshm.loader import Checkpoint, read_config
-from ringshm.model import StageModel
-from ringshm.reference import run_stages
+from ringshm.model import loader
+from ringshm.model.dequant import dequantize
+from ringshm.model.loader import Checkpoint, read_config
+from ringshm.model.reference import run_stages
+from ringshm.model.stage_model import StageModel
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -271,7 +271,7 @@ def test_a_quantized_tiny_gguf_keeps_each_weight_in_its_encoding(tmp_path):
 
 
 def test_the_gguf_tokenizer_is_cached_and_carries_the_chat_template(model_path, tokenizer):
-    from ringshm.tokenizer import DEFAULT_CACHE_DIR, load_tokenizer, tokenizer_cache_key
+    from ringshm.model.tokenizer import DEFAULT_CACHE_DIR, load_tokenizer, tokenizer_cache_key
 
     entry = DEFAULT_CACHE_DIR / "tokenizers" / tokenizer_cache_key(model_path)
     assert (entry / "tokenizer.json").is_file()  # the session fixture converted or reused it
@@ -285,7 +285,7 @@ def test_the_gguf_tokenizer_is_cached_and_carries_the_chat_template(model_path, 
 
 
 def test_a_tokenizer_for_a_path_that_is_no_model_is_refused(tmp_path):
-    from ringshm.tokenizer import load_tokenizer
+    from ringshm.model.tokenizer import load_tokenizer
 
     with pytest.raises(FileNotFoundError, match="neither"):
         load_tokenizer(tmp_path / "nothing.bin")

@@ -1,4 +1,4 @@
-"""Logprobs at the last stage (``ringshm.head``) and through the scheduler: the values against the transformers
+"""Logprobs at the last stage (``ringshm.model.head``) and through the scheduler: the values against the transformers
 oracle's log-softmax (within 1e-4, prompt positions and the generated one), their bits whatever the chunking,
 the batch-mates and the thread count, and the wire (targets forwarded, replies split per segment) on the fake
 oracle ring."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from fake_stage import EOS, OracleModel, start_fake_ring
-from ringshm import messages as m
 from ringshm.config import GenerationParams
-from ringshm.engine import new_stream
-from ringshm.head import logprob_rows
-from ringshm.scheduler import Scheduler
+from ringshm.engine.engine import new_stream
+from ringshm.engine.scheduler import Scheduler
+from ringshm.model.head import logprob_rows
+from ringshm.transport import messages as m
 
 K = 5
 TOL = 1e-4  # issue 14: logprobs equal the oracle's log-softmax within 1e-4

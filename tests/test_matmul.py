@@ -1,4 +1,4 @@
-"""The quantized, batch-invariant matmul (csrc/matmul.h, ringshm.qmatmul) and the per-row RMSNorm / SwiGLU.
+"""The quantized, batch-invariant matmul (csrc/matmul.h, ringshm.model.qmatmul) and the per-row RMSNorm / SwiGLU.
 
 Closeness is bounded against an fp64 product of the exactly dequantized weights; invariance compares bits
 (row i of an M-row product against the same row alone, over M and thread counts); every ISA path this CPU runs
@@ -13,9 +13,9 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
-from ringshm import kernels
-from ringshm import qmatmul as qm
 from ringshm._C import ffi, lib
+from ringshm.model import kernels
+from ringshm.model import qmatmul as qm
 
 U = 2.0 ** -24  # fp32 unit roundoff
 GGUF_QUANT = {qm.Q4_0: QT.Q4_0, qm.Q4_1: QT.Q4_1, qm.Q8_0: QT.Q8_0}

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ringshm.errors import KVRangeError
-from ringshm.model import StageModel
-from ringshm.reference import greedy_generate, run_stages
+from ringshm.model.reference import greedy_generate, run_stages
+from ringshm.model.stage_model import StageModel
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -173,7 +173,7 @@ def test_inputs_of_the_wrong_kind_for_the_stage_are_refused(checkpoint, full_wei
 def test_a_ragged_step_equals_each_segment_run_alone(full_stage, prompts):
     """A decode, a 4-token verify and a 7-token prefill chunk in one step op give, byte for byte, what each
     gives alone (batch-invariant kernels), in any table order."""
-    from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_NONE
+    from ringshm.transport.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_NONE
 
     gen = torch.Generator().manual_seed(0)
     vocab = full_stage.config.vocab
@@ -197,7 +197,7 @@ def test_a_ragged_step_equals_each_segment_run_alone(full_stage, prompts):
 
 @torch.inference_mode()
 def test_a_ragged_step_through_split_stages_equals_one_stage(full_stage, full_weights, prompts):
-    from ringshm.messages import WANT_ALL, WANT_LAST, WANT_LOGITS
+    from ringshm.transport.messages import WANT_ALL, WANT_LAST, WANT_LOGITS
 
     stages = _stages(full_stage.config, full_weights, [0, 12, 30], max_rows=2)
     for r in (0, 1):

@@ -10,6 +10,7 @@ tree (``python -m ringshm worker``, a new session) with its own segment tag; the
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -24,9 +25,9 @@ import pytest
 import torch
 
 from engine_prompts import long_user_message
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 from ringshm.errors import ClusterRefused, StageDied
-from ringshm.segment import list_segments, sweep_stale
+from ringshm.transport.segment import list_segments, sweep_stale
 from test_bridge import free_port
 
 pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
@@ -184,7 +185,7 @@ def test_a_worker_whose_model_copy_differs_is_refused_by_name_on_both_sides(mode
 
 
 def test_ringshm_serve_and_ringshm_worker_as_the_readme_shows(tmp_path):
-    from test_server import Server
+    from test_server import Server, _http
 
     port = free_port()
     worker = start_worker(port)
@@ -192,6 +193,10 @@ def test_ringshm_serve_and_ringshm_worker_as_the_readme_shows(tmp_path):
                      "--stages", "2", "--max-seq-len", "512", "--max-rows", "2"], tmp_path / "serve.log")
     try:
         server.wait_healthy()
+        stages = json.loads(_http(f"{server.url}/health")[1])["stages"]
+        assert [(s["stage"], s["node"], s["seen"], s["alive"]) for s in stages] == [
+            (0, 0, "process", True), (1, 1, "edges", True)], stages  # the worker's stage, seen through the edges
+        assert stages[0]["pid"] > 0 and stages[1]["pid"] is None
         r = server.client().completions.create(model=server.client().models.list().data[0].id,
                                                prompt="The capital of France is", max_tokens=8, temperature=0)
         assert r.usage.completion_tokens == 8

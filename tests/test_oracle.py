@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringshm.reference import greedy_generate
+from ringshm.model.reference import greedy_generate
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 

@@ -27,7 +27,7 @@ from ringshm.errors import (
     RingTimeout,
     SegmentMismatch,
 )
-from ringshm.segment import Segment, list_segments
+from ringshm.transport.segment import Segment, list_segments
 
 # Layout from csrc/ring.h, restated here so that the tests check it rather than borrow it.
 HEADER_BYTES = 512

@@ -17,12 +17,12 @@ import struct
 import threading
 import time
 
-import _ring_workers as workers
 import pytest
 
+import _ring_workers as workers
 from ringshm import Ring
 from ringshm.errors import PeerDied, RoleTaken
-from ringshm.segment import Segment, creator_of, list_segments, sweep_stale
+from ringshm.transport.segment import Segment, creator_of, list_segments, sweep_stale
 
 CTX = multiprocessing.get_context("spawn")
 STARTUP_S = 60.0  # generous: a spawned interpreter on a loaded 2-core machine

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ringshm.sampling import Sampler, TextStream
+from ringshm.engine.sampling import Sampler, TextStream
 
 TEXTS = [
     "Shared memory rings move records between processes. Café, naïve, 東京, emoji 🚀🔥 and ‘quotes’.",
@@ -150,7 +150,7 @@ def test_bad_logit_controls_are_refused_saying_what_to_change(kw, match):
 
 def test_spec_with_ignore_eos_alone_is_allowed_and_logit_bias_ids_are_checked_against_the_vocabulary():
     from ringshm.config import GenerationParams
-    from ringshm.engine import new_stream
+    from ringshm.engine.engine import new_stream
     from ringshm.errors import InvalidParameter
 
     assert GenerationParams(spec="ngram", ignore_eos=True).ignore_eos

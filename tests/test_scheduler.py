@@ -8,14 +8,15 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fake_stage import EOS, OracleModel, RecordingModel, make_stream, start_fake_ring
-from ringshm import messages as m
+from ringshm.engine.scheduler import Scheduler
+from ringshm.engine.spec import NGramDrafter
+from ringshm.engine.spec_decode import SpecDecoder
 from ringshm.errors import ReplyMismatch, RingTimeout, StageError
-from ringshm.scheduler import Scheduler
-from ringshm.spec import NGramDrafter
-from ringshm.spec_decode import SpecDecoder
+from ringshm.transport import messages as m
 
 CHUNK = 4
 
@@ -342,8 +343,8 @@ def test_random_arrivals_cancels_and_speculation_keep_every_stream_exact(fake, p
 
 # ------------------------------------------------------------------------------------------ logit controls
 def test_a_greedy_stream_with_a_logit_control_asks_for_logits_and_a_plain_one_does_not():
-    from ringshm.sampling import Sampler
-    from ringshm.scheduler import _want
+    from ringshm.engine.sampling import Sampler
+    from ringshm.engine.scheduler import _want
 
     plain, banned = make_stream(0, [100, 5], 1, 4), make_stream(1, [101, 5], 1, 4)
     banned.sampler = Sampler(logit_bias={5: -100})
@@ -356,7 +357,7 @@ def test_a_greedy_stream_with_a_logit_control_asks_for_logits_and_a_plain_one_do
 
 
 def test_logit_bias_moves_only_its_own_stream_off_the_argmax_in_a_shared_batch(fake):
-    from ringshm.sampling import Sampler
+    from ringshm.engine.sampling import Sampler
 
     ts = scripts(3, length=20)
     ring = fake(OracleModel(ts, max_rows=3))
@@ -369,7 +370,7 @@ def test_logit_bias_moves_only_its_own_stream_off_the_argmax_in_a_shared_batch(f
 
 
 def test_min_tokens_masks_eos_from_the_fake_stage_and_ignore_eos_runs_to_the_length_limit(fake):
-    from ringshm.sampling import Sampler
+    from ringshm.engine.sampling import Sampler
 
     script = [100, 10, 11, EOS, 12, 13, 14, 15]
     ring = fake(OracleModel([script], max_rows=1))

@@ -1,4 +1,4 @@
-"""Unit tests of ``ringshm.segment``: names, permissions, attach/unlink, liveness by pid and start time,
+"""Unit tests of ``ringshm.transport.segment``: names, permissions, attach/unlink, liveness by pid and start time,
 and ``sweep_stale`` on segments whose names encode a dead or reused creator. Process-killing cycles are
 in test_ring_processes.py."""
 
@@ -14,7 +14,7 @@ import time
 import posix_ipc
 import pytest
 
-from ringshm.segment import (
+from ringshm.transport.segment import (
     SHM_DIR,
     Segment,
     creator_of,
@@ -23,7 +23,6 @@ from ringshm.segment import (
     process_start_time,
     sweep_stale,
 )
-
 
 pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
 

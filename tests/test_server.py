@@ -18,20 +18,19 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import CHATS
-from ringshm.engine import Engine
-from ringshm.segment import list_segments, process_start_time
-from ringshm.serving import AsyncEngine
+from ringshm.engine.async_engine import AsyncEngine
+from ringshm.engine.engine import Engine
+from ringshm.transport.segment import list_segments, process_start_time
 
 N_NEW = 12
 SMALL_OP_TIMEOUT_S = 3  # --op-timeout of the small server
@@ -316,6 +315,7 @@ def test_health_is_200_and_lists_every_live_stage(server):
     assert code == 200
     stages = json.loads(text)["stages"]
     assert [s["stage"] for s in stages] == [0, 1, 2] and all(s["alive"] for s in stages)
+    assert all(s["node"] == 0 and s["seen"] == "process" and s["pid"] > 0 for s in stages)
 
 
 def test_async_engine_tasks_get_solo_answers_and_a_cancelled_task_cancels_only_its_request(local_engine, solo):

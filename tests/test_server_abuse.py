@@ -16,9 +16,9 @@ import pytest
 import uvicorn
 
 from fake_stage import GatedModel
-from ringshm.server import create_app
-from ringshm.serving import AsyncEngine
-from ringshm.stage import SLOT_OPS
+from ringshm.engine.async_engine import AsyncEngine
+from ringshm.runtime.stage import SLOT_OPS
+from ringshm.server.app import create_app
 from test_serving import FakeEngine
 
 MODEL_ID = "fake"
@@ -29,7 +29,7 @@ class ServerEngine(FakeEngine):
 
     def __init__(self, model, model_path, encode_s: float = 0.0, op_timeout_s: float = 10.0):
         super().__init__(model)
-        from ringshm.tokenizer import load_tokenizer
+        from ringshm.model.tokenizer import load_tokenizer
 
         self.model_path = str(model_path)
         self.tokenizer = load_tokenizer(model_path)
@@ -40,7 +40,7 @@ class ServerEngine(FakeEngine):
 
     def encode(self, prompt, chat=False):
         time.sleep(self.encode_s)  # a slow tokenisation (a 2 MB prompt takes ~1.4 s here)
-        from ringshm.tokenizer import check_text
+        from ringshm.model.tokenizer import check_text
 
         if isinstance(prompt, str):
             check_text(prompt)
@@ -52,7 +52,7 @@ class ServerEngine(FakeEngine):
 
     def encode_chat_for_test(self, content: str) -> list[int]:
         """The ids the server sends for a one-user-turn chat of ``content``."""
-        from ringshm.tokenizer import encode_chat
+        from ringshm.model.tokenizer import encode_chat
 
         return encode_chat(self.tokenizer, [{"role": "user", "content": content}])
 

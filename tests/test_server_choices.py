@@ -10,8 +10,8 @@ import openai
 import pytest
 import torch
 
+from ringshm.server.openai_responses import TokenText
 from test_server_abuse import MODEL_ID, GatedModel, LiveServer, ServerEngine, _error, _script
-from ringshm.openai_responses import TokenText
 
 VOCAB = 1024  # the fake's
 A, B = _script(100), _script(101)
@@ -233,8 +233,8 @@ def test_an_explicit_null_is_the_fields_default(srv):
 
 
 def test_two_ids_with_the_same_text_keep_the_likelier_in_completions_top_logprobs():
-    from ringshm.logprobs import TokenLogprob
-    from ringshm.openai_responses import OpenAIRequest
+    from ringshm.engine.logprobs import TokenLogprob
+    from ringshm.server.openai_responses import OpenAIRequest
 
     class SameText:  # ids 5 and 6 both read "x" (say, two partial UTF-8 tokens)
         def text(self, t):

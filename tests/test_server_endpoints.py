@@ -1,4 +1,4 @@
-"""The server's endpoints beyond generation (``ringshm.server_info``) and the served-name aliases, in process
+"""The server's endpoints beyond generation (``ringshm.server.info``) and the served-name aliases, in process
 on the fake-engine server of tests/test_server_abuse.py (real tokenizer): ``/tokenize`` and ``/detokenize``
 against the tokenizer itself, ``/v1/models/{id}`` through the official ``openai`` client, ``/version``,
 ``--served-model-name`` with several names, and ``response_format`` refused by name."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import ringshm
 from test_server_abuse import MODEL_ID, _error, serve_fake  # noqa: F401 -- serve_fake is a fixture
@@ -129,6 +130,22 @@ def test_models_retrieve_gives_the_listed_object_and_404_for_another_id(serve_fa
 def test_version_is_the_packages(serve_fake):
     status, body, _ = serve_fake().get("/version")
     assert status == 200 and body == {"version": ringshm.__version__}
+
+
+def test_metrics_name_every_endpoint_and_count_the_rest_as_other(serve_fake):
+    srv = serve_fake()
+    srv.post("/tokenize", {"prompt": "hi"})
+    srv.post("/detokenize", {"tokens": [100]})
+    srv.get("/version")
+    srv.get(f"/v1/models/{MODEL_ID}")
+    srv.get("/v1/models/some/other-name")
+    srv.get("/no-such-path")
+    _, text, _ = srv.get("/metrics")
+    counted = {(s.labels["endpoint"], s.labels["status"]): s.value
+               for f in text_string_to_metric_families(text) if f.name == "ringshm_requests" for s in f.samples
+               if s.name == "ringshm_requests_total"}
+    assert counted == {("/tokenize", "200"): 1, ("/detokenize", "200"): 1, ("/version", "200"): 1,
+                       ("/v1/models/{model}", "200"): 1, ("/v1/models/{model}", "404"): 1, ("other", "404"): 1}
 
 
 # --------------------------------------------------------------------------------------------- aliases

@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from ringshm.engine import Engine
+from ringshm.engine.engine import Engine
 from test_server_abuse import LiveServer
 
 MODEL = "smollm2"

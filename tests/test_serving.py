@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 
 from fake_stage import EOS, OracleModel, start_fake_ring
-from ringshm.coordinator import Stream
-from ringshm.engine import new_stream
-from ringshm.errors import StageDied
-from ringshm.scheduler import Scheduler
-from ringshm.serving import AsyncEngine, EngineClosed, QueueFull, RequestFailed
+from ringshm.engine.async_engine import AsyncEngine
+from ringshm.engine.coordinator import Stream
+from ringshm.engine.engine import new_stream
+from ringshm.engine.scheduler import Scheduler
+from ringshm.errors import EngineClosed, QueueFull, RequestFailed, StageDied
 
 MAX_ROWS = 3
 
@@ -60,7 +60,7 @@ class FakeEngine:
 
 @pytest.fixture
 def make_engine(monkeypatch):
-    monkeypatch.setattr("ringshm.tokenizer.load_tokenizer", lambda path: None)  # fake prompts are ids
+    monkeypatch.setattr("ringshm.model.tokenizer.load_tokenizer", lambda path: None)  # fake prompts are ids
     made = []
 
     def make(ts, max_waiting=8, max_rows=MAX_ROWS, **model_kw):

@@ -8,9 +8,9 @@ import random
 import pytest
 
 from fake_stage import EOS, RecordingModel, make_stream, start_fake_ring
-from ringshm.scheduler import Scheduler
-from ringshm.spec import NGramDrafter, SpecStats, accept
-from ringshm.spec_decode import SpecDecoder
+from ringshm.engine.scheduler import Scheduler
+from ringshm.engine.spec import NGramDrafter, SpecStats, accept
+from ringshm.engine.spec_decode import SpecDecoder
 
 
 # ------------------------------------------------------------------------------------------ pure logic

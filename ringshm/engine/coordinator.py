@@ -1,0 +1,238 @@
+"""The coordinator's side of the ring: sending ops with sequence numbers, checking every reply against the op
+it must answer, and the per-request state (``Stream``) the scheduler (``ringshm.engine.scheduler``) drives.
+
+Replies come back in send order because every stage applies ops in arrival order (DESIGN.md). The
+coordinator does not trust that blindly: each reply must carry the seq, op and segment table of the oldest op
+in flight, or ``ReplyMismatch`` is raised (the seed project matched prefill replies by FIFO order alone).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ringshm import errors
+from ringshm.engine.sampling import Sampler, TextStream
+from ringshm.errors import KVCacheOverflow, ReplyMismatch, RingTimeout, StageError
+from ringshm.transport import messages as m
+from ringshm.transport.ring import Ring
+
+POLL_S = 0.1  # a wait on the ring re-checks every stage process at least this often
+
+
+@dataclass
+class _Pending:
+    seq: int
+    op: int
+    segments: list[m.Segment]
+    tag: object
+
+
+class Link:
+    """Ops into stage 0, replies from the last stage, and the in-flight bookkeeping between them.
+
+    ``check_stages()`` raises ``StageDied`` when a stage process is gone; it runs between waits of at most
+    ``POLL_S``, so a dead stage is reported within about that long. ``op_timeout_s`` bounds one wait.
+    """
+
+    def __init__(self, to_first: Ring, from_last: Ring, check_stages: Callable[[], None], op_timeout_s: float,
+                 link_latency_ms: float = 0.0):
+        self.to_first, self.from_last = to_first, from_last
+        self.check_stages = check_stages
+        self.op_timeout_s = op_timeout_s
+        self.link_latency_ms = link_latency_ms
+        self.pending: deque[_Pending] = deque()
+        self._seq = 0
+        self.work_s = 0.0  # coordinator time between taking a reply and sending the next op (see send)
+        self._t_reply: float | None = None
+        self.busy_since = 0.0  # time.monotonic() of the last send that found nothing in flight (see send)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.pending)
+
+    @property
+    def n_sent(self) -> int:
+        """Ops sent into stage 0 since the link was made (stage 0's applied-op counter trails it)."""
+        return self._seq
+
+    def send(self, msg: m.Message, tag: object = None) -> None:
+        """Number ``msg`` with the next sequence number, write it into the first ring and remember it.
+
+        Raises:
+            StageDied: a stage died while the ring was full. RingTimeout: full for op_timeout_s.
+        """
+        if self._t_reply is not None:  # the coordinator's own work since the last reply (sampling, text, ...)
+            self.work_s += time.perf_counter() - self._t_reply
+            self._t_reply = None
+        if not self.pending:  # work arrives after idle: the stall clocks of ringshm.engine.async_engine start here
+            self.busy_since = time.monotonic()
+        msg.seq = self._seq
+        self._seq += 1
+        n = m.encoded_size(msg)
+        view = self._wait(lambda t: self.to_first.reserve(n, timeout_s=t), "room in stage 0's input ring")
+        m.encode_into(view, msg)
+        self.to_first.commit(n)
+        self.pending.append(_Pending(msg.seq, msg.op, msg.segments, tag))
+
+    def recv(self, timeout_s: float | None = None) -> tuple[m.Message, object]:
+        """The reply to the oldest op in flight (tensors copied out of the ring) and that op's tag.
+
+        ``timeout_s`` (default ``op_timeout_s``) bounds the wait.
+
+        Raises:
+            ReplyMismatch: the reply answers another op (seq, op or segment table differ).
+            StageError (KVCacheOverflow for KV range errors): a stage failed the op.
+            StageDied, RingTimeout: as ``send``.
+        """
+        if not self.pending:
+            raise errors.RingStateError("recv with no op in flight")
+        view = self._wait(lambda t: self.from_last.peek(timeout_s=t), "a reply", timeout_s)
+        try:
+            reply = m.decode(view)
+            reply.tensors = [t.clone() for t in reply.tensors]
+        finally:
+            del view
+            self.from_last.release()
+        m.hold_until_delivered(reply, self.link_latency_ms)
+        want = self.pending.popleft()
+        if reply.seq != want.seq or reply.segments != want.segments or not reply.is_reply:
+            raise ReplyMismatch(f"expected the reply to seq {want.seq} ({m.OP_NAMES.get(want.op)}, segments "
+                                f"{_rows(want.segments)}), got seq {reply.seq} ({m.OP_NAMES.get(reply.op)}, "
+                                f"segments {_rows(reply.segments)})")
+        if reply.op == m.ERROR:
+            exc = _remote_error(reply)
+            exc.tag = want.tag  # which request the failed op belonged to
+            raise exc
+        if reply.op != want.op:
+            raise ReplyMismatch(f"seq {want.seq}: sent {m.OP_NAMES.get(want.op)}, reply is "
+                                f"{m.OP_NAMES.get(reply.op)}")
+        self._t_reply = time.perf_counter()
+        return reply, want.tag
+
+    def drain(self) -> None:
+        """Receive and drop every reply still in flight (after an error), so the next request starts clean.
+
+        Stops quietly when a stage is gone (nothing more will come)."""
+        while self.pending:
+            try:
+                self.recv()
+            except (StageError, ReplyMismatch):
+                continue
+            except (errors.PeerDied, RingTimeout):
+                self.pending.clear()
+                return
+
+    def _wait(self, call, what: str, timeout_s: float | None = None):
+        timeout_s = self.op_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return call(min(POLL_S, max(0.0, deadline - time.monotonic())))
+            except RingTimeout:
+                self.check_stages()
+                if time.monotonic() >= deadline:
+                    raise RingTimeout(f"no {what} within {timeout_s} s") from None
+            except errors.PeerDied:
+                # The ring's peer closed it on its way out; give the process a moment to be reaped so the
+                # error can name the stage (StageDied) rather than only the ring.
+                until = time.monotonic() + 1.0
+                while time.monotonic() < until:
+                    self.check_stages()
+                    time.sleep(0.01)
+                raise
+
+
+def _rows(segments: list[m.Segment]) -> str:
+    """A segment table as ``row@start+n`` items, for error messages."""
+    return "[" + ", ".join(f"{g.row}@{g.start}+{g.n_tokens}" for g in segments[:8]) + (
+        ", ..." if len(segments) > 8 else "") + "]"
+
+
+def _remote_error(reply: m.Message) -> StageError:
+    text = reply.error_text()
+    remote_type = text.split(":", 1)[0]
+    message = f"stage {reply.aux}: {text}"
+    if remote_type == "KVRangeError":
+        return KVCacheOverflow(message, reply.aux, remote_type)
+    return StageError(message, reply.aux, remote_type)
+
+
+@dataclass(eq=False)
+class Stream:
+    """One request as the coordinator drives it: its KV row, prompt, sampler, stop rules and timings.
+
+    ``row``: its KV row while admitted (-1 while it waits). ``n_prefilled``: prompt tokens already sent in
+    prefill chunks. ``n_in_flight``: step ops in flight that carry a segment of it (its row is freed only at
+    0). ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
+    (max_new_tokens) or "cancelled". ``ignore_eos``: EOS does not end it. ``logprobs`` / ``prompt_logprobs``:
+    None, or the top-k count of each generated token's / prompt token's logprobs (``GenerationParams``), which
+    collect in ``token_logprobs`` (one ``TokenLogprob`` per token) and ``prompt_token_logprobs`` (None for the
+    first prompt token, then one per prompt token, filled as the prefill chunks are answered).
+    """
+
+    index: int
+    row: int
+    prompt: list[int]
+    max_new_tokens: int
+    sampler: Sampler
+    text: TextStream
+    eos_ids: frozenset[int]
+    t_start: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    spec: object = None  # a SpecDecoder when the stream decodes speculatively (ringshm.engine.spec_decode)
+    n_prefilled: int = 0
+    n_in_flight: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    token_logprobs: list = field(default_factory=list)
+    prompt_token_logprobs: list = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def position(self) -> int:
+        """Position of the next token to feed (the last committed one)."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+    @property
+    def decoding(self) -> bool:
+        """Past its prefill: the whole prompt answered and the first token committed."""
+        return bool(self.tokens) and not self.done
+
+    def cancel(self) -> None:
+        """End the stream now (the scheduler stops sending its segments)."""
+        if self.finish_reason is None:
+            self.finish_reason = "cancelled"
+
+    def commit(self, token: int) -> str:
+        """Append one generated token; set ``finish_reason`` on EOS, a stop string or the length limit.
+        Returns the text delta to show."""
+        self.tokens.append(token)
+        self.token_times.append(time.perf_counter())
+        delta = self.text.push(token)
+        if (token in self.eos_ids and not self.ignore_eos) or self.text.stopped:
+            self.finish_reason = "stop"
+        elif len(self.tokens) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        if self.done:
+            delta += self.text.finish()
+        return delta
+
+
+@dataclass
+class TokenEvent:
+    """One committed token of one stream: its id, the text it adds (may be empty while held back) and, when
+    the stream asked for them, its ``TokenLogprob`` (``ringshm.engine.logprobs``)."""
+
+    stream: int
+    token_id: int
+    text: str
+    logprob: object = None

@@ -1,0 +1,385 @@
+"""``Engine``: the public API. It starts a ``StageGroup`` (the stage processes and their rings,
+``ringshm.runtime.launcher``) and serves requests over it through the one ``Scheduler``
+(``ringshm.engine.scheduler``): one request alone, many at once (continuous batching over ``max_rows`` KV rows), speculative decoding.
+
+``close()`` (idempotent, also run by the context manager and, failing both, when the engine is
+garbage-collected or the interpreter exits) stops the stages, reaps them and unlinks every segment.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+from ringshm.config import EngineConfig, GenerationParams, check_logit_bias
+from ringshm.engine.coordinator import Link, Stream, TokenEvent
+from ringshm.engine.results import BatchResult, GenerationResult, result_of
+from ringshm.engine.sampling import Sampler, TextStream
+from ringshm.engine.scheduler import Scheduler, StepStats
+from ringshm.engine.spec import NGramDrafter, SpecStats
+from ringshm.engine.spec_decode import SpecDecoder
+from ringshm.errors import EngineOwned, InvalidParameter
+from ringshm.runtime.launcher import NodePlan, StageGroup, connect_timeout_s, default_depth
+from ringshm.runtime.resources import check_memory, checkpoint_bytes_per_weight
+from ringshm.transport.cluster import DEFAULT_PORT, TOKEN_ENV, Head, Rendezvous
+
+
+class Engine:
+    """A model split across ``stages`` processes connected by shared-memory rings.
+
+    Arguments are those of ``EngineConfig`` (which documents them). Use as a context manager or call
+    ``close()``.
+
+    Raises:
+        ValueError: a bad argument (see EngineConfig), or a layer split that does not fit the model.
+        ResourceShortage: the rings do not fit in /dev/shm, or weights + KV cache do not fit the available
+            memory (checked before any stage starts; the message gives the numbers and what to change).
+        StageStartupError: a stage could not load its layers (the message is the stage's own error), or a
+            stage process died during startup.
+        ClusterRefused: with ``nnodes > 1``: a worker did not join within ``startup_timeout_s``, or it refused
+            or was refused (wire version, model fingerprint, token), naming the node and the reason.
+
+    Several hosts (``nnodes > 1``, ``ringshm.transport.cluster``): this process is node 0, the head; ``master_addr`` /
+    ``master_port`` is where it serves the rendezvous, ``bind_addr`` the address its edges bind (default
+    ``master_addr``), ``token`` the secret every worker must share (default: ``$RINGSHM_TOKEN``, else none).
+    The other nodes run ``ringshm worker`` (``ringshm.runtime.worker.run_worker``).
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, stages: int = 3, layer_split=None,
+                 device: str = "cpu", prefill_chunk: int = 256, prefill_depth: int = 8, max_seq_len: int = 2048,
+                 max_rows: int = 8, dtype: str = "float32", progress: bool = True, *, node_rank: int = 0,
+                 master_addr: str = "127.0.0.1", master_port: int = DEFAULT_PORT, bind_addr: str | None = None,
+                 token: str | None = None, **options):
+        from ringshm.model.loader import read_config
+        from ringshm.model.packaged import default_model_path
+
+        self._closed = True  # until every resource exists
+        self.config = cfg = EngineConfig(
+            model=None if model is None else str(model), stages=stages, layer_split=layer_split, device=device,
+            prefill_chunk=prefill_chunk, prefill_depth=prefill_depth, max_seq_len=max_seq_len,
+            max_rows=max_rows, dtype=dtype, **options)
+        self.model_path = str(model) if model is not None else str(default_model_path())
+        self.model_config = read_config(self.model_path)
+        self.layer_ranges = cfg.layer_ranges(self.model_config.n_layers)
+        self.max_seq_len = min(cfg.max_seq_len, self.model_config.max_seq_len)
+        self.eos_ids = frozenset(self.model_config.eos_token_ids)
+        self.depth = cfg.depth if cfg.depth is not None else default_depth(cfg)  # decode micro-batches in flight
+        self._tokenizer = None
+        self._job = 0
+        self._owner: str | None = None  # set by an AsyncEngine while its dispatcher drives the ring
+        node_ranges = tuple(cfg.node_stage_ranges())
+        rdv = Rendezvous(node_rank, master_addr, master_port, bind_addr,
+                         os.environ.get(TOKEN_ENV) if token is None else token, cfg.startup_timeout_s)
+        if node_rank != 0:
+            raise ValueError(f"the engine runs on node 0, got node_rank={node_rank}: run `ringshm worker` on the "
+                             f"other nodes")
+        check_memory(cfg, self.model_config, self.layer_ranges, self.max_seq_len,
+                     bytes_per_weight=checkpoint_bytes_per_weight(self.model_path, self.model_config),
+                     local=node_ranges[0])
+        plan, self._head = None, None
+        if cfg.nnodes > 1:  # meet the workers before any stage starts: a refusal costs nothing
+            self._head = Head(rdv, cfg, self.model_path, self.model_config, self.layer_ranges, self.max_seq_len,
+                              log=(lambda text: print(f"ringshm: {text}", file=sys.stderr, flush=True))
+                              if progress else (lambda text: None))
+            plan = NodePlan(0, node_ranges, cfg.stages, master_addr, master_port, self._head.session,
+                            rdv.local_addr(), cfg.edge_timeout_s, connect_timeout_s(cfg), cfg.edge_latency_ms,
+                            tuple(self._head.hosts))
+        self._group = StageGroup(cfg, self.model_path, self.layer_ranges, self.max_seq_len,
+                                 self.model_config.hidden, self.model_config.vocab, plan)
+        self._closed = False
+        try:
+            self._link = Link(self._group.rings[0], self._group.rings[-1], self._group.check, cfg.op_timeout_s,
+                              cfg.link_latency_ms)
+            self._group.wait_ready(self._link, progress)
+        except BaseException:
+            self.close()
+            raise
+
+    # ----------------------------------------------------------------------------------------- lifecycle
+    def _check_stages(self) -> None:
+        """Raise StageDied naming the first stage process that is gone."""
+        self._group.check()
+
+    def close(self) -> None:
+        """Stop the stages, reap them, unlink every segment. Idempotent; safe after a stage died."""
+        self._closed = True
+        if hasattr(self, "_group"):
+            self._group.close()
+        if getattr(self, "_head", None) is not None:
+            self._head.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def pids(self) -> list[int]:
+        """This host's stage processes' pids, stage 0 first."""
+        return [p.pid for p in self._group.procs]
+
+    def stage_status(self) -> list[dict]:
+        """Every stage, this host's and the other nodes': ``{"stage", "node", "pid", "alive", "seen"}``
+        (``StageGroup.stage_status``: another node's stages are seen alive through the edges to it)."""
+        return self._group.stage_status()
+
+    @property
+    def in_flight(self) -> int:
+        """Ops sent and not yet answered (0 between requests)."""
+        return self._link.in_flight
+
+    @property
+    def segment_names(self) -> list[str]:
+        """Names of the shared-memory segments this engine owns."""
+        return [r.name for r in self._group.rings]
+
+    # -------------------------------------------------------------------------------------------- text
+    @property
+    def tokenizer(self):
+        """The model's tokenizer (transformers), loaded on first use and cached on disk."""
+        if self._tokenizer is None:
+            from ringshm.model.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_path)
+        return self._tokenizer
+
+    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+        """Token ids of ``prompt``: a string is tokenised (``chat``: through the model's chat template as one
+        user turn, with the assistant prefix); a list of ids is taken as is (no special tokens added).
+
+        With ``chat``, the prompt is the user turn's content and is tokenised as plain text: special-token
+        spellings in it (``<|im_end|>``) cannot forge turns (``ringshm.model.tokenizer.encode_chat``).
+
+        Raises:
+            ValueError: an empty prompt, bytes (decode them first), text with a lone surrogate, a token list
+                holding something other than ints, or an id outside the vocabulary.
+        """
+        from ringshm.model.tokenizer import check_text, encode_chat
+
+        if isinstance(prompt, (bytes, bytearray, memoryview)):
+            raise ValueError("prompt is bytes: pass text (prompt.decode('utf-8')) or a list of token ids")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character or token id")
+            check_text(prompt)
+            if chat:
+                return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
+            return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+        if not isinstance(prompt, (list, tuple)) or any(
+                isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise ValueError(f"prompt must be a string or a list of int token ids, got "
+                             f"{type(prompt).__name__}{' with non-int items' if isinstance(prompt, (list, tuple)) else ''}")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token id")
+        vocab = self.model_config.vocab
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        return ids
+
+    # ---------------------------------------------------------------------------------------- requests
+    def _make_stream(self, index: int, row: int, prompt, p: GenerationParams) -> Stream:
+        ids = self.encode(prompt, p.chat)
+        if len(ids) + p.max_new_tokens > self.max_seq_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) = "
+                             f"{len(ids) + p.max_new_tokens} exceeds max_seq_len {self.max_seq_len}: shorten the "
+                             f"prompt, lower max_new_tokens, or start the engine with a larger max_seq_len "
+                             f"(--max-seq-len)")
+        return new_stream(index, row, ids, p, self.tokenizer, self.eos_ids, self.model_config.vocab)
+
+    def _decode_depth(self, p: GenerationParams) -> int:
+        """Decode ops in flight for a request: the engine's ``depth``, raised to ``spec_depth`` when it
+        speculates (each link of a verify chain is its own step op)."""
+        return max(self.depth, p.spec_depth) if p.spec is not None else self.depth
+
+    def _prefill_depth(self, p: GenerationParams) -> int:
+        """The prefill depth of one request: the engine's unless overridden (A/B runs on one engine)."""
+        return self.config.prefill_depth if p.prefill_depth is None else p.prefill_depth
+
+    def scheduler(self, streams: list[Stream] = (), prefill_depth: int | None = None,
+                  depth: int | None = None) -> Scheduler:
+        """A ``Scheduler`` over this engine's ring with the engine's limits (``prefill_depth`` and ``depth``
+        override the engine's for one run) and a fresh job id."""
+        cfg = self.config
+        self._job += 1
+        return Scheduler(self._link, list(streams), cfg.max_rows, cfg.prefill_chunk,
+                         cfg.prefill_depth if prefill_depth is None else prefill_depth,
+                         self.depth if depth is None else depth, cfg.step_tokens, self._job)
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> Iterator[TokenEvent]:
+        """Generate, yielding a ``TokenEvent`` (token id and text delta) per committed token.
+
+        Arguments as ``generate``; bad input raises here, at the call, before anything is sent. Closing the
+        generator early drains what is in flight, so the engine is ready for the next request.
+        """
+        self._check_usable()
+        p = GenerationParams(max_new_tokens=max_new_tokens, **params)
+        return self._run_solo(self._make_stream(0, -1, prompt, p), self._prefill_depth(p), self._decode_depth(p))
+
+    def _check_usable(self) -> None:
+        """Raise when this engine cannot take a request from its caller now (closed, or owned)."""
+        if self._owner is not None:
+            raise EngineOwned(f"this engine is owned by an {self._owner}, whose dispatcher thread drives its ring: "
+                              f"use the {self._owner}'s stream() / complete(), or close the {self._owner} first")
+        if self._closed:
+            raise RuntimeError("engine is closed")
+
+    def _run_solo(self, s: Stream, prefill_depth: int, depth: int) -> Iterator[TokenEvent]:
+        self._check_usable()
+        try:
+            yield from self.scheduler([s], prefill_depth, depth)
+        finally:
+            self._link.drain()
+
+    def generate(self, prompt: str | list[int], max_new_tokens: int = 128, *,
+                 on_token: Callable[[TokenEvent], None] | None = None, **params) -> GenerationResult:
+        """Generate a continuation of ``prompt`` over the stage ring.
+
+        Args:
+            prompt: a string (tokenised; ``chat=True`` applies the chat template) or a list of token ids
+                (taken as is, no special tokens added).
+            max_new_tokens: most tokens to generate (>= 1).
+            on_token: called with each ``TokenEvent`` as it is committed (streaming).
+            **params: the other fields of ``ringshm.config.GenerationParams``: temperature, top_k, top_p,
+                seed, stop, chat, prefill_depth, spec ("ngram"), spec_k, spec_depth, spec_ngram, and the logit
+                controls logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
+                ignore_eos, and logprobs / prompt_logprobs (top-k counts; the result's ``logprobs`` and
+                ``prompt_logprobs``).
+
+        Raises:
+            ValueError: empty prompt, bytes, ids outside the vocabulary, prompt + max_new_tokens > max_seq_len,
+                bad parameters (NaN temperature, ...) — all before anything is sent. TypeError: an unknown
+                parameter. EngineOwned: an ``AsyncEngine`` owns this engine.
+            StageDied: a stage process died (named, within ~0.1 s of its death).
+            StageError / KVCacheOverflow: a stage failed an op; the engine stays usable.
+        """
+        self._check_usable()
+        p = GenerationParams(max_new_tokens=max_new_tokens, **params)
+        s = self._make_stream(0, -1, prompt, p)
+        busy0 = self._busy()
+        busy_first = work_first = None
+        for ev in self._run_solo(s, self._prefill_depth(p), self._decode_depth(p)):
+            if busy_first is None:
+                busy_first, work_first = self._busy(), self._link.work_s
+            if on_token is not None:
+                on_token(ev)
+        return result_of(s, busy0, busy_first, self._busy(), self.config.stages,
+                         self._link.work_s - (work_first or 0.0))
+
+    def _busy(self) -> list[float]:
+        return self._group.busy()
+
+    def stage_ops(self) -> list[int]:
+        """Ops each stage has applied since startup."""
+        return self._group.ops()
+
+    # ------------------------------------------------------------------------------------- many streams
+    def stream_batch(self, prompts: list, max_new_tokens: int = 128, *, depth: int | None = None,
+                     **params) -> "BatchStream":
+        """Serve many prompts at once; iterate the returned ``BatchStream`` for ``TokenEvent``s (``.stream``
+        is the prompt's index) as tokens are committed. Arguments as ``generate_batch``; bad input raises
+        here, before anything is sent."""
+        self._check_usable()
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+        if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
+            raise ValueError(f"depth must be an int >= 1 or None, got {depth!r}")
+        p = GenerationParams(max_new_tokens=max_new_tokens, **params)
+        streams = [self._make_stream(i, -1, prompt, p) for i, prompt in enumerate(prompts)]
+        return BatchStream(self, streams, self._prefill_depth(p),
+                           self._decode_depth(p) if depth is None else depth)
+
+    def generate_batch(self, prompts: list, max_new_tokens: int = 128, *, depth: int | None = None,
+                       on_token: Callable[[TokenEvent], None] | None = None, **params) -> BatchResult:
+        """Generate for every prompt over the same stages; one result per prompt, in input order.
+
+        Every step op carries every stream that is ready (``ringshm.engine.scheduler``); prompts beyond ``max_rows``
+        wait for a free KV row. Each stream gets exactly the tokens ``generate`` gives it alone.
+
+        Args:
+            prompts: strings or token-id lists (as ``generate``).
+            depth: decode ops in flight for this run (default: the engine's ``depth``, raised to ``spec_depth``
+                when speculating).
+            **params: as ``generate`` (stream i samples with ``seed + i``).
+
+        Raises:
+            ValueError: bad input (any prompt), before anything is sent. StageDied, StageError: as generate.
+        """
+        run = self.stream_batch(prompts, max_new_tokens, depth=depth, **params)
+        for ev in run:
+            if on_token is not None:
+                on_token(ev)
+        return run.result()
+
+
+def new_stream(index: int, row: int, ids: list[int], p: GenerationParams, tokenizer, eos_ids: frozenset[int],
+               vocab: int | None = None) -> Stream:
+    """The ``Stream`` of one request of ``ids`` (token ids) under ``p``: its sampler (seed ``p.seed + index``),
+    text stream, EOS rule and, with ``p.spec``, its speculative decoder.
+
+    Raises:
+        InvalidParameter (a ValueError): a ``logit_bias`` id outside ``[0, vocab)``.
+    """
+    try:
+        check_logit_bias(p.logit_bias, vocab)
+    except ValueError as exc:
+        raise InvalidParameter(str(exc), "logit_bias") from None
+    seed = None if p.seed is None else p.seed + index
+    sampler = Sampler(p.temperature, p.top_k, p.top_p, seed, logit_bias=p.logit_bias,
+                      presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+                      repetition_penalty=p.repetition_penalty, min_tokens=p.min_tokens, eos_ids=eos_ids)
+    s = Stream(index, row, ids, p.max_new_tokens, sampler, TextStream(tokenizer, p.stop, p.min_tokens), eos_ids,
+               ignore_eos=p.ignore_eos, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs,
+               prompt_token_logprobs=[None] if p.prompt_logprobs is not None else [])
+    if p.spec == "ngram":
+        s.spec = SpecDecoder(s, NGramDrafter(p.spec_k, p.spec_ngram), p.spec_depth)
+    return s
+
+
+class BatchStream:
+    """An iterable run of many streams (``Engine.stream_batch``): yields ``TokenEvent``s; ``cancel(i)`` ends
+    stream ``i`` and leaves the others running; ``result()`` after the run gives the ``BatchResult``.
+    Abandoning the iteration early drains what is in flight."""
+
+    def __init__(self, engine: Engine, streams: list[Stream], prefill_depth: int, depth: int | None):
+        self.engine, self.streams = engine, streams
+        self.prefill_depth, self.depth = prefill_depth, depth
+        self._run: Scheduler | None = None
+        self._t0 = self._t1 = 0.0
+        self._busy0: list[float] = []
+        self._busy1: list[float] = []
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        eng = self.engine
+        eng._check_usable()
+        self._t0, self._busy0 = time.perf_counter(), eng._busy()
+        try:
+            self._run = eng.scheduler(self.streams, self.prefill_depth, self.depth)
+            yield from self._run
+        finally:
+            eng._link.drain()
+            self._t1, self._busy1 = time.perf_counter(), eng._busy()
+
+    def cancel(self, index: int) -> None:
+        """End stream ``index`` (finish_reason "cancelled"); the others go on. Unknown or finished streams
+        are ignored."""
+        if self._run is not None:
+            self._run.cancel(index)
+        elif 0 <= index < len(self.streams):
+            self.streams[index].cancel()
+
+    def result(self) -> BatchResult:
+        """Per-stream results (input order), wall time, aggregate output tok/s and step counters of the run."""
+        results = [result_of(s) for s in self.streams]
+        wall = max(self._t1 - self._t0, 1e-9)
+        spec = SpecStats()
+        for s in self.streams:
+            if s.spec is not None:
+                spec.add(s.spec.stats)
+        return BatchResult(results, wall, sum(r.n_output_tokens for r in results) / wall,
+                           [b - b0 for b, b0 in zip(self._busy1, self._busy0)], spec,
+                           self._run.stats if self._run is not None else StepStats())

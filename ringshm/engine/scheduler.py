@@ -1,0 +1,301 @@
+"""The one scheduler: every entry point (``Engine.generate``, ``generate_batch``, ``AsyncEngine`` and the
+server) drives its streams through a ``Scheduler``; one stream alone is the special case of one.
+
+Each time it may send (after every reply, and when requests arrive), it builds one ``STEP`` op from every
+admitted stream that has work and nothing blocking it:
+
+    1. decode and verify segments first: a plain stream past its prefill with no op in flight adds its last
+       token (1-token segment); a speculative stream adds its next verify segment (``SpecDecoder``:
+       ``[last token, drafts...]``, chained under the epoch rule of ``ringshm.engine.spec_decode``);
+    2. then prefill chunks of admitted streams, in admission order, one chunk per stream, each at most
+       ``prefill_chunk`` tokens, until the op holds ``max_step_tokens`` tokens.
+
+A row appears at most once per op. Prefill chunks do not depend on replies, so one stream's chunks may fill
+several ops in flight (the seed's pipelined prefill); a decode's input is the previous reply's output, so a
+plain stream never has two ops in flight. Two windows bound what is in flight: at most ``depth`` ops that
+carry decode/verify segments (the pipeline's micro-batches) and at most ``prefill_depth`` ops that carry
+prefill chunks; an op with both counts against both, and a kind whose window is full waits for the next op.
+Waiting requests take free KV rows (``max_rows``) in arrival order; a finished or cancelled stream frees its
+row once no op of it is in flight.
+
+Every stage applies ops in arrival order, every row has its own KV, and the kernels compute each token's
+row the same way whatever else shares the op (batch invariance, ``ringshm.model.stage_model``), so every stream gets
+exactly the bytes it gets alone, whatever its batch-mates, the depths, the chunking or the token budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ringshm.engine.coordinator import Link, Stream, TokenEvent
+from ringshm.engine.logprobs import cut, sampled_logprob, split_reply
+from ringshm.engine.spec_decode import VerifyTag
+from ringshm.errors import RingTimeout
+from ringshm.transport import messages as m
+
+PREFILL, DECODE, VERIFY = 0, 1, 2  # what a segment is to the coordinator (the stage only sees the table)
+
+
+@dataclass(eq=False)
+class StepTag:
+    """The coordinator's side of one step op: per segment its stream, kind (``PREFILL`` / ``DECODE`` /
+    ``VERIFY``) and, for a verify segment, its ``VerifyTag``; built while the op is assembled, then sent as
+    the tag of the op in flight."""
+
+    streams: list[Stream] = field(default_factory=list)
+    kinds: list[int] = field(default_factory=list)
+    verifies: list[VerifyTag | None] = field(default_factory=list)
+
+    @property
+    def decode(self) -> bool:
+        """The op counts against the decode window (it carries a decode or verify segment)."""
+        return any(k != PREFILL for k in self.kinds)
+
+    @property
+    def prefill(self) -> bool:
+        """The op counts against the prefill window (it carries a prefill chunk)."""
+        return PREFILL in self.kinds
+
+    def add(self, s: Stream, kind: int, verify: VerifyTag | None = None) -> None:
+        self.streams.append(s)
+        self.kinds.append(kind)
+        self.verifies.append(verify)
+
+
+@dataclass
+class StepStats:
+    """Counters over a scheduler's life: step ops sent, segments and tokens they carried, and ops that
+    carried more than one segment (batched steps)."""
+
+    ops: int = 0
+    segments: int = 0
+    tokens: int = 0
+    multi_segment_ops: int = 0
+
+
+class Scheduler:
+    """Streams over one ring: iterate for ``TokenEvent``s, or call ``step`` from a dispatcher loop;
+    ``submit`` adds a request while the run goes on, ``cancel`` ends one without disturbing the others.
+
+    Args:
+        link: the coordinator's ``Link`` (the scheduler owns it while it runs).
+        streams: requests to start with (``row`` is assigned here).
+        max_rows: KV rows of the stages (streams live at once).
+        prefill_chunk: most prompt tokens per prefill segment. prefill_depth: ops with prefill chunks in
+            flight. depth: ops with decode/verify segments in flight. max_step_tokens: token budget of one
+            op for prefill chunks (decode and verify segments always go in). job: the job id on the wire.
+
+    Raises:
+        ValueError: a limit < 1, or a stream with an empty prompt.
+    """
+
+    def __init__(self, link: Link, streams: list[Stream], max_rows: int, prefill_chunk: int, prefill_depth: int,
+                 depth: int, max_step_tokens: int, job: int = 0):
+        for name, v in (("max_rows", max_rows), ("prefill_chunk", prefill_chunk), ("prefill_depth", prefill_depth),
+                        ("depth", depth), ("max_step_tokens", max_step_tokens)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.link, self.job = link, job
+        self.chunk, self.prefill_depth, self.depth, self.max_step_tokens = (prefill_chunk, prefill_depth, depth,
+                                                                            max_step_tokens)
+        self.waiting: deque[Stream] = deque()
+        self.free_rows = list(range(max_rows))
+        self.active: list[Stream] = []  # holding a row, in admission order
+        self.streams: dict[int, Stream] = {}
+        self.n_decode_ops = self.n_prefill_ops = 0  # ops in flight counting against each window
+        self.stats = StepStats()
+        self.last_segments = 0  # segments of the op the last reply answered
+        for s in streams:
+            self.submit(s, send=False)
+
+    # --------------------------------------------------------------------------------------- public API
+    def submit(self, stream: Stream, send: bool = True) -> None:
+        """Queue a request; it starts as soon as a row is free (and, with ``send``, at once if one is).
+
+        Raises:
+            ValueError: the stream's prompt is empty (it could never be prefilled).
+        """
+        if not stream.prompt:
+            raise ValueError(f"stream {stream.index} has an empty prompt: give at least one token")
+        self.streams[stream.index] = stream
+        self.waiting.append(stream)
+        if send:
+            self._admit()
+            self._fill()
+
+    def cancel(self, index: int) -> None:
+        """End stream ``index`` now: finish_reason "cancelled"; its row is freed once nothing of it is in
+        flight. Unknown or finished streams are ignored."""
+        s = self.streams.get(index)
+        if s is None or s.done:
+            return
+        s.cancel()
+        if s in self.waiting:
+            self.waiting.remove(s)
+            self.streams.pop(s.index, None)
+        else:
+            self._maybe_free(s)
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        self._admit()
+        self._fill()
+        while self.link.in_flight:
+            yield from self.step()
+
+    def step(self, timeout_s: float | None = None) -> list[TokenEvent]:
+        """Take the next reply (waiting at most ``timeout_s``, default the link's op timeout), commit its
+        tokens, send the ops it makes possible, and return the tokens.
+
+        Raises:
+            RingTimeout: no reply within timeout_s, or no room in stage 0's ring for an op within the link's
+                op timeout (nothing is lost either way: an op that was not sent is not counted; call again).
+            StageDied, StageError, ReplyMismatch: as ``Link.recv`` (also a reply whose outputs do not fit its
+                segment table).
+        """
+        self._admit()
+        self._fill()
+        reply, tag = self.link.recv(timeout_s)
+        events = self._on_reply(reply, tag)
+        self._admit()
+        try:
+            self._fill()  # next ops out before the caller sees the tokens
+        except RingTimeout:
+            pass  # stage 0's ring stayed full: those ops go out on the next call; these tokens are returned now
+        return events
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and nobody waiting."""
+        return not self.link.in_flight and not self.waiting
+
+    # ----------------------------------------------------------------------------------------- private
+    def _admit(self) -> None:
+        while self.waiting and self.free_rows:
+            s = self.waiting.popleft()
+            if s.done:  # cancelled before it got a row: nothing to run
+                self.streams.pop(s.index, None)
+                continue
+            s.row = self.free_rows.pop(0)
+            self.active.append(s)
+
+    def _fill(self) -> None:
+        """Send step ops while a window has room and some stream has work (module docstring)."""
+        while self.n_decode_ops < self.depth or self.n_prefill_ops < self.prefill_depth:
+            segs: list[m.Segment] = []
+            ids: list[int] = []
+            targets: list[int] = []
+            tag = StepTag()
+            if self.n_decode_ops < self.depth:
+                self._add_decodes(segs, ids, tag)
+            if self.n_prefill_ops < self.prefill_depth:
+                self._add_prefill_chunks(segs, ids, targets, tag, self.max_step_tokens - len(ids))
+            if not segs:
+                return
+            try:
+                tensors = [torch.tensor(ids, dtype=torch.int64)]
+                if targets:  # the ids prompt logprobs score, forwarded by every stage to the last
+                    tensors.append(torch.tensor(targets, dtype=torch.int64))
+                self.link.send(m.Message(m.STEP, job=self.job, segments=segs, tensors=tensors), tag=tag)
+            except BaseException:  # not sent (RingTimeout, StageDied): undo what building it claimed
+                for s, kind, v, seg in zip(tag.streams, tag.kinds, tag.verifies, segs):
+                    if kind == PREFILL:
+                        s.n_prefilled -= seg.n_tokens
+                    elif v is not None:
+                        s.spec.in_flight.remove(v)
+                raise
+            for s in tag.streams:
+                s.n_in_flight += 1
+            self.n_decode_ops += tag.decode
+            self.n_prefill_ops += tag.prefill
+            st = self.stats
+            st.ops, st.segments, st.tokens = st.ops + 1, st.segments + len(segs), st.tokens + len(ids)
+            st.multi_segment_ops += len(segs) > 1
+
+    def _add_decodes(self, segs: list[m.Segment], ids: list[int], tag: StepTag) -> None:
+        """A decode segment of each plain stream with its last token and nothing in flight, and the next
+        verify segment of each speculative stream that has one (``SpecDecoder.next_segment``)."""
+        for s in self.active:
+            if not s.decoding:
+                continue
+            if s.spec is None:
+                if not s.n_in_flight:
+                    segs.append(m.Segment(s.row, s.position, 1, _want(s)))
+                    ids.append(s.tokens[-1])
+                    tag.add(s, DECODE)
+            elif (v := s.spec.next_segment()) is not None:
+                segs.append(m.Segment(s.row, v.start, len(v.inputs), m.WANT_ALL))
+                ids.extend(v.inputs)
+                tag.add(s, VERIFY, v)
+
+    def _add_prefill_chunks(self, segs: list[m.Segment], ids: list[int], targets: list[int], tag: StepTag,
+                            budget: int) -> None:
+        """The next prompt chunk of each stream still reading its prompt, in admission order, within
+        ``budget`` tokens; the prompt's last chunk asks for the stream's first token. A stream with
+        ``prompt_logprobs`` scores each chunk position against the next prompt id (``targets``)."""
+        for s in self.active:
+            if budget <= 0:
+                return
+            left = len(s.prompt) - s.n_prefilled
+            if left <= 0 or s.done:
+                continue
+            n = min(self.chunk, left, budget)
+            want = _want(s) if n == left else m.WANT_NONE
+            if s.prompt_logprobs is not None:
+                k = max(s.prompt_logprobs, m.Segment(0, 0, 1, want).k)  # the last chunk may carry both kinds
+                want = (want & ~(0xFF << m.WANT_K_SHIFT)) | m.WANT_PROMPT_LOGPROBS | m.want_k(k)
+                targets.extend(s.prompt[s.n_prefilled + 1: s.n_prefilled + n + 1])
+            segs.append(m.Segment(s.row, s.n_prefilled, n, want))
+            ids.extend(s.prompt[s.n_prefilled: s.n_prefilled + n])
+            s.n_prefilled += n
+            budget -= n
+            tag.add(s, PREFILL)
+
+    def _on_reply(self, reply: m.Message, tag: StepTag) -> list[TokenEvent]:
+        """Commit what one step reply carries, segment by segment, and free the rows of finished streams."""
+        self.last_segments = len(tag.streams)
+        self.n_decode_ops -= tag.decode
+        self.n_prefill_ops -= tag.prefill
+        for s in tag.streams:
+            s.n_in_flight -= 1
+        events: list[TokenEvent] = []
+        for seg, s, kind, v, part in zip(reply.segments, tag.streams, tag.kinds, tag.verifies, split_reply(reply)):
+            lps = part.logprobs
+            if seg.n_targets():  # a prompt chunk's scores of the prompt's next ids
+                s.prompt_token_logprobs += [cut(lp, s.prompt[seg.start + i + 1], s.prompt_logprobs)
+                                            for i, lp in enumerate(lps[:seg.n_targets()])]
+                lps = lps[seg.n_targets():]
+            if kind == VERIFY:
+                events.extend(s.spec.on_reply(part.ids, v))
+            elif part.ids and not s.done:  # a decode, or a prompt's last chunk: the next token
+                token = s.sampler(part.ids[-1], part.logits, s.prompt, s.tokens)
+                lp = None
+                if s.logprobs is not None:  # the stage's (argmax taken as is), or from the logits sampled from
+                    lp = cut(lps[-1], token, s.logprobs) if lps else sampled_logprob(part.logits, token, s.logprobs)
+                    s.token_logprobs.append(lp)
+                events.append(TokenEvent(s.index, token, s.commit(token), lp))
+            if s.done:
+                self._maybe_free(s)
+        return events
+
+    def _maybe_free(self, s: Stream) -> None:
+        """Free the row of a finished stream once no op of it is in flight."""
+        if s.n_in_flight or s.row < 0 or s not in self.active:
+            return
+        self.active.remove(s)
+        self.free_rows.append(s.row)
+        self.streams.pop(s.index, None)  # a long-running scheduler (a server) must not keep every past request
+
+
+def _want(s: Stream) -> int:
+    """What a stream's decode or last prefill chunk asks of the last stage: the argmax, plus the logits when
+    it samples or processes them (logit_bias, penalties, min_tokens: ``Sampler.needs_logits``), else, when it
+    asks for logprobs, the argmax's logprob and top-k (with logits, the coordinator computes them)."""
+    if s.sampler.needs_logits:
+        return m.WANT_LAST | m.WANT_LOGITS
+    if s.logprobs is not None:
+        return m.WANT_LAST | m.WANT_LOGPROBS | m.want_k(s.logprobs)
+    return m.WANT_LAST

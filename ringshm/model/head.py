@@ -1,0 +1,146 @@
+"""What the last stage returns for a step op: which positions reach the LM head (``plan_head``), and the argmax
+ids, logits and logprobs built from their logits (``head_outputs``). ``StageModel`` and the tests' fake stage
+share it, so both answer a segment table the same way (the reply layout is in ``ringshm.transport.messages``).
+
+Logprobs are the fp32 log-softmax of a position's fp32 logits (``logprob_rows``), the same function the
+coordinator applies to the logits of a sampled stream, so a token's logprob has the same bits whichever side
+computed it. Each row is reduced on its own (torch's last-dim log-softmax and top-k walk one row at a time,
+whatever the row count or the thread count; ``tests/test_logprobs.py`` checks the bits), so a request's
+logprobs do not depend on its batch-mates or on how its prompt was chunked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ringshm.transport.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_LOGPROBS, Segment
+
+
+@dataclass
+class StageOutput:
+    """What the last stage returns for one op (``ringshm.transport.messages``' reply layout).
+
+    ``token_ids``: int64 argmax ids ``[Σ outputs]`` (``step``; ``[n]`` or ``[1]`` from ``forward``).
+    ``logits``: fp32 last-position logits ``[n_logit_segments, vocab]`` (``forward``: ``[vocab]``), only when
+    asked for. ``lp_chosen`` fp32 ``[P]``, ``lp_top_ids`` int64 ``[Σ k]``, ``lp_top`` fp32 ``[Σ k]``: the
+    logprobs of the positions that asked for them (None when none did).
+    """
+
+    token_ids: torch.Tensor
+    logits: torch.Tensor | None = None
+    lp_chosen: torch.Tensor | None = None
+    lp_top_ids: torch.Tensor | None = None
+    lp_top: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The reply's tensors in wire order (CPU, contiguous): ids, then logits and the three logprob
+        tensors when present."""
+        out = [self.token_ids.cpu().contiguous()]
+        if self.logits is not None:
+            out.append(self.logits.float().cpu().contiguous())
+        if self.lp_chosen is not None:
+            out += [t.cpu().contiguous() for t in (self.lp_chosen, self.lp_top_ids, self.lp_top)]
+        return out
+
+
+class HeadPlan(NamedTuple):
+    """Where the head runs for one op and what each of those positions gives back.
+
+    ``positions``: rows of the op's ``[T, hidden]`` the head runs on. The other lists index into them:
+    ``out_rows`` (argmax ids, table order), ``logit_rows`` (logits returned), ``lp_rows`` (logprobs returned,
+    reply order) with ``lp_ids`` (the id scored there: a target, or -1 for the row's own argmax) and ``lp_k``
+    (its top-k count).
+    """
+
+    positions: list[int]
+    out_rows: list[int]
+    logit_rows: list[int]
+    lp_rows: list[int]
+    lp_ids: list[int]
+    lp_k: list[int]
+
+
+def plan_head(segments: Sequence[Segment], targets: Sequence[int] = ()) -> HeadPlan:
+    """The ``HeadPlan`` of a checked segment table and its ``targets`` (int ids, ``Σ n_targets`` of them).
+
+    Raises:
+        ValueError: ``targets`` does not hold one id per target position.
+    """
+    segs = [s if isinstance(s, Segment) else Segment(*s) for s in segments]
+    need = sum(s.n_targets() for s in segs)
+    if len(targets) != need:
+        raise ValueError(f"the segments score {need} target ids, the op carries {len(targets)}")
+    plan = HeadPlan([], [], [], [], [], [])
+    o = ti = 0
+    for s in segs:
+        n_t = s.n_targets()
+        for i in range(n_t):  # a prompt position, scored against the next prompt id
+            plan.lp_rows.append(len(plan.positions))
+            plan.lp_ids.append(int(targets[ti + i]))
+            plan.lp_k.append(s.k)
+            plan.positions.append(o + i)
+        ti += n_t
+        outs = range(o, o + s.n_tokens) if s.want & WANT_ALL else [o + s.n_tokens - 1] if s.want & WANT_LAST else ()
+        for p in outs:
+            row = len(plan.positions)
+            plan.positions.append(p)
+            plan.out_rows.append(row)
+            if s.want & WANT_LOGPROBS:
+                plan.lp_rows.append(row)
+                plan.lp_ids.append(-1)
+                plan.lp_k.append(s.k)
+        if s.want & WANT_LOGITS and outs:
+            plan.logit_rows.append(len(plan.positions) - 1)
+        o += s.n_tokens
+    return plan
+
+
+def head_outputs(logits: torch.Tensor, plan: HeadPlan) -> StageOutput:
+    """The ``StageOutput`` of ``plan`` from the logits at its positions, ``[len(plan.positions), vocab]``."""
+    if not plan.positions:
+        return StageOutput(torch.zeros(0, dtype=torch.int64))
+    argmax = logits.argmax(dim=-1)  # [n_pos]
+    out = StageOutput(argmax[plan.out_rows] if plan.out_rows else torch.zeros(0, dtype=torch.int64),
+                      logits[plan.logit_rows].float() if plan.logit_rows else None)
+    if plan.lp_rows:
+        rows = torch.tensor(plan.lp_rows, dtype=torch.int64, device=logits.device)
+        chosen = torch.tensor(plan.lp_ids, dtype=torch.int64, device=logits.device)
+        chosen = torch.where(chosen >= 0, chosen, argmax[rows])
+        out.lp_chosen, out.lp_top_ids, out.lp_top = logprob_rows(logits[rows], chosen, plan.lp_k)
+    return out
+
+
+def logprob_rows(logits: torch.Tensor, chosen: torch.Tensor, ks: Sequence[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-softmax of each row of ``logits`` (``[P, vocab]``, computed in fp32): the logprob of ``chosen``
+    (int64 ``[P]``) and the ``ks[i]`` most likely ids of row i with their logprobs, most likely first.
+
+    Returns ``(chosen_lp fp32 [P], top_ids int64 [Σ ks], top_lp fp32 [Σ ks])``. Each row's bits depend only
+    on that row (module docstring).
+
+    Raises:
+        ValueError: ``chosen`` or ``ks`` not one per row, or a k outside [0, vocab].
+    """
+    p, vocab = logits.shape
+    if chosen.shape != (p,) or len(ks) != p or any(not 0 <= k <= vocab for k in ks):
+        raise ValueError(f"need one chosen id and one k in [0, {vocab}] per row of {p}, got {tuple(chosen.shape)} "
+                         f"and {list(ks)[:8]}")
+    lp = torch.log_softmax(logits.float(), dim=-1)  # [P, V]
+    chosen_lp = lp.gather(1, chosen[:, None])[:, 0]  # [P]
+    ids, vals, a = [], [], 0
+    while a < p:  # rows of equal k together (a segment's rows), one top-k call each
+        b = a
+        while b < p and ks[b] == ks[a]:
+            b += 1
+        if ks[a]:
+            top = torch.topk(lp[a:b], ks[a], dim=-1)  # sorted, most likely first
+            vals.append(top.values.reshape(-1))
+            ids.append(top.indices.reshape(-1))
+        a = b
+    top_ids = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=logits.device)
+    top_lp = torch.cat(vals) if vals else torch.zeros(0, dtype=torch.float32, device=logits.device)
+    return chosen_lp.contiguous(), top_ids.contiguous(), top_lp.contiguous()

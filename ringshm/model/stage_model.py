@@ -1,0 +1,387 @@
+"""``StageModel``: one contiguous layer range of a Llama-family decoder, with its own KV cache.
+
+The model knows its layer range and whether it is first (embeds token ids) or last (final norm + LM head);
+it knows nothing about processes or rings. RoPE, KV-append and attention go through ``ringshm.model.kernels``.
+
+Two paths, fixed at construction:
+- **CPU, fp32 activations (the default):** every matmul is ``ringshm.model.qmatmul`` over the checkpoint's own
+  encoding (Q4_0 / Q4_1 / Q8_0 / F16 / BF16 / F32, packed once at load), RMSNorm and SwiGLU are C kernels, and
+  the embedding dequantizes only the rows it looks up. Every one of these computes a row in an order that does
+  not depend on the other rows of the op or on the thread count, so a sequence's bits are the same whatever
+  the chunking, the batch it shares an op with, or the stage split (batch invariance).
+- **CUDA, or a bf16 compute dtype:** weights are dequantized at load to ``dtype`` on the device and the
+  matmuls are ``torch.nn.functional.linear``. Batch invariance is not promised there.
+
+KV cache: per layer ``k_cache[l]``, ``v_cache[l]`` of ``[max_rows, n_kv_heads, max_seq_len, head_dim]`` fp32
+(the kernels' dtype, whatever the weights' dtype), allocated once. Each row has a written length ``length[r]``:
+
+    op at (row r, start s, n tokens)      condition                      effect
+    ------------------------------------  -----------------------------  -------------------------------
+    append / continue                     s == length[r]                 writes [s, s+n), length = s+n
+    overwrite (speculative rollback)      s <  length[r]                 writes [s, s+n), length = s+n
+    read past what was written            s >  length[r]                 KVRangeError, nothing changed
+    write past the cache                  s + n > max_seq_len            KVRangeError, nothing changed
+    reset(rows)                                                          length = 0 (no memory is cleared)
+
+Layer math (Llama; Qwen2 adds q/k/v biases), per layer on the residual stream ``x [T, hidden]``:
+    x += Wo · attention(rope(Wq · norm(x)), kv_append(rope(Wk · norm(x)), Wv · norm(x)))
+    x += Wdown · (silu(Wgate · norm(x)) * (Wup · norm(x)))
+Q, K and V are one fused matmul (``wqkv``), gate and up another (``w_gate_up``): fewer, larger GEMMs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ringshm._C import ffi, lib
+from ringshm.config import ModelConfig
+from ringshm.errors import KVRangeError
+from ringshm.model import kernels
+from ringshm.model.head import StageOutput, head_outputs, plan_head
+from ringshm.model.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
+from ringshm.model.qmatmul import BEST_ISA, PackedWeight, RawWeight, concat_rows, embed_rows
+from ringshm.model.qmatmul import status_text as qmatmul_status_text
+from ringshm.transport.messages import (
+    MAX_TOP_LOGPROBS,
+    WANT_ALL,
+    WANT_LAST,
+    WANT_LOGITS,
+    WANT_LOGPROBS,
+    WANT_MASK,
+    WANT_PROMPT_LOGPROBS,
+    Segment,
+)
+
+
+class _Layer:
+    """One decoder layer's weights, fused for fewer matmuls: ``wqkv [q_dim + 2*kv_dim, hidden]`` (+ ``bqkv``),
+    ``w_gate_up [2*intermediate, hidden]``; rows concatenated in the checkpoint's encoding.
+
+    ``native``: ``PackedWeight`` for the C matmul; else dequantized tensors of ``dtype`` on ``device``.
+    """
+
+    def __init__(self, w: LayerWeights, native: bool, dtype: torch.dtype, device: torch.device) -> None:
+        bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
+        wqkv, w_gate_up = concat_rows([w.wq, w.wk, w.wv]), concat_rows([w.w_gate, w.w_up])
+        if native:
+            self.attn_norm = w.attn_norm.to("cpu", torch.float32).contiguous()
+            self.ffn_norm = w.ffn_norm.to("cpu", torch.float32).contiguous()
+            self.wqkv, self.wo = PackedWeight(wqkv, bqkv), PackedWeight(w.wo)
+            self.w_gate_up, self.w_down = PackedWeight(w_gate_up), PackedWeight(w.w_down)
+            return
+
+        def dense(t):
+            return None if t is None else (t.dequantize() if isinstance(t, RawWeight) else t).to(device, dtype)
+
+        self.attn_norm, self.ffn_norm = dense(w.attn_norm), dense(w.ffn_norm)
+        self.wqkv, self.bqkv, self.wo = dense(wqkv), dense(bqkv), dense(w.wo)
+        self.w_gate_up, self.w_down = dense(w_gate_up), dense(w.w_down)
+
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
+        """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights and this
+        layer's caches; the tensors stay owned here and by the model."""
+        c = ffi.new("struct ringshm_layer_weights *")
+        for field, pw in (("qkv", self.wqkv), ("o", self.wo), ("gate_up", self.w_gate_up), ("down", self.w_down)):
+            setattr(c, f"type_{field}", pw.qtype)
+            setattr(c, field, ffi.cast("uint8_t *", pw.packed.data_ptr()))
+            setattr(c, f"{field}_bytes", pw.nbytes)
+        c.bqkv = ffi.NULL if self.wqkv.bias is None else ffi.cast("float *", self.wqkv.bias.data_ptr())
+        c.attn_norm = ffi.cast("float *", self.attn_norm.data_ptr())
+        c.ffn_norm = ffi.cast("float *", self.ffn_norm.data_ptr())
+        c.k_cache, c.v_cache = ffi.cast("float *", k_cache.data_ptr()), ffi.cast("float *", v_cache.data_ptr())
+        return c
+
+
+class StageModel:
+    """Layers ``layer_range`` of a model, with the embedding when first and norm + LM head when last.
+
+    Args:
+        config: the whole model's shape.
+        layer_range: ``range(start, stop)`` or ``(start, stop)`` inside ``[0, config.n_layers)``.
+        is_first, is_last: whether this stage embeds token ids / applies final norm and LM head.
+        max_rows: KV cache rows (concurrent sequences). max_seq_len: positions per row (≤ config's).
+        dtype: activations (and dequantized weights on the torch path): fp32 default, bf16 option (torch path);
+            the KV cache is always fp32.
+        weights: the stage's weights from ``ringshm.model.loader``; ``from_path`` loads them for you.
+
+    Raises:
+        LayerRangeError: the range is empty or outside the model.
+        ValueError: ``max_rows``/``max_seq_len`` not positive, or weights for a different range.
+    """
+
+    def __init__(self, config: ModelConfig, layer_range: range | tuple[int, int], is_first: bool,
+                 is_last: bool, max_rows: int, max_seq_len: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", weights: StageWeights | None = None) -> None:
+        self.config = config
+        self.layer_range = check_layer_range(layer_range, config.n_layers)
+        if max_rows <= 0 or max_seq_len <= 0:
+            raise ValueError(f"max_rows and max_seq_len must be positive, got {max_rows}, {max_seq_len}")
+        if weights is None or weights.layer_range != self.layer_range:
+            got = None if weights is None else weights.layer_range
+            raise ValueError(f"StageModel for layers {self.layer_range} needs their weights, got {got}; "
+                             f"use StageModel.from_path to load them")
+        if (is_first and weights.embed is None) or (is_last and (weights.norm is None or weights.lm_head is None)):
+            raise ValueError("weights lack the embedding (first stage) or final norm / LM head (last stage)")
+        self.is_first, self.is_last = is_first, is_last
+        self.max_rows, self.max_seq_len = max_rows, max_seq_len
+        self.dtype, self.device = dtype, torch.device(device)
+        # the C path (module docstring); its kernels take whole 16-float vectors of these dims
+        self.native = (self.device.type == "cpu" and dtype == torch.float32 and config.hidden % 16 == 0
+                       and config.intermediate % 8 == 0 and config.head_dim % 16 == 0
+                       and config.head_dim <= kernels.MAX_HEAD_DIM)
+        self.norm = self.lm_head = self.embed = None
+        if is_first:  # native: the encoded rows (a view of the file's map); else a dense table
+            self.embed = weights.embed if self.native else weights.embed.dequantize().to(self.device, dtype)
+        if is_last:
+            self.norm = weights.norm.to(self.device, torch.float32 if self.native else dtype)
+            self.lm_head = (PackedWeight(weights.lm_head) if self.native
+                            else weights.lm_head.dequantize().to(self.device, dtype))
+        self.layers = [_Layer(w, self.native, dtype, self.device) for w in weights.layers]
+        n_kv, d = config.n_kv_heads, config.head_dim
+        shape = (max_rows, n_kv, max_seq_len, d)  # [R, Hkv, S_max, D]
+        self.k_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
+        self.length = [0] * max_rows  # positions written per row
+        self.cos, self.sin = kernels.rope_tables(d, max_seq_len, config.rope_theta, device=self.device)
+        if self.native:
+            self._c_layers = [layer.bind(k, v) for layer, k, v in zip(self.layers, self.k_cache, self.v_cache)]
+            self._c_shape = ffi.new("struct ringshm_layer_shape *", dict(
+                hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=n_kv, head_dim=d,
+                inter=config.intermediate, max_rows=max_rows, max_seq_len=max_seq_len, n_pos=max_seq_len,
+                rms_eps=config.rms_eps))
+            self._work = torch.empty(0, dtype=torch.float32)  # the layers' scratch, grown to the largest op
+
+    @classmethod
+    def from_path(cls, path: str | Path, layer_range: range | tuple[int, int] | None = None,
+                  is_first: bool | None = None, is_last: bool | None = None, max_rows: int = 1,
+                  max_seq_len: int = 2048, dtype: torch.dtype = torch.float32,
+                  device: str | torch.device = "cpu", checkpoint: Checkpoint | None = None) -> StageModel:
+        """Load a stage from a ``.gguf`` file or HF directory, reading only its own tensors.
+
+        ``layer_range`` defaults to all layers; ``is_first``/``is_last`` default to whether the range
+        touches layer 0 / the last layer. ``max_seq_len`` is capped at the model's context length.
+        Pass an already opened ``checkpoint`` to skip re-parsing the file.
+
+        Raises:
+            the errors of ``Checkpoint.open`` and ``Checkpoint.load_stage``.
+        """
+        ckpt = checkpoint if checkpoint is not None else Checkpoint.open(path)
+        cfg = ckpt.config
+        r = check_layer_range(layer_range if layer_range is not None else (0, cfg.n_layers), cfg.n_layers)
+        first = r.start == 0 if is_first is None else is_first
+        last = r.stop == cfg.n_layers if is_last is None else is_last
+        weights = ckpt.load_stage(r, first, last)
+        return cls(cfg, r, first, last, max_rows, min(max_seq_len, cfg.max_seq_len), dtype, device, weights)
+
+    # ---- KV rows ---------------------------------------------------------------------------------
+
+    def reset(self, rows: int | Sequence[int] | None = None) -> None:
+        """Forget what rows ``rows`` (all when None) hold: their length becomes 0. Memory is not cleared."""
+        for r in range(self.max_rows) if rows is None else ([rows] if isinstance(rows, int) else rows):
+            self._check_row(r)
+            self.length[r] = 0
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_rows:
+            raise KVRangeError(f"row {row} outside the KV cache's rows [0, {self.max_rows})")
+
+    def _check_op(self, row: int, start: int, n: int) -> None:
+        self._check_row(row)
+        if start < 0 or start > self.length[row]:
+            raise KVRangeError(f"row {row}: start {start} is past the {self.length[row]} positions written "
+                               f"(an op may start at most at the row's length)")
+        if start + n > self.max_seq_len:
+            raise KVRangeError(f"row {row}: positions [{start}, {start + n}) run past max_seq_len "
+                               f"{self.max_seq_len}")
+
+    # ---- forward ---------------------------------------------------------------------------------
+
+    def check_segments(self, segments: Sequence[Sequence[int]], n_tokens: int) -> list[tuple[int, int, int, int]]:
+        """Validate a segment table against this stage's KV cache before anything is written.
+
+        ``segments``: ``(row, start, n_tokens, want)`` entries (``ringshm.transport.messages.Segment``);
+        ``n_tokens``: the op's token count T. Returns the table as plain int tuples.
+
+        Raises:
+            KVRangeError: a segment's row outside the cache, its start past the row's written length, or its
+                positions past ``max_seq_len`` (the message names the segment).
+            ValueError: an empty table or one of more than ``kernels.MAX_SEGMENTS``, a segment of < 1 token, a
+                row in two segments, a ``want`` with unknown bits, or segment tokens that do not add up to T.
+        """
+        if not segments:
+            raise ValueError("a step op needs at least one segment")
+        if len(segments) > kernels.MAX_SEGMENTS:
+            raise ValueError(f"a step op of {len(segments)} segments is over the {kernels.MAX_SEGMENTS} one op "
+                             f"may hold")
+        table = [tuple(int(v) for v in seg) for seg in segments]
+        seen: dict[int, int] = {}
+        for i, (row, start, n, want) in enumerate(table):
+            where = f"segment {i} (row {row}, start {start}, {n} tokens)"
+            if n < 1 or want & ~WANT_MASK or (want & WANT_LOGITS and not want & (WANT_LAST | WANT_ALL)):
+                raise ValueError(f"{where}: needs n_tokens >= 1 and a want of WANT_* bits (LOGITS only with "
+                                 f"LAST or ALL), got want {want:#x}")
+            k = Segment(row, start, n, want).k
+            if (want & WANT_LOGPROBS and not want & (WANT_LAST | WANT_ALL)) or (
+                    want & WANT_PROMPT_LOGPROBS and want & WANT_ALL) or k > MAX_TOP_LOGPROBS or (
+                    k and not want & (WANT_LOGPROBS | WANT_PROMPT_LOGPROBS)):
+                raise ValueError(f"{where}: LOGPROBS needs LAST or ALL, PROMPT_LOGPROBS excludes ALL, and a top-k "
+                                 f"count (<= {MAX_TOP_LOGPROBS}) needs one of them; got want {want:#x}")
+            if row in seen:
+                raise ValueError(f"{where}: row {row} is already segment {seen[row]}; a row may appear once per op")
+            seen[row] = i
+            try:
+                self._check_op(row, start, n)
+            except KVRangeError as exc:
+                raise KVRangeError(f"{where}: {exc}") from None
+        if sum(n for _, _, n, _ in table) != n_tokens:
+            raise ValueError(f"the segments hold {sum(n for _, _, n, _ in table)} tokens, the op carries {n_tokens}")
+        return table
+
+    def step(self, x: torch.Tensor, segments: Sequence[Sequence[int]],
+             targets: torch.Tensor | None = None) -> torch.Tensor | StageOutput:
+        """Run one step op: a ragged batch of segments, each ``n ≥ 1`` positions of its own KV row.
+
+        ``x``: int64 token ids ``[T]`` on the first stage, else hidden states ``[T, hidden]`` (``dtype``), the
+        segments' tokens one after another in table order. ``segments``: ``(row, start, n_tokens, want)``
+        (``ringshm.transport.messages.Segment``; ``want`` of ``WANT_*``). Matmuls, norms and the FFN run over all T
+        tokens at once; RoPE, KV-append and attention per segment on its row. Each segment writes KV at
+        ``[start, start+n)`` of its row and sets the row's length to ``start + n``.
+
+        Returns hidden states ``[T, hidden]``, or on the last stage a ``StageOutput``: ``token_ids`` int64
+        ``[Σ outputs]`` (per segment in table order: none for ``WANT_NONE``, the last position's argmax for
+        ``WANT_LAST``, every position's for ``WANT_ALL``), ``logits`` fp32 ``[n, vocab]`` of the last
+        position of the n segments with ``WANT_LOGITS`` (None when none asks), and the logprobs of the
+        positions with ``WANT_LOGPROBS`` / ``WANT_PROMPT_LOGPROBS`` (``ringshm.model.head``; the layout is
+        ``ringshm.transport.messages``'). ``targets``: int64 ``[Σ n_targets]``, the id after each prompt position that
+        ``WANT_PROMPT_LOGPROBS`` scores (only the last stage reads it). On the native path a segment's bytes
+        do not depend on the other segments (batch invariance, module docstring).
+
+        Raises:
+            KVRangeError / ValueError: as ``check_segments`` (nothing is written), ``x`` of the wrong shape
+                or dtype for this stage, or (last stage) ``targets`` not one id per target position.
+        """
+        h = self._input(x)  # [T, hidden]
+        table = self.check_segments(segments, h.shape[0])
+        plan = plan_head(table, [] if targets is None else targets.tolist()) if self.is_last else None
+        rows = [r for r, _, _, _ in table]
+        starts = [s for _, s, _, _ in table]
+        lens = [n for _, _, n, _ in table]
+        if self.native:
+            h = self._native_layers(h, rows, starts, lens)
+        else:
+            for li, layer in enumerate(self.layers):
+                h = self._layer(layer, li, h, lambda q, k, v, li=li: self._attend_segments(li, q, k, v, table))
+        for r, s, n in zip(rows, starts, lens):
+            self.length[r] = s + n
+        if not self.is_last:
+            return h
+        return self._head(h, plan)
+
+    def forward(self, x: torch.Tensor, row: int, start: int, *, all_positions: bool = False,
+                return_logits: bool = False) -> torch.Tensor | StageOutput:
+        """``step`` with one segment: ``n ≥ 1`` positions of ``row`` from ``start`` (a local convenience).
+
+        ``x``: int64 ids ``[n]`` (first stage) or hidden states ``[n, hidden]``. Returns ``[n, hidden]``, or on
+        the last stage a ``StageOutput`` with argmax ids ``[n]`` (``all_positions``) or ``[1]``, and the last
+        position's fp32 logits ``[vocab]`` when ``return_logits``.
+
+        Raises:
+            as ``step``.
+        """
+        want = (WANT_ALL if all_positions else WANT_LAST) | (WANT_LOGITS if return_logits else 0)
+        out = self.step(x, [(row, start, x.shape[0], want)])
+        if isinstance(out, StageOutput) and out.logits is not None:
+            out.logits = out.logits[0]
+        return out
+
+    __call__ = forward
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_first:
+            if x.dim() != 1 or x.dtype != torch.int64 or x.shape[0] < 1:
+                raise ValueError(f"first stage takes int64 token ids of [T], T ≥ 1; got {x.dtype} {tuple(x.shape)}")
+            if self.native:
+                return embed_rows(self.embed, x)  # [T, hidden]
+            return F.embedding(x.to(self.device), self.embed)
+        hidden = self.config.hidden
+        if x.dim() != 2 or x.shape[1] != hidden or x.shape[0] < 1:
+            raise ValueError(f"stage takes hidden states of [T, {hidden}], T ≥ 1; got {tuple(x.shape)}")
+        return x.to(device=self.device, dtype=self.dtype)
+
+    def _native_layers(self, h: torch.Tensor, rows: Sequence[int], starts: Sequence[int],
+                       lens: Sequence[int]) -> torch.Tensor:
+        """Every layer on ``h [T, hidden]`` (segment i: ``lens[i]`` tokens on ``rows[i]`` from ``starts[i]``),
+        one ``ringshm_layer_forward`` call per layer. Returns a new ``[T, hidden]`` tensor."""
+        if not self.is_first:  # written in place: a later stage's input may be a read-only ring record
+            h = h.clone(memory_format=torch.contiguous_format)
+        t = h.shape[0]
+        need = lib.ringshm_layer_work_floats(self._c_shape, t)
+        if self._work.numel() < need:
+            self._work = torch.empty(need, dtype=torch.float32)
+        n_seg = len(rows)
+        seg = torch.tensor([list(rows), list(starts), list(lens)], dtype=torch.int64)  # [3, n_seg]
+        sp = ffi.cast("int64_t *", seg.data_ptr())
+        args = (ffi.cast("float *", h.data_ptr()), t, sp, sp + n_seg, sp + 2 * n_seg, n_seg,
+                ffi.cast("float *", self.cos.data_ptr()), ffi.cast("float *", self.sin.data_ptr()),
+                ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
+        for li, c in enumerate(self._c_layers):
+            status = lib.ringshm_layer_forward(self._c_shape, c, *args)
+            if status:  # the Python checks ran first: a refusal here is a bug or a corrupted cache table
+                why = kernels.STATUS_TEXT.get(status) or qmatmul_status_text(status)
+                raise (KVRangeError if status == lib.RINGSHM_KERNEL_ERR_RANGE else ValueError)(
+                    f"layer {self.layer_range.start + li}: the C layer refused the op: {why}")
+        return h
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim; ``x`` ``[..., hidden]``."""
+        if self.native:
+            return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.config.rms_eps).reshape(x.shape)
+        # HF LlamaRMSNorm: normalize in fp32, scale in the weights' dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
+        return weight * xf.to(self.dtype)
+
+    def _layer(self, layer: _Layer, li: int, x: torch.Tensor, attend) -> torch.Tensor:
+        """One decoder layer on ``x [T, hidden]`` (torch path); ``attend(q, k, v)`` maps ``[T, H*, D]`` to
+        ``[T, Hq, D]``. The native path does the same in C (``_native_layers``, csrc/layer.h)."""
+        cfg = self.config
+        t = x.shape[0]
+        qkv = F.linear(self._rms_norm(x, layer.attn_norm), layer.wqkv, layer.bqkv).float()
+        q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
+        q = q.reshape(t, cfg.n_heads, cfg.head_dim)  # [T, Hq, D]
+        k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        a = attend(q, k, v).reshape(t, cfg.q_dim)  # [T, Hq*D]
+        x = torch.addmm(x, a.to(self.dtype), layer.wo.t())  # x + a · Woᵀ
+        gate, up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up).chunk(2, dim=-1)  # [T, I] x2
+        return torch.addmm(x, F.silu(gate).mul_(up), layer.w_down.t())
+
+    def _attend_row(self, li: int, q, k, v, row: int, start: int) -> torch.Tensor:
+        kc, vc = self.k_cache[li][row], self.v_cache[li][row]  # [Hkv, S_max, D]
+        kernels.kv_append(kc, vc, k.contiguous(), v.contiguous(), start, self.cos, self.sin)
+        q = kernels.apply_rope(q.contiguous(), start, self.cos, self.sin)
+        return kernels.attention(q, kc, vc, start)  # [n, Hq, D]
+
+    def _attend_segments(self, li: int, q, k, v, table) -> torch.Tensor:
+        """Attention of every segment on its own row (torch path): ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` →
+        ``[T, Hq, D]``."""
+        out, o = [], 0
+        for row, start, n, _ in table:
+            out.append(self._attend_row(li, q[o:o + n], k[o:o + n], v[o:o + n], row, start))
+            o += n
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def _head(self, h: torch.Tensor, plan) -> StageOutput:
+        """Final norm + LM head on ``h [T, hidden]``, only at the positions ``plan`` (``ringshm.model.head``) needs."""
+        if not plan.positions:
+            return StageOutput(torch.zeros(0, dtype=torch.int64))
+        normed = self._rms_norm(h[plan.positions], self.norm)  # [n_pos, hidden]
+        if self.native:
+            logits = self.lm_head.matmul(normed)  # [n_pos, vocab]
+        else:
+            logits = F.linear(normed, self.lm_head).float()
+        return head_outputs(logits, plan)

@@ -1,0 +1,150 @@
+"""What an engine needs before any process starts, checked up front: ring sizes (``ring_capacities``) against
+free ``/dev/shm`` (``check_shm``), and weights + KV caches against available memory (``check_memory``). Each
+refusal is a ``ResourceShortage`` with the numbers and what to change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ringshm.config import MAX_TOP_LOGPROBS, EngineConfig, ModelConfig
+from ringshm.errors import ResourceShortage
+from ringshm.transport.segment import SHM_DIR, shm_free_bytes
+
+RECORD_OVERHEAD = 4096  # a record's header, row table, tensor descriptors and alignment, rounded up
+MIN_RING_BYTES = 1 << 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(MIN_RING_BYTES, n - 1).bit_length()
+
+
+def ring_capacities(cfg: EngineConfig, hidden: int, vocab: int) -> list[int]:
+    """Data bytes of each ring (``stages + 1``), sized from what its records can be, as powers of two.
+
+    A step op carries at most ``cfg.max_op_tokens`` tokens: ring 0 their ids (int64) and as many prompt
+    target ids (int64, prompt logprobs), the rings between stages their hidden states (``[T, hidden]``, 4
+    bytes each) and the targets, the last ring the replies (ids, plus fp32 logits ``[n, vocab]`` of the
+    segments that sample, plus logprobs: 4 + ``MAX_TOP_LOGPROBS`` x 12 bytes per scored position). Up to
+    ``prefill_depth + depth`` ops are in flight. The last ring must hold every reply in flight: the
+    coordinator drains it only between sends, so a full one would block the stages while the coordinator
+    waits to send. A plain or sampling stream has one decode op in flight, so all replies together carry at
+    most ``max_rows`` logits rows and ``max_rows`` decode logprob positions, plus the prompt positions of the
+    prefill ops (``prefill_depth`` x ``step_tokens``). The other rings only need room for a few records: when
+    one is full its producer waits (backpressure) while the consumer keeps draining it. With the defaults and
+    SmolLM2 (hidden 576, vocab 49152): 256 KiB, 4 MiB per hop between stages, 4 MiB.
+    """
+    tokens = cfg.max_op_tokens
+    in_flight = cfg.prefill_depth + (cfg.stages if cfg.depth is None else cfg.depth) + 1
+    ids = tokens * 8 + RECORD_OVERHEAD
+    first = _pow2(in_flight * (ids + tokens * 8) + ids)
+    hidden_rec = tokens * (hidden * 4 + 8) + RECORD_OVERHEAD
+    middle = _pow2(3 * hidden_rec)  # one being read, one being written, one waiting
+    logits = cfg.max_rows * vocab * 4
+    per_position = 4 + MAX_TOP_LOGPROBS * 12  # lp_chosen fp32, top-k ids int64 + logprobs fp32
+    logprobs = (cfg.prefill_depth * cfg.step_tokens + cfg.max_rows) * per_position
+    largest = ids + logits + tokens * per_position + RECORD_OVERHEAD  # a wrap wastes at most one record's tail
+    last = _pow2(in_flight * (ids + RECORD_OVERHEAD) + logits + logprobs + largest)
+    return [first] + [middle] * (cfg.stages - 1) + [last]
+
+
+def check_shm(capacities: list[int]) -> None:
+    """Refuse, before anything is created, rings that ``/dev/shm`` has no room for.
+
+    Raises:
+        ResourceShortage: with the sizes and what to change (Docker's ``--shm-size``, fewer stages / rows).
+    """
+    from ringshm.transport.ring import HEADER_BYTES
+
+    need = sum(c + HEADER_BYTES for c in capacities)
+    free = shm_free_bytes()
+    if need > free:
+        mib = 2 ** 20
+        raise ResourceShortage(
+            f"the {len(capacities)} rings need {need / mib:.1f} MiB of shared memory ("
+            f"{', '.join(f'{c / mib:g}' for c in capacities)} MiB) but {SHM_DIR} has {free / mib:.1f} MiB free: "
+            f"enlarge it (Docker: --shm-size=1g; Kubernetes: an emptyDir with medium Memory on /dev/shm), "
+            f"remove stale segments there, or use fewer stages, a smaller --prefill-chunk / --prefill-depth or "
+            f"fewer --max-rows")
+
+
+# Memory one stage process needs besides its weights and KV cache: the interpreter, torch and its thread
+# pools, the tokenizer-free stage loop (measured ~350 MB RSS for a SmolLM2 stage with 3 layers on CPU).
+STAGE_BASE_BYTES = 400 * 2**20
+
+
+def stage_memory_bytes(mc: ModelConfig, layers: range, is_first: bool, is_last: bool, max_rows: int,
+                       max_seq_len: int, bytes_per_weight: float) -> tuple[int, int]:
+    """(weights, KV cache) bytes of one stage: ``bytes_per_weight`` per parameter (the checkpoint's own
+    encoding on CPU fp32 stages, the dtype's width where weights are dequantized), each stage holding its own
+    embedding / head; KV fp32 ``[max_rows, max_seq_len, 2 * kv_dim]`` per layer."""
+    per_layer = (mc.hidden * mc.q_dim + 2 * mc.hidden * mc.kv_dim + mc.q_dim * mc.hidden
+                 + 3 * mc.hidden * mc.intermediate + 2 * mc.hidden)
+    if mc.attention_bias:
+        per_layer += mc.q_dim + 2 * mc.kv_dim
+    params = len(layers) * per_layer
+    if is_first:
+        params += mc.vocab * mc.hidden
+    if is_last:
+        params += mc.hidden + mc.vocab * mc.hidden
+    kv = len(layers) * max_rows * max_seq_len * 2 * mc.kv_dim * 4
+    return int(params * bytes_per_weight), kv
+
+
+def checkpoint_bytes_per_weight(path: str | Path, mc: ModelConfig) -> float:
+    """Average stored bytes per parameter: the checkpoint's tensor files (a .gguf, or an HF directory's
+    *.safetensors) over the model's parameter count. CPU fp32 stages keep weights in that encoding."""
+    p = Path(path)
+    size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
+    n_params = stage_memory_bytes(mc, range(mc.n_layers), True, not mc.tie_embeddings, 0, 0, 1.0)[0]
+    return max(size / max(n_params, 1), 0.5)
+
+
+def available_memory_bytes() -> int:
+    """Memory this process tree may still use: the system's available memory (psutil), capped by the cgroup
+    v2 limit (``memory.max - memory.current``) when there is one (containers)."""
+    import psutil
+
+    avail = psutil.virtual_memory().available
+    try:
+        cg = Path("/sys/fs/cgroup")
+        limit = (cg / "memory.max").read_text().strip()
+        if limit != "max":
+            avail = min(avail, int(limit) - int((cg / "memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], max_seq_len: int,
+                 available_bytes: int | None = None, bytes_per_weight: float | None = None,
+                 local: range | None = None) -> None:
+    """Refuse, before any stage starts, weights + KV caches that do not fit the available memory.
+
+    CPU stages count against host memory; with ``device="cuda"`` the KV cache and weights live on the GPU
+    and only the per-process base is checked here. ``bytes_per_weight``: the checkpoint's encoding
+    (``checkpoint_bytes_per_weight``), what CPU fp32 stages hold; None counts dequantized weights of the dtype.
+    ``local``: the stages this host runs (a node of a multi-host engine); None = all.
+
+    Raises:
+        ResourceShortage: with the per-stage numbers and what to change.
+    """
+    gib = 2 ** 30
+    width = 2.0 if cfg.dtype == "bfloat16" else 4.0
+    if bytes_per_weight is not None and cfg.device == "cpu" and cfg.dtype == "float32":
+        width = bytes_per_weight
+    local = range(len(layer_ranges)) if local is None else local
+    parts = [stage_memory_bytes(mc, layer_ranges[i], i == 0, i == len(layer_ranges) - 1, cfg.max_rows, max_seq_len,
+                                width) for i in local]
+    weights, kv = sum(w for w, _ in parts), sum(k for _, k in parts)
+    base = STAGE_BASE_BYTES * len(parts)
+    need = base + (weights + kv if cfg.device == "cpu" else 0)
+    avail = available_memory_bytes() if available_bytes is None else available_bytes
+    if need > avail:
+        per_stage = ", ".join(f"{(w + k) / gib:.2f}" for w, k in parts)
+        raise ResourceShortage(
+            f"the engine needs ~{need / gib:.1f} GiB of memory (weights {weights / gib:.2f} GiB + KV cache "
+            f"{kv / gib:.2f} GiB for max_rows={cfg.max_rows} x max_seq_len={max_seq_len} + "
+            f"{base / gib:.2f} GiB for {len(parts)} stage processes; per stage: {per_stage} GiB) but "
+            f"{avail / gib:.1f} GiB is available: lower --max-rows or --max-seq-len (the KV cache is fp32 whatever "
+            f"the dtype)")

@@ -1,0 +1,214 @@
+"""The stage process: one single-threaded loop that takes the next op from its input ring, applies it to its
+``StageModel`` and puts the result on its output ring, strictly in arrival order.
+
+Arrival order is the invariant the coordinator relies on: because every stage applies ops in the order it
+received them, keeping many step ops in flight (pipelined prefill, decode micro-batches, speculative verify
+chains) gives exactly the serial result.
+
+A failed op (bad row, KV overflow) becomes an ERROR reply that every later stage forwards untouched; the
+stage keeps serving. A stage whose upstream peer dies or closes its ring exits (``PeerDied``), so a killed
+coordinator never leaves stages behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+# Shared status slots per stage (multiprocessing.Array of doubles, index * N_SLOTS + slot).
+N_SLOTS = 4
+SLOT_STATE, SLOT_BUSY_S, SLOT_OPS, SLOT_ACTIVE = 0, 1, 2, 3  # ACTIVE: 1.0 while the stage computes an op
+STARTING, LOADED, FAILED, EXITED = 0.0, 1.0, 2.0, 3.0
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Everything a stage process needs, as plain values (pickled once by ``spawn`` at process start; the
+    rings themselves carry no pickle)."""
+
+    index: int
+    n_stages: int
+    model_path: str
+    layer_start: int
+    layer_stop: int
+    max_rows: int
+    max_seq_len: int
+    dtype: str
+    device: str
+    in_ring: str
+    out_ring: str
+    cores: int  # CPU cores the stages share; intra-op threads are picked per op from them (pick_threads)
+    ring_timeout_s: float
+    link_latency_ms: float = 0.0
+    max_op_tokens: int = 1 << 20  # the op budget (EngineConfig.max_op_tokens): larger step ops are refused
+    node: int = 0  # the host it runs on (ringshm.transport.cluster): set explicitly, never inferred from shared memory
+
+
+def process_title(spec: StageSpec) -> str:
+    """What ``ps`` shows for a stage: ``ringshm stage 1/3 layers 10-19`` (``... node 1`` on node 1 and up)."""
+    return (f"ringshm stage {spec.index}/{spec.n_stages} layers {spec.layer_start}-{spec.layer_stop - 1}"
+            + (f" node {spec.node}" if spec.node else ""))
+
+
+def stage_main(spec: StageSpec, status, errors=None) -> None:
+    """Process entry point: attach the rings, load the layers, serve ops until SHUTDOWN or a dead peer.
+
+    ``status``: the shared counters (``N_SLOTS`` doubles per stage). ``errors``: the shared error buffer
+    (``ringshm.transport.error_buffer``, a slot per stage): a load error is written there, then the state
+    becomes FAILED, before the process exits, so the coordinator always reads the stage's own error,
+    whichever it sees first.
+    """
+    import signal
+
+    from setproctitle import setproctitle
+
+    setproctitle(process_title(spec))
+    # A stage belongs to its coordinator: it ends on SHUTDOWN, or when the coordinator (its ring peer) is
+    # gone. Ctrl-C, SIGTERM or a terminal's SIGHUP sent to the whole process group must reach only the
+    # coordinator, which then shuts the stages down in order instead of losing them mid-op.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    # Threads are set before torch does any work: stages must not oversubscribe the cores (ringshm.runtime.launcher).
+    import torch
+
+    torch.set_num_threads(max(1, spec.cores // spec.n_stages))
+    from ringshm.errors import PeerDied
+    from ringshm.transport import messages as m
+    from ringshm.transport.error_buffer import write_error
+    from ringshm.transport.ring import Ring
+
+    base = spec.index * N_SLOTS
+    rin = Ring.attach(spec.in_ring, role="consumer")
+    rout = Ring.attach(spec.out_ring, role="producer")
+    try:
+        try:
+            model = _load(spec)
+        except Exception as exc:  # report the stage's own error (shared buffer, then the ring), then exit
+            if errors is not None:
+                write_error(errors, spec.index, exc)
+            status[base + SLOT_STATE] = FAILED
+            _send(rout, m.Message(m.PING).error(exc, spec.index), spec.ring_timeout_s)
+            return
+        status[base + SLOT_STATE] = LOADED
+        serve(model, spec, rin, rout, status)
+    except PeerDied:
+        pass  # upstream or downstream is gone: nothing left to serve
+    finally:
+        status[base + SLOT_STATE] = EXITED
+        rin.close()
+        rout.close()
+        os._exit(0)  # skip interpreter teardown (torch thread pools); the rings are closed
+
+
+def _load(spec: StageSpec):
+    import torch
+
+    from ringshm.model.stage_model import StageModel
+
+    device = "cuda:0" if spec.device == "cuda" else "cpu"  # CUDA_VISIBLE_DEVICES already picked the GPU
+    return StageModel.from_path(
+        spec.model_path, (spec.layer_start, spec.layer_stop), is_first=spec.index == 0,
+        is_last=spec.index == spec.n_stages - 1, max_rows=spec.max_rows, max_seq_len=spec.max_seq_len,
+        dtype=getattr(torch, spec.dtype), device=device)
+
+
+def _send(ring, msg, timeout_s: float) -> None:
+    """Encode ``msg`` straight into the ring and publish it."""
+    from ringshm.transport import messages as m
+
+    n = m.encoded_size(msg)
+    m.encode_into(ring.reserve(n, timeout_s), msg)
+    ring.commit(n)
+
+
+def serve(model, spec: StageSpec, rin, rout, status) -> None:
+    """The loop: peek → decode (zero-copy) → apply → encode into the output ring → release."""
+    from ringshm.transport import messages as m
+
+    base = spec.index * N_SLOTS
+    threads = 0
+    while True:
+        view = rin.peek(timeout_s=None)  # no deadline: idle is fine; a dead upstream raises PeerDied
+        msg = m.decode(view)
+        m.hold_until_delivered(msg, spec.link_latency_ms)
+        t0 = time.perf_counter()
+        if msg.op == m.ERROR or msg.op == m.PING or msg.op == m.SHUTDOWN:
+            out = msg if msg.op != m.PING or spec.index < spec.n_stages - 1 else msg.reply([])
+        else:
+            threads = pick_threads(status, spec, threads)
+            status[base + SLOT_ACTIVE] = 1.0
+            try:
+                out = apply(model, msg, spec.index == spec.n_stages - 1, spec.max_op_tokens)
+            except Exception as exc:
+                out = msg.error(exc, spec.index)
+            finally:
+                status[base + SLOT_ACTIVE] = 0.0
+        n = m.encoded_size(out)
+        # No deadline: a full output ring is backpressure (the next stage is busy, or stopped and will be
+        # reported stalled by the coordinator); a consumer that is gone raises PeerDied.
+        m.encode_into(rout.reserve(n, None), out)
+        # Busy time ends, and is counted, before the record is published: once it is, the next stage may
+        # already compute, and the coordinator may read the counters as soon as it has the reply.
+        status[base + SLOT_BUSY_S] += time.perf_counter() - t0
+        status[base + SLOT_OPS] += 1
+        rout.commit(n)
+        stop = msg.op == m.SHUTDOWN
+        del msg, out, view  # drop tensors that view the input record before releasing it
+        rin.release()
+        if stop:
+            return
+
+
+def pick_threads(status, spec: StageSpec, current: int) -> int:
+    """Intra-op torch threads for the next op: the shared cores split among the stages computing now.
+
+    A single stream's decode visits the stages one after another, so the stage at work may use every core;
+    a pipelined prefill keeps several stages busy at once, and more threads than cores would oversubscribe
+    them. Measured on 2 cores: 3 stages with 1 thread each decoded at 0.63 x a 1-stage engine with 2.
+    ``cores <= 1`` leaves torch alone (e.g. a fake stage running in a test's thread).
+    """
+    if spec.cores <= 1:
+        return current
+    others = sum(status[i * N_SLOTS + SLOT_ACTIVE] > 0 for i in range(spec.n_stages) if i != spec.index)
+    want = max(1, spec.cores // (others + 1))
+    if want != current:
+        import torch
+
+        torch.set_num_threads(want)
+    return want
+
+
+def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20):
+    """Apply one op to ``model`` and build the message to send on (hidden states, or the reply).
+
+    Raises:
+        ValueError / KVRangeError: a malformed op, a step op over ``max_op_tokens`` tokens, or a bad segment
+            table (sent back as an ERROR reply naming the segment).
+    """
+    import torch
+
+    from ringshm.transport import messages as m
+
+    if msg.op == m.RESET:
+        model.reset([seg.row for seg in msg.segments])
+        return msg.reply([]) if is_last else msg
+    if msg.op != m.STEP:
+        raise ValueError(f"unknown op code {msg.op}")
+    n_targets = sum(seg.n_targets() for seg in msg.segments)
+    if len(msg.tensors) != 1 + bool(n_targets):
+        raise ValueError(f"a step op carries its tokens{' and its target ids' if n_targets else ''}: "
+                         f"{1 + bool(n_targets)} tensors, got {len(msg.tensors)}")
+    if msg.n_tokens > max_op_tokens:
+        raise ValueError(f"a step op of {msg.n_tokens} tokens is over the op budget of {max_op_tokens}")
+    x = msg.tensors[0]
+    targets = msg.tensors[1] if n_targets else None
+    if targets is not None and (targets.dtype != torch.int64 or targets.shape != (n_targets,)):
+        raise ValueError(f"the op's targets must be int64 [{n_targets}], got {targets.dtype} {tuple(targets.shape)}")
+    if model.device.type != "cpu":
+        x = x.to(model.device)  # the one copy to the stage's device
+    out = model.step(x, msg.segments, targets)
+    if not is_last:  # the targets travel on unchanged to the last stage
+        hidden = (out if out.device.type == "cpu" else out.cpu()).contiguous()
+        return msg.forward([hidden] + ([targets] if targets is not None else []))
+    return msg.reply(out.tensors())

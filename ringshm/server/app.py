@@ -1,0 +1,452 @@
+"""An OpenAI-compatible HTTP server over an ``AsyncEngine`` (FastAPI + uvicorn, pydantic request models).
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming as server-sent events ending with
+``data: [DONE]``, or one JSON body), ``GET /health`` (200 only while every stage is alive; 503 naming the
+dead one), ``GET /metrics`` (Prometheus text format); and in ``ringshm.server.info``: ``GET /v1/models`` and
+``GET /v1/models/{id}`` (one model object per served name, ``--served-model-name a b``; 404 for another),
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's shapes), ``GET /version``.
+
+Request fields (OpenAI's): ``model``, ``messages`` / ``prompt``, ``max_tokens`` (``max_completion_tokens``),
+``temperature`` (default 1.0, as OpenAI; 0 = greedy), ``top_p``, ``seed``, ``stop`` (a string or a list),
+``n`` (1 .. 16), ``stream``, ``stream_options.include_usage``, ``logit_bias`` (``{"token id": bias in [-100,
+100]}``), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]), chat's ``logprobs`` + ``top_logprobs``
+(0 .. 20), completions' ``logprobs`` (0 .. 20), ``echo`` (with ``max_tokens`` 0: score the prompt) and a list
+of prompts; vLLM's extensions: ``top_k``, ``repetition_penalty`` (> 0), ``min_tokens`` (0 .. max_tokens),
+``ignore_eos``, ``return_tokens_as_token_ids``. How choices, logprobs and echo are answered:
+``ringshm.server.openai_responses``. A request with a logit control (not ``ignore_eos``) or with logprobs is decoded
+without speculation even when the server has ``--spec``. ``max_tokens`` defaults
+to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
+naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
+value (``ringshm.server.openai_schema.UNSUPPORTED``; ``response_format`` only ``{"type": "text"}``); other unknown
+fields are ignored. A request's ``model`` may be any served name (none: the first); the response echoes it.
+Message contents are tokenised as plain text (special-token spellings cannot forge turns), on a tokenizer
+thread, off the loop.
+
+Limits: bodies over ``max_body_bytes`` get 413; a request waiting for a row past ``max_queue_wait_s`` 503,
+a full queue 429, both with ``Retry-After``. A stage that holds an op past ``op_timeout_s``: 503 for the open
+and new requests and on ``/health`` (naming it) until it answers again. A dead stage: 503, then ``serve``
+shuts down and exits 3 for a supervisor to restart it.
+
+Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on the ``finish_reason``
+chunk of its last choice to finish; with ``stream_options: {"include_usage": true}`` an extra chunk with empty
+``choices`` and the usage follows it, as OpenAI sends it.
+
+Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, never a stack trace: malformed
+JSON or fields (``n`` over 16, ``top_logprobs`` over 20, ...), prompt + max_tokens over the context: 400; unknown model: 404; queue full: 429; a
+stage died: 503. An error after a stream has started is sent as one ``data: {"error": ...}`` event.
+
+A client that disconnects mid-stream cancels its own request only (Starlette cancels the response's body
+iterator, and cancelling the iterator cancels the request's row in the dispatcher). SIGTERM / Ctrl-C: uvicorn
+stops accepting, lets open responses finish for up to ``graceful_s``, then the lifespan shutdown closes the
+``AsyncEngine`` (and with it the engine: stages reaped, segments unlinked); ``serve`` returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ringshm.engine.async_engine import AsyncEngine
+from ringshm.errors import StageDied, StageStalled
+from ringshm.model.tokenizer import encode_chat, load_tokenizer
+from ringshm.server.info import add_info_routes
+from ringshm.server.listen import bind_listener
+from ringshm.server.middleware import BodyLimit, CountRequests, Metrics
+from ringshm.server.openai_responses import Job, OpenAIRequest, TokenText
+from ringshm.server.openai_schema import (
+    RETRY_AFTER_S,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    RequestBody,
+    ServedModels,
+    bad_request,
+    engine_error,
+    plain_messages,
+)
+from ringshm.transport.segment import is_alive
+
+log = logging.getLogger("ringshm.server.app")
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+
+
+def _field_path(loc) -> tuple[str | None, str]:
+    """(top-level field, readable path such as ``stop[1]`` or ``messages[0].role``) of a pydantic error
+    location, without "body" and pydantic's union branch tags (``constrained-str``, ``list[int]``)."""
+    parts = [x for x in loc if x != "body"]
+    out = ""
+    for x in parts:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif "[" in x or "-" in x or x in ("str", "int", "float", "bool", "list", "dict"):
+            continue
+        else:
+            out += f".{x}" if out else x
+    field = next((x for x in parts if isinstance(x, str)), None)
+    return field, out
+
+
+# ----------------------------------------------------------------------------------------------- the app
+STAGE_WATCH_S = 0.25  # how often the server looks for a dead stage while no request would notice one
+
+
+def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: str | None = None,
+               spec_k: int = 4, spec_depth: int = 1, graceful_s: float = 0.0, max_body_bytes: int = 2 * 1024 * 1024,
+               on_stage_died: Callable[[StageDied], None] | None = None) -> FastAPI:
+    """The FastAPI app serving ``aengine`` under ``model_names`` (one name or several aliases; responses
+    echo the one a request used, the first when it names none). Its lifespan shutdown closes ``aengine``
+    (open requests get ``graceful_s`` more to finish). ``spec="ngram"`` decodes greedy requests
+    speculatively with ``spec_k`` drafts per verify segment and ``spec_depth`` verify segments in flight.
+    ``max_body_bytes``: larger request bodies get 413. ``on_stage_died``: called once, on the event loop,
+    when a stage is found dead (``serve`` then shuts down and exits 3)."""
+
+    async def watch_stages():
+        while True:
+            await asyncio.sleep(STAGE_WATCH_S)
+            try:
+                aengine.check_stages()
+            except StageDied as exc:
+                log.error("%s: the server stops (exit status 3) for its supervisor to restart it", exc)
+                on_stage_died(exc)
+                return
+            except StageStalled:
+                pass
+
+    @asynccontextmanager
+    async def lifespan(app):
+        watcher = asyncio.create_task(watch_stages()) if on_stage_died is not None else None
+        yield
+        if watcher is not None:
+            watcher.cancel()
+        await aengine.aclose(wait_s=graceful_s)
+        app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+    if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    app = FastAPI(title="ringshm", lifespan=lifespan, docs_url=None, redoc_url=None)
+    metrics = Metrics(aengine, spec is not None)
+    served = ServedModels(model_names, aengine.max_seq_len, int(time.time()))
+    app.state.metrics = metrics
+
+    def too_large() -> JSONResponse:
+        err = ApiError(413, f"request body over the server's limit of {max_body_bytes} bytes (ringshm serve "
+                            f"--max-body-bytes): send a shorter prompt", "invalid_request_error", None,
+                       "request_too_large")
+        return JSONResponse(err.body(), status_code=413)
+
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, error=too_large)
+    app.add_middleware(CountRequests, metrics=metrics)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        if first.get("type") == "json_invalid":
+            message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        else:
+            # Of the errors about the first field, the deepest (a union's matching branch, e.g. stop[1]).
+            field_of = [_field_path(e.get("loc", ())) for e in errs]
+            same = [e for e, f in zip(errs, field_of) if f[0] == field_of[0][0]]
+            best = max(same, key=lambda e: len(_field_path(e.get("loc", ()))[1]))
+            param, path = _field_path(best.get("loc", ()))
+            message = f"{path or 'body'}: {best.get('msg', 'invalid value')}"
+        return JSONResponse(bad_request(message, param).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        if exc.status_code == 413:
+            return too_large()
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(ApiError(500, "internal server error", "server_error").body(), status_code=500)
+
+    @app.get("/health")
+    async def health():
+        stages = _stage_status(aengine.engine)
+        try:
+            aengine.check_stages()
+        except StageDied as exc:
+            return JSONResponse({"status": "unhealthy", "message": str(exc), "dead_stage": exc.stage,
+                                 "stages": stages}, status_code=503)
+        except StageStalled as exc:
+            return JSONResponse({"status": "unhealthy", "message": str(exc), "stalled_stage": exc.stage,
+                                 "stages": stages}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return {"status": "ok", "stages": stages, "running": aengine.n_running, "waiting": aengine.n_waiting}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def start(body: RequestBody, prompts: list[list[int]], max_tokens: int | None, default_max: int,
+              logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[Job]:
+        """Check what the engine does not, then start the request's streams (``ringshm.server.openai_responses``:
+        one per prompt x n, one per prompt when greedy). Raises ApiError, with nothing left running."""
+        limit = aengine.max_seq_len
+        score_only = max_tokens == 0
+        greedy = body.temperature == 0
+        per_prompt = 1 if greedy else body.n
+        room = aengine.engine.config.max_rows + aengine.max_waiting
+        if len(prompts) * per_prompt > room:
+            raise bad_request(f"{len(prompts)} prompt(s) x n={body.n} sampled choices need {len(prompts) * per_prompt} "
+                              f"KV rows; this server runs and queues at most {room} at once", "n")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
+        controls = body.logit_controls()
+        base = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stop, **controls)
+        if logprobs is not None:
+            base["logprobs"] = logprobs
+        if prompt_logprobs is not None:
+            base["prompt_logprobs"] = prompt_logprobs
+        processes_logits = any(k != "ignore_eos" for k in controls)
+        if spec is not None and greedy and not processes_logits and logprobs is None and prompt_logprobs is None:
+            base.update(spec=spec, spec_k=spec_k, spec_depth=spec_depth)  # spec verifies the plain argmax
+        n_maxes = []
+        for p, ids in enumerate(prompts):
+            n_max = 1 if score_only else (
+                max_tokens if max_tokens is not None else max(1, min(default_max, limit - len(ids))))
+            if score_only and len(ids) + 1 > limit:
+                which = f"prompt {p}: " if len(prompts) > 1 else ""
+                raise bad_request(f"{which}scoring a prompt (max_tokens 0) takes one position past it: at most "
+                                  f"{limit - 1} prompt tokens in this model's {limit}-token context, got {len(ids)}",
+                                  "prompt", "context_length_exceeded")
+            if len(ids) + n_max > limit:
+                which = f"prompt {p}: " if len(prompts) > 1 else ""
+                raise bad_request(f"{which}this model's maximum context length is {limit} tokens; you requested "
+                                  f"{len(ids) + n_max} tokens ({len(ids)} in the prompt, {n_max} for max_tokens): "
+                                  f"shorten the prompt or lower max_tokens", "max_tokens", "context_length_exceeded")
+            if body.min_tokens > (0 if score_only else n_max):
+                raise bad_request(f"min_tokens ({body.min_tokens}) must be at most max_tokens "
+                                  f"({0 if score_only else n_max})",
+                                  "min_tokens")
+            n_maxes.append(n_max)
+        jobs: list[Job] = []
+        try:
+            for p, (ids, n_max) in enumerate(zip(prompts, n_maxes)):
+                for j in range(per_prompt):
+                    index = p * body.n + j
+                    seed = None if body.seed is None else body.seed + index  # choice i: seed + i
+                    chunks = aengine.stream(ids, n_max, seed=seed, **base)
+                    indexes = list(range(p * body.n, (p + 1) * body.n)) if greedy else [index]
+                    jobs.append(Job(chunks, indexes, p, ids))
+        except Exception as exc:
+            for job in jobs:
+                job.stream.cancel()
+            raise engine_error(exc) from None
+        metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))  # each prompt once, as usage counts it
+        if logprobs is not None or prompt_logprobs is not None:
+            metrics.logprob_requests.inc()
+        return jobs
+
+    token_text: list[TokenText] = []
+
+    async def respond(request: Request, body: RequestBody, jobs: list[Job], kind: str, n_choices: int,
+                      echoes: list[str | None], logprobs: int | None, score_only: bool = False):
+        if logprobs is not None and not token_text:  # its own tokenizer: the loop's thread reads it
+            token_text.append(TokenText(await off_loop(load_tokenizer, aengine.engine.model_path)))
+        answer = OpenAIRequest(kind, served.pick(body.model), jobs, n_choices, echoes, logprobs, score_only,
+                               token_text[0] if token_text else None, metrics,
+                               body.stream_options is not None and body.stream_options.include_usage,
+                               int(time.time()),
+                               body.return_tokens_as_token_ids)
+        if body.stream:
+            first = await answer.first()
+            return StreamingResponse(answer.events(first), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        out = await answer.body(request)
+        return PlainTextResponse("", status_code=499) if out is None else out
+
+    tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="ringshm-tokenize")
+    app.state.tokenize_pool = tokenize_pool
+
+    async def off_loop(fn, *args):
+        """Run ``fn`` (tokenisation) on the one tokenizer thread: the event loop keeps serving meanwhile, and
+        the tokenizer is never used from two threads at once."""
+        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request, body: ChatRequest):
+        served.pick(body.model)
+        body.refuse_unsupported()
+        messages = plain_messages(body.messages)
+        try:
+            ids = await off_loop(encode_chat, aengine.engine.tokenizer, messages)
+        except Exception as exc:  # the template refused the conversation (e.g. roles out of order)
+            log.info("chat template refused a request: %s", exc)
+            raise bad_request("messages do not fit the model's chat template (check the roles and their "
+                              "order)", "messages") from None
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens == 0:
+            raise bad_request("max_tokens must be at least 1 for chat (0 is for completions with echo)", "max_tokens")
+        k = body.logprob_k()
+        jobs = start(body, [ids], max_tokens, aengine.max_seq_len, logprobs=k)
+        return await respond(request, body, jobs, "chat", body.n, [None] * body.n, k)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request, body: CompletionRequest):
+        served.pick(body.model)
+        body.refuse_unsupported()
+        many = isinstance(body.prompt, list) and not isinstance(body.prompt[0], int)
+        prompts = body.prompt if many else [body.prompt]
+        if body.max_tokens == 0 and not body.echo:
+            raise bad_request("max_tokens 0 needs echo: true (it scores the prompt without generating)",
+                              "max_tokens")
+        ids_list = []
+        for i, prompt in enumerate(prompts):
+            try:
+                ids_list.append(await off_loop(aengine.engine.encode, prompt))
+            except ValueError as exc:
+                raise bad_request(f"prompt[{i}]: {exc}" if many else str(exc), "prompt") from None
+        echoes: list[str | None] = [None] * (len(prompts) * body.n)
+        if body.echo:
+            for i, (prompt, ids) in enumerate(zip(prompts, ids_list)):
+                text = prompt if isinstance(prompt, str) else await off_loop(aengine.engine.tokenizer.decode, ids)
+                echoes[i * body.n: (i + 1) * body.n] = [text] * body.n
+        k = body.logprobs
+        jobs = start(body, ids_list, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=k,
+                     prompt_logprobs=k if body.echo else None)
+        return await respond(request, body, jobs, "completion", len(prompts) * body.n, echoes, k,
+                             score_only=body.max_tokens == 0)
+
+    add_info_routes(app, aengine, served, off_loop)
+
+    return app
+
+
+def model_id_of(model_path: str) -> str:
+    """The served model's id: the checkpoint's file stem (or directory name)."""
+    return Path(model_path).stem if Path(model_path).suffix == ".gguf" else Path(model_path).name
+
+
+STAGE_DIED_EXIT = 3  # serve's exit status after a stage died (for a supervisor: restart the server)
+
+
+def keep_signal_mask() -> None:
+    """Start multiprocessing's resource tracker now, before stop signals are blocked: Python (3.11) starts it on
+    first use with SIGINT / SIGTERM blocked and then *unblocks* them in the calling thread, whatever the
+    caller's mask was, which would let a signal through in the middle of the stages' startup."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+
+
+def _stage_status(engine) -> list[dict]:
+    """``/health``'s stage list: ``Engine.stage_status`` (every node's stages), or this host's pids for an
+    engine that has no such view (a test's fake)."""
+    status = getattr(engine, "stage_status", None)
+    if status is not None:
+        return status()
+    return [{"stage": i, "node": 0, "pid": pid, "alive": is_alive(pid), "seen": "process"}
+            for i, pid in enumerate(engine.pids)]
+
+
+def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None, max_waiting: int = 64,
+          graceful_s: float = 30.0,
+          max_queue_wait_s: float | None = 60.0, max_body_bytes: int = 2 * 1024 * 1024,
+          model_name: str | Sequence[str] | None = None, spec: str | None = None, spec_k: int = 4,
+          spec_depth: int = 1, log_level: str = "info",
+          **engine_kwargs) -> int:
+    """Start the stages, then serve until SIGTERM / SIGINT; returns 0 after a clean shutdown, and
+    ``STAGE_DIED_EXIT`` (3) when a stage died: the open requests fail with 503, the server shuts down (every
+    stage reaped, every segment unlinked) so that a supervisor (systemd ``Restart=on-failure``, Docker
+    ``--restart``, Kubernetes) starts it afresh. A stalled stage is not fatal: see ``AsyncEngine``.
+
+    ``model_name``: the name, or several aliases, the model is served under (default: ``model_id_of`` the
+    checkpoint). ``engine_kwargs`` are ``Engine``'s. ``sock``: the listening socket (``bind_listener``), bound
+    by the caller before anything loaded; None binds ``host:port`` here, still before the stages start. A
+    SIGTERM / SIGINT while the stages load stops them at once and returns 0. uvicorn re-raises the signal it
+    shut down on once it is done; ``serve`` treats that signal as the request for a clean exit, so the process
+    exits 0.
+
+    Raises:
+        ValueError: the port is in use or out of range, before the stages start.
+    """
+    import uvicorn
+
+    from ringshm.engine.engine import Engine
+
+    if sock is None:
+        sock = bind_listener(host, port)
+
+    # The stages inherit ignored dispositions across spawn's exec (the mask they do not): a SIGINT / SIGTERM
+    # sent to the whole process group (Ctrl-C, systemd) must reach only this process, which shuts the stages
+    # down once the open responses end. Blocked meanwhile, one that arrives while the stages load stays
+    # pending and is delivered after: the engine then closes again at once.
+    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    received: list[int] = []
+    keep_signal_mask()
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
+    # Ignoring a signal discards a pending one: one that came before this point (the caller may have blocked
+    # them earlier, as the CLI does) is taken now, and nothing starts.
+    if signal.sigpending() & stop_signals:
+        signum = signal.sigwait(stop_signals)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+        sock.close()
+        print(f"ringshm: stopped by {signal.Signals(signum).name} before the stages started", file=sys.stderr)
+        return 0
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
+    try:
+        engine = Engine(**engine_kwargs)
+    except BaseException as exc:
+        pending = signal.sigtimedwait(stop_signals, 0) if isinstance(exc, KeyboardInterrupt) else None
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+        sock.close()
+        if pending is not None:  # a stop signal ended the wait for the stages, which are stopped already
+            print(f"ringshm: stopped by {signal.Signals(pending.si_signo).name} while the stages loaded; every stage "
+                  f"process and segment is gone", file=sys.stderr)
+            return 0
+        raise
+    for sig in stop_signals:  # also what uvicorn re-raises after its graceful shutdown: exit 0 then
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
+    if received:
+        engine.close()
+        return 0
+    try:
+        if spec is not None:  # a verify chain of spec_depth segments needs that many decode ops in flight
+            engine.depth = max(engine.depth, spec_depth)
+        aengine = AsyncEngine(engine, max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s)
+    except BaseException:
+        engine.close()
+        raise
+    died: list[StageDied] = []
+    server: list = []
+
+    def on_stage_died(exc: StageDied) -> None:
+        died.append(exc)
+        server[0].should_exit = True
+
+    app = create_app(aengine, model_name or model_id_of(engine.model_path), spec=spec, spec_k=spec_k,
+                     spec_depth=spec_depth, graceful_s=graceful_s, max_body_bytes=max_body_bytes,
+                     on_stage_died=on_stage_died)
+    try:
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=graceful_s)
+        server.append(uvicorn.Server(config))
+        if not received:  # one that came while the app was built: uvicorn's handlers were not in place yet
+            server[0].run(sockets=[sock])
+    finally:
+        aengine.close()  # idempotent; covers a failed bind, where the lifespan never ran
+    return STAGE_DIED_EXIT if died else 0

@@ -1,0 +1,287 @@
+"""The OpenAI API's wire side for ``ringshm.server.app``: pydantic request models (``ChatRequest``,
+``CompletionRequest``, and vLLM's ``TokenizeRequest`` / ``DetokenizeRequest``), the served model names
+(``ServedModels``: aliases, model objects, 404 for an unknown name) and OpenAI-shaped errors (``ApiError``),
+with the mapping from engine exceptions to HTTP statuses: bad input 400, queue full 429, a dead or stalled
+stage, a queue wait past its limit or a closing engine 503, a failed request 500.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
+
+from ringshm.config import MAX_TOP_LOGPROBS
+from ringshm.errors import EngineClosed, QueueFull, QueueTimeout, RequestFailed, StageDied, StageStalled
+from ringshm.model.tokenizer import check_text
+
+
+# ------------------------------------------------------------------------------------------ request models
+def _number(value):
+    """A JSON number (not a bool, not a string such as "NaN"); NaN / infinity are refused by the field."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"must be a number, got {value!r}")
+    return value
+
+
+def _check_prompt(value):
+    """A completions prompt that is not empty, and a list of prompts of one kind (strings or id lists)."""
+    if isinstance(value, list):
+        if not value or any(isinstance(p, list) and not p for p in value):
+            raise ValueError("the prompt is empty: give a string, a list of token ids, or a non-empty list of either")
+        if any(isinstance(p, list) for p in value) and not all(isinstance(p, list) for p in value):
+            raise ValueError("a list of prompts holds strings or token-id lists, not both")
+    return value
+
+
+Number = Annotated[float, BeforeValidator(_number)]
+Int = Annotated[int, Strict()]
+Bool = Annotated[bool, Strict()]
+Text = Annotated[str, Strict(), Field(min_length=1)]
+Bias = Annotated[float, BeforeValidator(_number), Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
+TopK = Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)]
+TokenIds = Annotated[list[Int], Field(min_length=1)]
+MAX_N = 16  # choices per prompt (n): each sampled choice holds a KV row of its own
+
+# Fields OpenAI (or vLLM) define that ringshm does not implement: accepted only at their neutral value,
+# otherwise 400 naming the field (never silently ignored). field -> (neutral test, what to say)
+UNSUPPORTED = {
+    "response_format": (lambda v: v is None or v == {"type": "text"}, 'response_format: only {"type": "text"} is '
+                        "supported (no JSON mode, no json_schema: constrained decoding is not implemented)"),
+    "min_p": (lambda v: v == 0, "min_p is not supported (use 0)"),
+    "best_of": (lambda v: v is None or v == 1, "best_of must be 1"),
+    "suffix": (lambda v: not v, "suffix is not supported"),
+    "tools": (lambda v: not v, "tools are not supported"),
+}
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (OpenAI's extra last chunk with the usage)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: Bool = False
+
+
+class RequestBody(BaseModel):
+    """Fields both endpoints take. Types are strict: ``true`` is not an int, ``"8"`` not a number, and NaN /
+    infinity are refused; a wrong type is a 400 naming the field. An explicit ``null`` is the field's default
+    (OpenAI's fields are nullable)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+    model: Annotated[str, Strict()] | None = None
+    max_tokens: Int | None = Field(None, ge=0)  # 0: completions with echo only (scoring the prompt)
+    temperature: Number = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: Number = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: Int = Field(0, ge=0)
+    seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM
+    stop: Text | list[Text] | None = None
+    n: Int = Field(1, ge=1, le=MAX_N)
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: Number = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    frequency_penalty: Number = Field(0.0, ge=-2.0, le=2.0, allow_inf_nan=False)
+    logit_bias: dict[str, Bias] | None = None
+    response_format: dict | None = None
+    ignore_eos: Bool = False
+    min_tokens: Int = Field(0, ge=0)
+    repetition_penalty: Number = Field(1.0, gt=0.0, allow_inf_nan=False)
+    min_p: Number = Field(0.0, allow_inf_nan=False)
+    return_tokens_as_token_ids: Bool = False  # vLLM's: logprob tokens read "token_id:<id>"
+
+    def logit_controls(self) -> dict:
+        """``GenerationParams`` keyword arguments of the logit controls set in the body: ``logit_bias`` with
+        its JSON string keys as token ids, the penalties, ``min_tokens``, ``ignore_eos``. Raises a 400 naming
+        ``logit_bias`` for a key that is not a decimal token id (ids past the vocabulary: the engine's check)."""
+        out = {}
+        if self.logit_bias:
+            bias = {}
+            for key, value in self.logit_bias.items():
+                if not (key.isascii() and key.isdigit()):
+                    raise bad_request(f"logit_bias keys must be token ids as decimal strings, got {key!r}",
+                                      "logit_bias")
+                bias[int(key)] = value
+            out["logit_bias"] = bias
+        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
+                              ("min_tokens", 0), ("ignore_eos", False)):
+            if getattr(self, name) != neutral:
+                out[name] = getattr(self, name)
+        return out
+
+    def refuse_unsupported(self) -> None:
+        """Raise a 400 naming the first field set to a value ringshm does not implement, or
+        ``stream_options`` without ``stream`` (vLLM's rule)."""
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options can only be given with stream: true", "stream_options")
+        for name, (neutral, what) in UNSUPPORTED.items():
+            if name in type(self).model_fields and not neutral(getattr(self, name)):
+                raise bad_request(what, name)
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Annotated[str, Strict()] | list[dict] | None = None
+
+
+def plain_messages(messages: list[_Message]) -> list[dict]:
+    """``[{"role", "content"}]`` for the chat template: text content parts joined, ``developer`` as
+    ``system``, no content as "". Raises a 400 naming ``messages`` for a non-text part or text that is not
+    valid Unicode (``check_text``)."""
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):  # content parts: text only
+            if any(p.get("type") != "text" for p in content):
+                raise bad_request("only text content parts are supported", "messages")
+            content = "".join(str(p.get("text", "")) for p in content)
+        try:
+            check_text(content or "", f"messages[{i}].content")
+        except ValueError as exc:
+            raise bad_request(str(exc), "messages") from None
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return out
+
+
+class ChatRequest(RequestBody):
+    """Chat's fields: ``logprobs`` (bool) and ``top_logprobs`` (0 .. 20, only with ``logprobs``)."""
+
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    tools: list | None = None
+    logprobs: Bool | None = None
+    top_logprobs: TopK | None = None
+
+    def logprob_k(self) -> int | None:
+        """The top-k count of the answer's logprobs (None: none asked). Raises a 400 naming
+        ``top_logprobs`` when it is set without ``logprobs: true`` (OpenAI's rule)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class CompletionRequest(RequestBody):
+    """Completions' fields: ``prompt`` (a string, a list of token ids, or a list of either: one choice per
+    prompt x n), ``logprobs`` (top-k count 0 .. 20: OpenAI's legacy API stops at 5, vLLM's default at 20),
+    ``echo``."""
+
+    prompt: Annotated[Annotated[str, Strict()] | TokenIds | list[Annotated[str, Strict()]] | list[TokenIds],
+                      BeforeValidator(_check_prompt)]
+    echo: Bool = False
+    logprobs: TopK | None = None
+    best_of: Int | None = None
+    suffix: Annotated[str, Strict()] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: ``prompt`` (tokenised as ``/v1/completions`` does) or ``messages`` (through
+    the chat template, as ``/v1/chat/completions`` does), exactly one of them. ``add_special_tokens`` is
+    accepted only at the value ringshm tokenises with (vLLM's defaults: true for a prompt, false for
+    messages); ``refuse_unsupported`` says so."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str, Strict()] | None = None
+    prompt: Annotated[str, Strict()] | None = None
+    messages: list[_Message] | None = Field(None, min_length=1)
+    add_generation_prompt: Bool = True
+    add_special_tokens: Bool | None = None
+
+    def refuse_unsupported(self) -> None:
+        """Raise a 400 unless exactly one of ``prompt`` / ``messages`` is given, or for an
+        ``add_special_tokens`` ringshm does not tokenise with."""
+        if (self.prompt is None) == (self.messages is None):
+            raise bad_request("give exactly one of prompt (a string) or messages (a chat)",
+                              "prompt" if self.prompt is not None else "messages")
+        chat = self.messages is not None
+        if self.add_special_tokens is not None and self.add_special_tokens != (not chat):
+            raise bad_request(f"add_special_tokens must be {str(not chat).lower()} with "
+                              f"{'messages' if chat else 'prompt'} (the tokens the "
+                              f"{'chat ' if chat else ''}completions endpoint uses)", "add_special_tokens")
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: ``tokens``, ids in the tokenizer's vocabulary."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str, Strict()] | None = None
+    tokens: list[Int]
+
+
+class ServedModels:
+    """The names a server answers to (``--served-model-name a b``): each is listed by ``/v1/models``, a
+    request's ``model`` may be any of them, and a response echoes the one it used (the first without)."""
+
+    def __init__(self, names: str | Sequence[str], max_model_len: int, created: int):
+        names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(f"model names must be non-empty strings, got {names!r}")
+        self.names, self.max_model_len, self.created = names, max_model_len, created
+
+    def pick(self, requested: str | None) -> str:
+        """The name a request's ``model`` names (the first name when ``None``); 404 for any other."""
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            served = ", ".join(repr(n) for n in self.names)
+            raise ApiError(404, f"the model {requested!r} does not exist; this server serves {served}",
+                           "not_found_error", "model", "model_not_found")
+        return requested
+
+    def card(self, name: str) -> dict:
+        """OpenAI's model object for ``name`` (plus vLLM's ``max_model_len``)."""
+        return {"id": name, "object": "model", "created": self.created, "owned_by": "ringshm",
+                "max_model_len": self.max_model_len}
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error body with ``status``."""
+
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code: str | None = None,
+                 retry_after_s: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        """``Retry-After`` (seconds) for a 429 / 503 the client should retry."""
+        return None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+RETRY_AFTER_S = 1  # Retry-After on 429 and on a 503 the server expects to clear (queue wait, a stalled stage)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def engine_error(exc: BaseException) -> ApiError:
+    """The HTTP error of an exception raised by the ``AsyncEngine``."""
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), "rate_limit_error", None, "queue_full", RETRY_AFTER_S)
+    if isinstance(exc, QueueTimeout):
+        return ApiError(503, str(exc), "service_unavailable", None, "queue_timeout", RETRY_AFTER_S)
+    if isinstance(exc, StageStalled):
+        return ApiError(503, str(exc), "service_unavailable", None, "stage_stalled", RETRY_AFTER_S)
+    if isinstance(exc, StageDied):
+        return ApiError(503, str(exc), "service_unavailable", None, "stage_died")
+    if isinstance(exc, EngineClosed):
+        return ApiError(503, str(exc), "service_unavailable", None, "shutting_down")
+    if isinstance(exc, (ValueError, TypeError)):
+        return bad_request(str(exc), getattr(exc, "param", None))
+    if isinstance(exc, RequestFailed):
+        return ApiError(500, str(exc), "server_error", None, "request_failed")
+    return ApiError(500, "internal server error", "server_error")
