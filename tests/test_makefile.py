@@ -54,3 +54,27 @@ def test_dot_venv_is_git_ignored_and_clean_keeps_it():
     out = _make("-n", "clean")
     assert ".venv" not in out.stdout
     assert "rm -rf .venv" in _make("-n", "distclean").stdout
+
+
+def _torch_line(out: subprocess.CompletedProcess) -> str:
+    return next(ln for ln in out.stdout.splitlines() if 'pip install' in ln and '"torch==' in ln)
+
+
+def test_without_a_gpu_torch_is_the_cpu_only_wheel_from_pytorchs_cpu_index(tmp_path):
+    out = _make("-n", "-B", "install", f"SYSTEM_PYTHON={BASE_PYTHON}", PATH=f"{tmp_path}:/usr/bin:/bin")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in _torch_line(out), out.stdout
+
+
+def test_with_a_gpu_torch_is_the_default_build(tmp_path):
+    fake = tmp_path / "nvidia-smi"  # lists a GPU, as nvidia-smi -L does
+    fake.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-0)'\n")
+    fake.chmod(0o755)
+    out = _make("-n", "-B", "install", f"SYSTEM_PYTHON={BASE_PYTHON}", PATH=f"{tmp_path}:/usr/bin:/bin")
+    assert "--index-url" not in _torch_line(out) and '"torch==2.13.0"' in _torch_line(out), out.stdout
+
+
+def test_install_compiles_the_extension_once_the_editable_install_builds_it():
+    lines = _make("-n", "-B", "install", f"SYSTEM_PYTHON={BASE_PYTHON}").stdout.splitlines()
+    assert sum("pip install --no-build-isolation -e" in ln for ln in lines) == 1
+    build = [i for i, ln in enumerate(lines) if "setup.py -q build_ext --inplace" in ln]
+    assert len(build) == 1 and "||" in lines[build[0] - 1], "build_ext runs only when the build is stale"
