@@ -16,7 +16,7 @@
 #define VW RINGSHM_ATTN_HEAD_DIM_MULTIPLE
 
 typedef void (*attn_fn)(float *, const float *, const float *, const float *, int, int, int, int, int, int, int,
-                        int);
+                        float, int, int);
 typedef void (*rms_fn)(float *, const float *, const float *, int64_t, int64_t, float);
 typedef void (*silu_fn)(float *, const float *, int64_t, int64_t);
 
@@ -41,21 +41,25 @@ static int attn_shape_ok(int n, int hq, int hkv, int smax, int d) {
 int ringshm_attn_max_head_dim(void) { return RINGSHM_ATTN_MAX_HEAD_DIM; }
 int ringshm_attn_max_segments(void) { return RINGSHM_ATTN_MAX_SEGMENTS; }
 
+static int attn_params_ok(int window, float scale) { return window >= 0 && scale > 0.0f && scale < 1e30f; }
+
 int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const float *v_cache, int n,
-                         int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim, int start) {
-    if (!attn_shape_ok(n, n_q_heads, n_kv_heads, max_seq_len, head_dim)) return RINGSHM_KERNEL_ERR_SHAPE;
+                         int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim, int start, int window,
+                         float scale) {
+    if (!attn_shape_ok(n, n_q_heads, n_kv_heads, max_seq_len, head_dim) || !attn_params_ok(window, scale))
+        return RINGSHM_KERNEL_ERR_SHAPE;
     if (start < 0 || start > max_seq_len - n) return RINGSHM_KERNEL_ERR_RANGE;
-    ISA_PICK(ringshm_attn_chunk)(out, q, k_cache, v_cache, n, n_q_heads, n_kv_heads, max_seq_len, head_dim, start, 0,
-                                 n_kv_heads);
+    ISA_PICK(ringshm_attn_chunk)(out, q, k_cache, v_cache, n, n_q_heads, n_kv_heads, max_seq_len, head_dim, start,
+                                 window, scale, 0, n_kv_heads);
     return RINGSHM_KERNEL_OK;
 }
 
 int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cache, const float *v_cache,
                                   const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
                                   int n_cache_rows, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim,
-                                  int n_threads) {
+                                  int window, float scale, int n_threads) {
     if (n_seg < 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS || n_cache_rows <= 0 ||
-        !attn_shape_ok(1, n_q_heads, n_kv_heads, max_seq_len, head_dim))
+        !attn_shape_ok(1, n_q_heads, n_kv_heads, max_seq_len, head_dim) || !attn_params_ok(window, scale))
         return RINGSHM_KERNEL_ERR_SHAPE;
     for (int i = 0; i < n_seg; i++) {
         if (lens[i] < 1 || lens[i] > max_seq_len) return RINGSHM_KERNEL_ERR_SHAPE;
@@ -76,7 +80,7 @@ int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cac
         const int i = (int)((it) / n_kv_heads), h = (int)((it) % n_kv_heads);                                   \
         const int64_t o = offsets[i];                                                                          \
         fn(out + o * tok, q + o * tok, k_cache + rows[i] * row, v_cache + rows[i] * row, (int)lens[i], n_q_heads, \
-           n_kv_heads, max_seq_len, head_dim, (int)starts[i], h, h + 1);                                        \
+           n_kv_heads, max_seq_len, head_dim, (int)starts[i], window, scale, h, h + 1);                         \
     } while (0)
 #ifdef _OPENMP
     if (nt > 1) {
@@ -145,5 +149,11 @@ int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t m, int6
 int ringshm_silu_mul(float *out, const float *gu, int64_t m, int64_t inter) {
     if (m <= 0 || inter <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
     ISA_PICK(ringshm_silu_mul_rows)(out, gu, m, inter);
+    return RINGSHM_KERNEL_OK;
+}
+
+int ringshm_gelu_tanh_mul(float *out, const float *gu, int64_t m, int64_t inter) {
+    if (m <= 0 || inter <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
+    ISA_PICK(ringshm_gelu_tanh_mul_rows)(out, gu, m, inter);
     return RINGSHM_KERNEL_OK;
 }

@@ -75,18 +75,24 @@ int ringshm_kv_append(float *k_cache, float *v_cache, const float *k, const floa
  *     q, out            [n, Hq, D]        q already rotated; out is written, must not overlap q
  *     k_cache, v_cache  [Hkv, S_max, D]   positions [0, start + n) are read (the chunk's own keys included)
  *
- * Mask: causal, aligned bottom-right: query j (absolute position start + j) sees keys 0 .. start + j.
+ * Mask: causal, aligned bottom-right: query j (absolute position p = start + j) sees keys lo(p) .. p, where
+ * lo(p) = 0, or with a sliding window of W > 0 keys, max(0, p - W + 1) (transformers' sliding-window mask:
+ * the W latest keys, itself included).
  * GQA:  query head h reads kv head h / (Hq / Hkv).
  *
- *     out[j, h] = sum_t softmax_t(q[j, h] . k[h', t] / sqrt(D)) v[h', t],  t <= start + j,  h' = h / (Hq / Hkv)
+ *     out[j, h] = sum_t softmax_t(q[j, h] . k[h', t] * scale) v[h', t],  lo(p) <= t <= p,  h' = h / (Hq / Hkv)
  *
- * Accumulation in fp32 with an online (flash-style, max-subtracted) softmax over blocks of keys.
- * Each output row depends only on its own query, its position and the cache: it is bitwise the same
- * whatever n, the other rows in the chunk or the batch (decode of position p == verify row at p).
- * Returns RINGSHM_KERNEL_ERR_SHAPE for a bad D or Hq % Hkv != 0, RINGSHM_KERNEL_ERR_RANGE if start + n > S_max.
+ * scale: the factor on q . k (1 / sqrt(D) for Llama; Gemma's query_pre_attn_scalar^-1/2).
+ * Accumulation in fp32 with an online (flash-style, max-subtracted) softmax over blocks of keys that start at
+ * absolute multiples of the block size; a row visits the blocks from the one holding lo(p), and keys before
+ * lo(p) in it weigh exactly 0. Each output row depends only on its own query, its position and the cache: it
+ * is bitwise the same whatever n, the other rows in the chunk or the batch (decode of position p == verify row
+ * at p). Returns RINGSHM_KERNEL_ERR_SHAPE for a bad D, Hq % Hkv != 0, window < 0 or scale not finite > 0,
+ * RINGSHM_KERNEL_ERR_RANGE if start + n > S_max.
  */
 int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const float *v_cache,
-                         int n, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim, int start);
+                         int n, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim, int start, int window,
+                         float scale);
 
 /* ringshm_attn_forward_segments: ringshm_attn_forward for a ragged batch of segments, each on its own cache row.
  *
@@ -94,17 +100,18 @@ int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const
  *     k_cache, v_cache  [R, Hkv, S_max, D]    the layer's whole cache
  *     rows, starts, lens [n_seg] int64        segment i reads cache row rows[i]; its queries sit at starts[i] ..
  *
- * out[segment i] = attn_forward(q[segment i], k_cache[rows[i]], v_cache[rows[i]], starts[i]). The work items are
- * (segment, kv head) pairs spread over up to n_threads OpenMP threads, each run in the caller's FP mode; an item
- * is computed exactly as attn_forward computes it, so the bits do not depend on n_threads or on the other
- * segments (batch invariance). Rows may repeat (reads only). Everything is checked before anything is written:
- * RINGSHM_KERNEL_ERR_SHAPE for a bad shape, lens[i] < 1 or > S_max, or n_seg > RINGSHM_ATTN_MAX_SEGMENTS;
- * RINGSHM_KERNEL_ERR_RANGE for a row outside [0, R) or starts[i] < 0 or starts[i] + lens[i] > S_max.
+ * out[segment i] = attn_forward(q[segment i], k_cache[rows[i]], v_cache[rows[i]], starts[i], window, scale). The
+ * work items are (segment, kv head) pairs spread over up to n_threads OpenMP threads, each run in the caller's
+ * FP mode; an item is computed exactly as attn_forward computes it, so the bits do not depend on n_threads or on
+ * the other segments (batch invariance). Rows may repeat (reads only). Everything is checked before anything is
+ * written: RINGSHM_KERNEL_ERR_SHAPE for a bad shape, window or scale, lens[i] < 1 or > S_max, or n_seg >
+ * RINGSHM_ATTN_MAX_SEGMENTS; RINGSHM_KERNEL_ERR_RANGE for a row outside [0, R) or starts[i] < 0 or starts[i] +
+ * lens[i] > S_max.
  */
 int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cache, const float *v_cache,
                                   const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
                                   int n_cache_rows, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim,
-                                  int n_threads);
+                                  int window, float scale, int n_threads);
 /* ringshm_rms_norm: RMSNorm of each row (Zhang & Sennrich 2019; Hugging Face LlamaRMSNorm's order of ops).
  *
  *     x, out  [m, k] fp32 (out may be x: each row is read before it is written)     w  [k]
@@ -125,6 +132,15 @@ int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t m, int6
  * softmax for every element, tails zero-padded into a vector: each element depends only on its own two inputs.
  * Returns RINGSHM_KERNEL_ERR_SHAPE if m or inter <= 0. */
 int ringshm_silu_mul(float *out, const float *gu, int64_t m, int64_t inter);
+
+/* ringshm_gelu_tanh_mul: the GeGLU gate (Gemma), out[r, j] = gelu_tanh(gu[r, j]) * gu[r, inter + j], j < inter.
+ *
+ *     gu   [m, 2 * inter] fp32: each row is [gate | up];  out  [m, inter] fp32, must not overlap gu
+ *
+ * gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) (Hendrycks & Gimpel 2016; transformers'
+ * gelu_pytorch_tanh), tanh through the vector exp of the softmax: within a few ulp of torch's, and each element
+ * depends only on its own two inputs (batch invariance). Returns RINGSHM_KERNEL_ERR_SHAPE if m or inter <= 0. */
+int ringshm_gelu_tanh_mul(float *out, const float *gu, int64_t m, int64_t inter);
 /* CDEF END */
 
 #endif /* RINGSHM_KERNELS_H */

@@ -20,7 +20,8 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
     if (!s || t <= 0 || s->hidden <= 0 || s->hidden % 16 || s->inter <= 0 || s->inter % 8 || s->n_heads <= 0 ||
         s->n_kv_heads <= 0 || s->head_dim <= 0 || s->max_rows <= 0 || s->max_seq_len <= 0 || s->n_pos <= 0 ||
         s->n_heads % s->n_kv_heads || s->head_dim % RINGSHM_ATTN_HEAD_DIM_MULTIPLE ||
-        s->head_dim > RINGSHM_ATTN_MAX_HEAD_DIM)
+        s->head_dim > RINGSHM_ATTN_MAX_HEAD_DIM || (s->act != RINGSHM_ACT_SILU && s->act != RINGSHM_ACT_GELU_TANH) ||
+        !(s->attn_scale > 0.0f))
         return 0;
     const int64_t qd = (int64_t)s->n_heads * s->head_dim, kvd = (int64_t)s->n_kv_heads * s->head_dim;
     l->qkv_w = round16(qd + 2 * kvd), l->gu_w = 2 * (int64_t)s->inter;
@@ -43,12 +44,18 @@ int64_t ringshm_layer_work_floats(const struct ringshm_layer_shape *s, int64_t t
     return layout_of(s, t, &l) ? l.total : RINGSHM_KERNEL_ERR_SHAPE;
 }
 
+/* x[i] = a[i] + b[i] over [t, hidden] (one rounded add each: the residual of a post-normed branch). */
+static void add_rows(float *x, const float *a, const float *b, int64_t n) {
+    for (int64_t i = 0; i < n; i++) x[i] = a[i] + b[i];
+}
+
 int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
                           int64_t t, const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
-                          const float *cos, const float *sin, float *work, int64_t work_floats, int n_threads,
-                          int isa) {
+                          float *work, int64_t work_floats, int n_threads, int isa) {
     struct layout l;
-    if (!w || !layout_of(s, t, &l) || work_floats < l.total || n_seg <= 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS)
+    if (!w || !layout_of(s, t, &l) || work_floats < l.total || n_seg <= 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS ||
+        w->window < 0 || !w->cos || !w->sin || (!w->q_norm) != (!w->k_norm) ||
+        (!w->post_attn_norm) != (!w->post_ffn_norm))
         return RINGSHM_KERNEL_ERR_SHAPE;
     int64_t sum = 0;
     for (int i = 0; i < n_seg; i++) {
@@ -62,6 +69,7 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
     const int hid = s->hidden, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
     const int64_t qd = (int64_t)hq * d, kvd = (int64_t)hkv * d;
     const int64_t cache_row = (int64_t)hkv * s->max_seq_len * d;
+    const int post = w->post_attn_norm != NULL;
     float *h = work + l.h, *qkv = work + l.qkv, *q = work + l.q, *k = work + l.k, *v = work + l.v;
     float *attn = work + l.attn, *x2 = work + l.x2, *gu = work + l.gu, *act = work + l.act;
     int st;
@@ -75,27 +83,49 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         memcpy(k + i * kvd, qkv + i * l.qkv_w + qd, sizeof(float) * (size_t)kvd);
         memcpy(v + i * kvd, qkv + i * l.qkv_w + qd + kvd, sizeof(float) * (size_t)kvd);
     }
+    if (w->q_norm) { /* per-head RMSNorm: every head's D values are one row */
+        if ((st = ringshm_rms_norm(q, q, w->q_norm, t * hq, d, s->rms_eps))) return st;
+        if ((st = ringshm_rms_norm(k, k, w->k_norm, t * hkv, d, s->rms_eps))) return st;
+    }
     int64_t off = 0;
     for (int i = 0; i < n_seg; off += lens[i], i++) { /* RoPE and KV-append per segment, on its own row */
         const int n = (int)lens[i], start = (int)starts[i];
         float *kc = w->k_cache + rows[i] * cache_row, *vc = w->v_cache + rows[i] * cache_row;
-        if ((st = ringshm_kv_append(kc, vc, k + off * kvd, v + off * kvd, cos, sin, n, hkv, s->max_seq_len, d, start,
-                                    s->n_pos)))
+        if ((st = ringshm_kv_append(kc, vc, k + off * kvd, v + off * kvd, w->cos, w->sin, n, hkv, s->max_seq_len, d,
+                                    start, s->n_pos)))
             return st;
-        if ((st = ringshm_rope_apply(q + off * qd, q + off * qd, cos, sin, n, hq, d, start, s->n_pos))) return st;
+        if ((st = ringshm_rope_apply(q + off * qd, q + off * qd, w->cos, w->sin, n, hq, d, start, s->n_pos)))
+            return st;
     }
     /* then every segment's attention at once: (segment, kv head) items over the threads */
     if ((st = ringshm_attn_forward_segments(attn, q, w->k_cache, w->v_cache, rows, starts, lens, n_seg, s->max_rows,
-                                            hq, hkv, s->max_seq_len, d, n_threads)))
+                                            hq, hkv, s->max_seq_len, d, w->window, s->attn_scale, n_threads)))
         return st;
-    if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, NULL, x, hid, n_threads,
-                                  isa)))
+    if (post) { /* x2 = x + norm(attn . Wo^T + bo) */
+        if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, NULL, 0,
+                                      n_threads, isa)) ||
+            (st = ringshm_rms_norm(x2, x2, w->post_attn_norm, t, hid, s->rms_eps)))
+            return st;
+        add_rows(x2, x, x2, t * hid);
+    } else if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, x, hid,
+                                         n_threads, isa))) {
         return st;
+    }
     if ((st = ringshm_rms_norm(h, x2, w->ffn_norm, t, hid, s->rms_eps))) return st;
     if ((st = ringshm_qmat_matmul(w->type_gate_up, w->gate_up, w->gate_up_bytes, 2 * (int64_t)s->inter, hid, h, t,
-                                  gu, l.gu_w, NULL, NULL, 0, n_threads, isa)))
+                                  gu, l.gu_w, w->bgate_up, NULL, 0, n_threads, isa)))
         return st;
-    if ((st = ringshm_silu_mul(act, gu, t, s->inter))) return st;
-    return ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, x, hid, NULL, x2, hid,
+    if ((st = s->act == RINGSHM_ACT_GELU_TANH ? ringshm_gelu_tanh_mul(act, gu, t, s->inter)
+                                              : ringshm_silu_mul(act, gu, t, s->inter)))
+        return st;
+    if (post) { /* x = x2 + norm(act . Wdown^T + bdown) */
+        if ((st = ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, h, hid, w->bdown,
+                                      NULL, 0, n_threads, isa)) ||
+            (st = ringshm_rms_norm(h, h, w->post_ffn_norm, t, hid, s->rms_eps)))
+            return st;
+        add_rows(x, x2, h, t * hid);
+        return RINGSHM_KERNEL_OK;
+    }
+    return ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, x, hid, w->bdown, x2, hid,
                                n_threads, isa);
 }

@@ -1,28 +1,34 @@
-/* ringshm_layer_forward: one Llama-family decoder layer on a ragged batch of segments, in one C call.
+/* ringshm_layer_forward: one decoder layer on a ragged batch of segments, in one C call.
  *
  * Decode runs 30 layers per token, and calling ten kernels per layer from Python cost more than the layer's
  * own arithmetic apart from the matmuls. This strings the same kernels together (matmul.h, kernels.h), in the
- * same order, so a stage's per-layer overhead is one call:
+ * same order, so a stage's per-layer overhead is one call. One loop serves every supported family: the
+ * description (ringshm.config.ModelConfig) arrives as the shape's act / attn_scale and the weights' optional
+ * parts (NULL: absent):
  *
  *     h    = rms_norm(x, attn_norm)                                     [T, hidden]
  *     qkv  = h . Wqkv^T (+ bqkv)                                        [T, q_dim + 2 kv_dim]
+ *     q, k = rms_norm per head (q_norm, k_norm: [D]; Qwen 3, Gemma 3)
  *     per segment s (row r, start p, n tokens, its tokens at offset o of the op):
- *         kv_append(cache[r], rope(k), v) at positions p .. p + n - 1;  q[o .. o + n) = rope(q)
- *     attn = attention of every segment on its row (ringshm_attn_forward_segments: threads over
- *            (segment, kv head) items)
- *     x2   = x + attn . Wo^T                                            [T, hidden]
- *     gu   = rms_norm(x2, ffn_norm) . Wgate_up^T                        [T, 2 I]  rows [gate | up]
- *     x    = x2 + (silu(gate) * up) . Wdown^T                           written over x
+ *         kv_append(cache[r], rope(k), v) at positions p .. p + n - 1;  q[o .. o + n) = rope(q)   (this
+ *         layer's cos / sin: Gemma 3's sliding layers have their own base)
+ *     attn = attention of every segment on its row, this layer's window (0: causal over every earlier key) and
+ *            the shape's attn_scale (ringshm_attn_forward_segments: threads over (segment, kv head) items)
+ *     o    = attn . Wo^T (+ bo)
+ *     x2   = x + o,  or with post norms  x2 = x + rms_norm(o, post_attn_norm)                [T, hidden]
+ *     gu   = rms_norm(x2, ffn_norm) . Wgate_up^T (+ bgate_up)          [T, 2 I]  rows [gate | up]
+ *     m    = act(gate) * up . Wdown^T (+ bdown)      act: silu (SwiGLU) or gelu_tanh (GeGLU)
+ *     x    = x2 + m,  or with post norms  x = x2 + rms_norm(m, post_ffn_norm)                written over x
  *
  * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: rows, starts, lens [n_seg]
  * int64, at most RINGSHM_ATTN_MAX_SEGMENTS. The caller guarantees that a row appears in one segment only (every
  * segment's KV is appended before any attention runs, so a repeated row would not see the order of a serial
  * run) and that each segment satisfies the KV rules of ringshm.model; the kernels re-check what would go out of
- * bounds. Caches: [max_rows, Hkv, S_max, D] fp32.
- * cos, sin: [n_pos, D / 2]. work: at least ringshm_layer_work_floats(shape, T) floats of scratch.
- * Every step is batch-invariant (each row reduced in a fixed order), so the result for a segment does not
- * depend on the other segments of the op, and the matmuls split output rows over n_threads.
- * Limits: hidden % 16 == 0 and inter % 8 == 0 (rows of the intermediates are whole 16-float vectors).
+ * bounds. Caches: [max_rows, Hkv, S_max, D] fp32. cos, sin: [n_pos, D / 2]. work: at least
+ * ringshm_layer_work_floats(shape, T) floats of scratch. Every step is batch-invariant (each row reduced in a
+ * fixed order), so the result for a segment does not depend on the other segments of the op, and the matmuls
+ * split output rows over n_threads. Limits: hidden % 16 == 0 and inter % 8 == 0 (rows of the intermediates are
+ * whole 16-float vectors).
  */
 #ifndef RINGSHM_LAYER_H
 #define RINGSHM_LAYER_H
@@ -30,19 +36,28 @@
 #include <stdint.h>
 
 /* CDEF BEGIN */
+/* The MLP's gate (ringshm.config.ACTIVATIONS). */
+enum ringshm_act { RINGSHM_ACT_SILU = 0, RINGSHM_ACT_GELU_TANH = 1 };
+
 struct ringshm_layer_shape {
     int hidden, n_heads, n_kv_heads, head_dim, inter;
     int max_rows, max_seq_len, n_pos; /* cache rows, positions per row, RoPE table rows */
     float rms_eps;
+    int act;          /* enum ringshm_act */
+    float attn_scale; /* the factor on q . k */
 };
 
-/* One layer's weights (packed, matmul.h) and KV cache; pointers stay owned by the caller. */
+/* One layer's weights (packed, matmul.h), RoPE tables and KV cache; pointers stay owned by the caller. */
 struct ringshm_layer_weights {
     int type_qkv, type_o, type_gate_up, type_down;              /* ringshm_wtype */
     const uint8_t *qkv, *o, *gate_up, *down;                    /* packed panels */
     int64_t qkv_bytes, o_bytes, gate_up_bytes, down_bytes;
-    const float *bqkv;                                          /* [q_dim + 2 kv_dim] or NULL */
+    const float *bqkv, *bo, *bgate_up, *bdown;                  /* biases [rows of the matmul] or NULL */
     const float *attn_norm, *ffn_norm;                          /* [hidden] */
+    const float *q_norm, *k_norm;                               /* [D] or NULL: no per-head q / k norm */
+    const float *post_attn_norm, *post_ffn_norm;                /* [hidden] or NULL: no post norms */
+    const float *cos, *sin;                                     /* [n_pos, D / 2]: this layer's RoPE */
+    int window;                                                 /* sliding-window keys, 0: none */
     float *k_cache, *v_cache;                                   /* [max_rows, Hkv, S_max, D] */
 };
 
@@ -53,8 +68,7 @@ int64_t ringshm_layer_work_floats(const struct ringshm_layer_shape *s, int64_t t
  * step wrote anything), or RINGSHM_KERNEL_ERR_SHAPE for a bad shape or segment table (before anything). */
 int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
                           int64_t t, const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
-                          const float *cos, const float *sin, float *work, int64_t work_floats, int n_threads,
-                          int isa);
+                          float *work, int64_t work_floats, int n_threads, int isa);
 /* CDEF END */
 
 #endif /* RINGSHM_LAYER_H */

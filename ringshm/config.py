@@ -10,20 +10,77 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU (Llama) or GeGLU with tanh-GELU (Gemma)
+ROPE_SCALINGS = ("linear", "llama3")  # what RopeScaling.kind may be; others (yarn, dynamic, longrope) are refused
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A RoPE frequency scaling, as transformers' ``rope_scaling`` / ``rope_parameters`` describes it.
+
+    ``kind``:
+    - "linear": every inverse frequency divided by ``factor`` (positions interpolated; transformers'
+      ``_compute_linear_scaling_rope_parameters``);
+    - "llama3": Llama 3.1's bands: wavelengths below ``original_max_position / high_freq_factor`` kept, above
+      ``original_max_position / low_freq_factor`` divided by ``factor``, smoothly blended between
+      (transformers' ``_compute_llama3_parameters``).
+
+    Raises:
+        ValueError: an unknown kind, a factor <= 0, or llama3 bands that are empty.
+    """
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROPE_SCALINGS:
+            raise ValueError(f"RoPE scaling {self.kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
+        if not self.factor > 0:
+            raise ValueError(f"RoPE scaling factor must be > 0, got {self.factor!r}")
+        if self.kind == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor
+                                          and self.original_max_position > 0):
+            raise ValueError(f"llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor and "
+                             f"original_max_position_embeddings > 0, got {self}")
+
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder (Llama, Mistral, Qwen2): pre-norm RMSNorm, RoPE, GQA, SwiGLU MLP.
+    """What a decoder computes: its shape, and the per-architecture description one layer loop reads.
 
-    Field names follow the field: ``n_*`` are counts, ``hidden`` is the residual width. ``head_dim`` is
-    per head (``n_heads * head_dim`` need not equal ``hidden``). ``max_seq_len`` is the context length the
-    checkpoint was trained for (GGUF ``<arch>.context_length``, HF ``max_position_embeddings``).
+    Every supported family is this one pre-norm decoder with RoPE and GQA; the fields below say where they
+    differ (defaults are Llama's). Per layer on the residual stream ``x [T, hidden]``:
+
+        h = norm(x) · (norm_offset + attn_norm)                           RMSNorm; Gemma's HF weights are (1 + w)
+        q, k, v = h · Wq/Wk/Wvᵀ (+ biases: attention_bias)
+        q, k = rmsnorm_per_head(q, k) (qk_norm: Qwen 3, Gemma 3)
+        a = attention(rope(q), rope(k), v), scale attn_scale (0: 1/sqrt(head_dim)), a sliding window of
+            window(layer) keys on sliding layers (0: every earlier key)
+        a = a · Woᵀ (+ o_bias);   post_norms: a = norm(a) · post_attn_norm (Gemma 2/3 "sandwich" norms)
+        x = x + a
+        h = norm(x) · ffn_norm;  g, u = h · Wgate/Wupᵀ (+ mlp_bias)
+        m = (act(g) * u) · Wdownᵀ (+ mlp_bias);  act: silu (SwiGLU) or gelu_tanh (GeGLU)
+        post_norms: m = norm(m) · post_ffn_norm
+        x = x + m
+
+    The first stage embeds ids and multiplies by ``embed_scale`` (Gemma: sqrt(hidden)); the last applies the
+    final norm, the LM head and, when ``logit_softcap`` > 0, ``cap * tanh(logits / cap)``.
+
+    RoPE: layer i rotates with ``rope_theta`` and ``rope_scaling`` (or GGUF's per-frequency ``rope_freq_factors``),
+    except sliding layers of a model with ``rope_local_theta`` > 0 (Gemma 3), which use that base and no scaling.
+
+    Field names follow the field: ``n_*`` are counts, ``hidden`` is the residual width; ``head_dim`` is per head
+    (``n_heads * head_dim`` need not equal ``hidden``); ``max_seq_len`` is the context length the checkpoint was
+    trained for (GGUF ``<arch>.context_length``, HF ``max_position_embeddings``).
 
     Raises:
-        ValueError: a field out of range, or ``n_heads`` not a multiple of ``n_kv_heads`` (GQA needs it).
+        ValueError: a field out of range, ``n_heads`` not a multiple of ``n_kv_heads`` (GQA needs it), an unknown
+            activation, a ``sliding_layers`` of the wrong length, or sliding layers without a window.
     """
 
-    arch: str  # "llama", "mistral" or "qwen2"
+    arch: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"
     n_layers: int
     hidden: int
     n_heads: int
@@ -37,7 +94,21 @@ class ModelConfig:
     max_seq_len: int
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # the output projection carries a bias (Llama's attention_bias)
+    mlp_bias: bool = False  # gate, up and down carry biases (Llama's mlp_bias)
+    qk_norm: bool = False
+    post_norms: bool = False
+    norm_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma's HF weights are stored as w - 1)
+    activation: str = "silu"
+    embed_scale: float = 1.0
+    attn_scale: float = 0.0  # 0: 1 / sqrt(head_dim)
+    logit_softcap: float = 0.0  # 0: none
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included (0: no sliding layer)
+    sliding_layers: tuple[bool, ...] = ()  # per layer; () with a window: every layer slides (Mistral)
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] = ()  # GGUF rope_freqs.weight: inv_freq[i] / factors[i] (Llama 3)
+    rope_local_theta: float = 0.0  # sliding layers' RoPE base (Gemma 3); 0: rope_theta
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab",
@@ -53,6 +124,18 @@ class ModelConfig:
         if not (self.rope_theta > 0 and self.rms_eps > 0):
             raise ValueError(f"ModelConfig.rope_theta and rms_eps must be > 0, got "
                              f"{self.rope_theta!r}, {self.rms_eps!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.activation {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.sliding_window < 0 or (self.sliding_layers and len(self.sliding_layers) != self.n_layers):
+            raise ValueError(f"ModelConfig.sliding_window must be >= 0 and sliding_layers one flag per layer "
+                             f"({self.n_layers}), got {self.sliding_window}, {len(self.sliding_layers)} flags")
+        if any(self.sliding_layers) and not self.sliding_window:
+            raise ValueError("ModelConfig.sliding_layers are set but sliding_window is 0")
+        if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
+            raise ValueError(f"ModelConfig.rope_freq_factors needs head_dim / 2 = {self.head_dim // 2} values, got "
+                             f"{len(self.rope_freq_factors)}")
+        if self.embed_scale <= 0 or self.attn_scale < 0 or self.logit_softcap < 0:
+            raise ValueError("ModelConfig.embed_scale must be > 0, attn_scale and logit_softcap >= 0")
 
     @property
     def q_dim(self) -> int:
@@ -63,6 +146,28 @@ class ModelConfig:
     def kv_dim(self) -> int:
         """Width of each of the key and value projection outputs, ``n_kv_heads * head_dim``."""
         return self.n_kv_heads * self.head_dim
+
+    def slides(self, layer: int) -> bool:
+        """Whether model layer ``layer`` attends through the sliding window."""
+        if not self.sliding_window:
+            return False
+        return self.sliding_layers[layer] if self.sliding_layers else True
+
+    def window(self, layer: int) -> int:
+        """Keys layer ``layer``'s query sees, itself included: ``sliding_window`` on a sliding layer, else 0 (all)."""
+        return self.sliding_window if self.slides(layer) else 0
+
+    def rope_of(self, layer: int) -> tuple:
+        """The RoPE table layer ``layer`` rotates with, as a hashable key ``(theta, scaling, freq_factors)``;
+        layers with equal keys share one table."""
+        if self.rope_local_theta and self.slides(layer):
+            return (self.rope_local_theta, None, ())
+        return (self.rope_theta, self.rope_scaling, self.rope_freq_factors)
+
+    @property
+    def attention_scale(self) -> float:
+        """The factor on q · k: ``attn_scale``, or 1 / sqrt(head_dim) when it is 0."""
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
 
 
 DTYPES = ("float32", "bfloat16")

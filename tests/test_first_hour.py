@@ -117,7 +117,7 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_any_stage_starts(model_
 def test_the_default_engine_fits_this_machine(model_path):
     mc = read_config(str(model_path))
     cfg = EngineConfig()
-    check_memory(cfg, mc, cfg.layer_ranges(mc.n_layers), 2048)
+    check_memory(cfg, mc, cfg.layer_ranges(mc.n_layers), 2048, model_path)
 
 
 def test_a_stage_that_cannot_load_always_reports_its_own_error_never_its_exit_code(tmp_path):

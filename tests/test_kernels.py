@@ -129,6 +129,61 @@ def test_attention_bf16_runs_the_torch_path_and_keeps_the_dtype():
     torch.testing.assert_close(got.float(), kernels.attention(q, k_cache, v_cache, 5), atol=3e-2, rtol=3e-2)
 
 
+# --- sliding window and scale (Mistral, Gemma 3) -----------------------------------------------------------------
+
+WINDOW_CASES = [
+    # (Hq, Hkv, D, n, start, window)
+    (9, 3, 64, 1, 300, 16),  # decode: a window inside one key block
+    (9, 3, 64, 1, 300, 200),  # decode: a window across key blocks
+    (8, 2, 64, 40, 120, 32),  # a chunk whose rows' windows start in different blocks
+    (4, 1, 128, 64, 0, 7),  # prefill from 0: the first rows see fewer than the window
+    (2, 1, 256, 7, 500, 129),  # a window one past a block
+    (6, 2, 48, 300, 10, 50),  # more rows than a tile, D without a specialised copy
+    (4, 4, 64, 3, 2, 1),  # a window of one key: each row sees only itself
+]
+
+
+@pytest.mark.parametrize("hq,hkv,d,n,start,window", WINDOW_CASES)
+def test_windowed_attention_matches_the_torch_reference_and_ignores_keys_before_the_window(hq, hkv, d, n, start,
+                                                                                         window):
+    g = _gen(hq * 7 + n + window)
+    k_cache, v_cache = _row(hkv, start + n + 5, d, g)
+    q = torch.randn(n, hq, d, generator=g)
+    scale = 0.07  # not 1 / sqrt(D): Gemma's query_pre_attn_scalar
+    got = kernels.attention(q, k_cache, v_cache, start, window, scale)
+    torch.testing.assert_close(got, kernels.attention_reference(q, k_cache, v_cache, start, window, scale),
+                               atol=ATOL, rtol=RTOL)
+    lo = max(0, start - window + 1)  # the first row's window: every key before it is out of every row's window
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    k2[:, :lo], v2[:, :lo] = 1e4, -1e4
+    assert torch.equal(kernels.attention(q, k2, v2, start, window, scale), got)
+
+
+def test_windowed_attention_row_bits_do_not_depend_on_the_chunk_it_came_in():
+    g = _gen(11)
+    k_cache, v_cache = _row(3, 600, 64, g)
+    q = torch.randn(60, 9, 64, generator=g)
+    whole = kernels.attention(q, k_cache, v_cache, 400, 100)
+    for j in (0, 27, 59):
+        assert torch.equal(kernels.attention(q[j:j + 1].clone(), k_cache, v_cache, 400 + j, 100)[0], whole[j])
+    for lo, hi in ((0, 13), (13, 60)):  # the same rows cut into two chunks
+        assert torch.equal(kernels.attention(q[lo:hi].clone(), k_cache, v_cache, 400 + lo, 100), whole[lo:hi])
+
+
+def test_a_window_as_long_as_the_context_is_no_window_bit_for_bit():
+    g = _gen(12)
+    k_cache, v_cache = _row(3, 300, 64, g)
+    q = torch.randn(30, 9, 64, generator=g)
+    assert torch.equal(kernels.attention(q, k_cache, v_cache, 200, 230), kernels.attention(q, k_cache, v_cache, 200))
+
+
+@pytest.mark.parametrize("window, scale", [(-1, None), (0, 0.0), (0, float("nan")), (2.5, None)])
+def test_a_bad_window_or_scale_is_refused(window, scale):
+    k_cache = torch.zeros(1, 8, 16)
+    with pytest.raises(ValueError, match="window|scale"):
+        kernels.attention(torch.zeros(1, 1, 16), k_cache, k_cache, 0, window, scale)
+
+
 # --- attention_segments ----------------------------------------------------------------------------------------
 
 
@@ -357,7 +412,9 @@ def test_attention_c_kernel_reports_a_bad_shape_as_a_status_not_a_crash():
 
     buf = torch.zeros(64)
     p = ffi.cast("float *", buf.data_ptr())
-    assert lib.ringshm_attn_forward(p, p, p, p, 1, 3, 2, 4, 16, 0) == lib.RINGSHM_KERNEL_ERR_SHAPE  # 3 % 2
-    assert lib.ringshm_attn_forward(p, p, p, p, 1, 2, 1, 4, 8, 0) == lib.RINGSHM_KERNEL_ERR_SHAPE  # D % 16
-    assert lib.ringshm_attn_forward(p, p, p, p, 2, 1, 1, 4, 16, 3) == lib.RINGSHM_KERNEL_ERR_RANGE  # 3 + 2 > 4
+    assert lib.ringshm_attn_forward(p, p, p, p, 1, 3, 2, 4, 16, 0, 0, 0.25) == lib.RINGSHM_KERNEL_ERR_SHAPE  # 3 % 2
+    assert lib.ringshm_attn_forward(p, p, p, p, 1, 2, 1, 4, 8, 0, 0, 0.25) == lib.RINGSHM_KERNEL_ERR_SHAPE  # D % 16
+    assert lib.ringshm_attn_forward(p, p, p, p, 2, 1, 1, 4, 16, 3, 0, 0.25) == lib.RINGSHM_KERNEL_ERR_RANGE  # 3+2 > 4
+    assert lib.ringshm_attn_forward(p, p, p, p, 1, 1, 1, 4, 16, 0, -1, 0.25) == lib.RINGSHM_KERNEL_ERR_SHAPE  # window
+    assert lib.ringshm_attn_forward(p, p, p, p, 1, 1, 1, 4, 16, 0, 0, 0.0) == lib.RINGSHM_KERNEL_ERR_SHAPE  # scale
     assert lib.ringshm_kv_append(p, p, p, p, p, p, 2, 1, 4, 16, 3, 100) == lib.RINGSHM_KERNEL_ERR_RANGE

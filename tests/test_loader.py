@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitecture, UnsupportedQuantType
-from ringshm.model import loader
+from ringshm.model import families
 from ringshm.model.dequant import dequantize
 from ringshm.model.loader import Checkpoint, read_config
 from ringshm.model.reference import run_stages
@@ -152,7 +152,7 @@ def test_gguf_with_llama_cpp_row_order_gives_the_logits_of_the_transformers_mode
 def test_gguf_loaded_without_undoing_the_row_order_would_not_match(tmp_path, monkeypatch):
     model = _tiny_hf_model("llama", tie=True)
     _write_tiny_gguf(tmp_path / "tiny.gguf", model)
-    monkeypatch.setitem(loader.GGUF_ARCHS, "llama", False)
+    monkeypatch.setattr(families, "GGUF_PERMUTED_QK", set())
     stage = StageModel.from_path(tmp_path / "tiny.gguf", max_rows=1, max_seq_len=64)
     with pytest.raises(AssertionError):
         _assert_stage_matches_hf(stage, model)

@@ -226,11 +226,22 @@ def test_rms_norm_is_close_to_torch_and_batch_invariant(k):
 def test_silu_mul_is_close_to_torch_and_batch_invariant(inter):
     gu = torch.randn(33, 2 * inter) * 6
     gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
-    out = kernels.silu_mul(gu)
+    out = kernels.act_mul(gu)
     g, u = gu.double().chunk(2, dim=-1)
     ref = torch.nn.functional.silu(g) * u
     assert ((out.double() - ref).abs() <= 1e-6 * (1 + ref.abs())).all()
-    assert rows_match_alone(kernels.silu_mul, torch.randn(256, 2 * inter))
+    assert rows_match_alone(kernels.act_mul, torch.randn(256, 2 * inter))
+
+
+@pytest.mark.parametrize("inter", [1536, 96, 21])
+def test_gelu_tanh_mul_is_close_to_torch_and_batch_invariant(inter):
+    gu = torch.randn(33, 2 * inter) * 6
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -3.0])
+    out = kernels.act_mul(gu, "gelu_tanh")
+    g, u = gu.double().chunk(2, dim=-1)
+    ref = torch.nn.functional.gelu(g, approximate="tanh") * u
+    assert ((out.double() - ref).abs() <= 2e-6 * (1 + ref.abs())).all()
+    assert rows_match_alone(lambda a: kernels.act_mul(a, "gelu_tanh"), torch.randn(256, 2 * inter))
 
 
 # ---- findings of a hostile review (each reproduced on the code before its fix) ---------------------------

@@ -22,7 +22,7 @@ from ringshm.engine.spec import NGramDrafter, SpecStats
 from ringshm.engine.spec_decode import SpecDecoder
 from ringshm.errors import EngineOwned, InvalidParameter
 from ringshm.runtime.launcher import NodePlan, StageGroup, connect_timeout_s, default_depth
-from ringshm.runtime.resources import check_memory, checkpoint_bytes_per_weight
+from ringshm.runtime.resources import check_memory
 from ringshm.transport.cluster import DEFAULT_PORT, TOKEN_ENV, Head, Rendezvous
 
 
@@ -75,8 +75,7 @@ class Engine:
         if node_rank != 0:
             raise ValueError(f"the engine runs on node 0, got node_rank={node_rank}: run `ringshm worker` on the "
                              f"other nodes")
-        check_memory(cfg, self.model_config, self.layer_ranges, self.max_seq_len,
-                     bytes_per_weight=checkpoint_bytes_per_weight(self.model_path, self.model_config),
+        check_memory(cfg, self.model_config, self.layer_ranges, self.max_seq_len, self.model_path,
                      local=node_ranges[0])
         plan, self._head = None, None
         if cfg.nnodes > 1:  # meet the workers before any stage starts: a refusal costs nothing
@@ -139,12 +138,30 @@ class Engine:
     # -------------------------------------------------------------------------------------------- text
     @property
     def tokenizer(self):
-        """The model's tokenizer (transformers), loaded on first use and cached on disk."""
-        if self._tokenizer is None:
-            from ringshm.model.tokenizer import load_tokenizer
+        """The model's tokenizer (transformers), loaded on first use and cached on disk.
 
+        Raises:
+            ValueError: the checkpoint carries no tokenizer (then prompts must be token ids).
+        """
+        if self._tokenizer is None:
+            from ringshm.model.tokenizer import has_tokenizer, load_tokenizer
+
+            if not has_tokenizer(self.model_path):
+                raise ValueError(f"{self.model_path} carries no tokenizer: give prompts as token ids (text, chat "
+                                 f"and stop strings need a tokenizer)")
             self._tokenizer = load_tokenizer(self.model_path)
         return self._tokenizer
+
+    def _text_tokenizer(self, p: GenerationParams):
+        """The tokenizer a request's output text needs, or None for a checkpoint without one (its text stays
+        empty). Raises ValueError when the request needs text: stop strings."""
+        from ringshm.model.tokenizer import has_tokenizer
+
+        if self._tokenizer is None and not has_tokenizer(self.model_path):
+            if p.stop:
+                raise ValueError(f"stop strings need a tokenizer, and {self.model_path} carries none")
+            return None
+        return self.tokenizer
 
     def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
         """Token ids of ``prompt``: a string is tokenised (``chat``: through the model's chat template as one
@@ -189,7 +206,7 @@ class Engine:
                              f"{len(ids) + p.max_new_tokens} exceeds max_seq_len {self.max_seq_len}: shorten the "
                              f"prompt, lower max_new_tokens, or start the engine with a larger max_seq_len "
                              f"(--max-seq-len)")
-        return new_stream(index, row, ids, p, self.tokenizer, self.eos_ids, self.model_config.vocab)
+        return new_stream(index, row, ids, p, self._text_tokenizer(p), self.eos_ids, self.model_config.vocab)
 
     def _decode_depth(self, p: GenerationParams) -> int:
         """Decode ops in flight for a request: the engine's ``depth``, raised to ``spec_depth`` when it

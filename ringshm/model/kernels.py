@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from ringshm._C import ffi, lib
 from ringshm.errors import KVRangeError
@@ -74,24 +75,29 @@ def _need_contiguous(what: str, **ts: torch.Tensor) -> None:
 # --- RoPE -------------------------------------------------------------------------------------------------------
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(head_dim: int, max_seq_len: int, theta: float = 10000.0, device="cpu",
+                inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE angle tables for positions ``0 .. max_seq_len - 1``.
 
     Returns ``(cos, sin)``, each fp32 ``[max_seq_len, head_dim // 2]``: entry ``[p, i]`` is ``cos/sin(p * f_i)``
-    with ``f_i = 1 / theta ** (2i / head_dim)`` (RoFormer, Su et al. 2021; the Hugging Face Llama default, no
-    scaling). Computed exactly as transformers' ``LlamaRotaryEmbedding`` does in fp32, so the angles match its
-    bits: ``inv_freq = 1 / theta ** (arange(0, D, 2) / D)``, then one fp32 product per entry.
+    with ``f_i`` = ``inv_freq[i]`` (``ringshm.model.rope``: scalings, Gemma's local base), by default
+    ``1 / theta ** (2i / head_dim)`` (RoFormer, Su et al. 2021). Computed exactly as transformers' rotary
+    embeddings do in fp32, so the angles match its bits: one fp32 product ``p * f_i`` per entry.
 
     Raises:
-        ValueError: head_dim not a positive even number, or max_seq_len < 1.
+        ValueError: head_dim not a positive even number, max_seq_len < 1, or inv_freq not fp32 ``[head_dim/2]``.
     """
     if head_dim <= 0 or head_dim % 2:
         raise ValueError(f"rope_tables: head_dim must be a positive even number, got {head_dim}")
     if max_seq_len < 1:
         raise ValueError(f"rope_tables: max_seq_len must be >= 1, got {max_seq_len}")
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [D/2]
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))  # [D/2]
+    elif inv_freq.dtype != torch.float32 or tuple(inv_freq.shape) != (head_dim // 2,):
+        raise ValueError(f"rope_tables: inv_freq must be fp32 [{head_dim // 2}], got {inv_freq.dtype} "
+                         f"{tuple(inv_freq.shape)}")
     pos = torch.arange(max_seq_len, dtype=torch.int64).float()  # [P]
-    freqs = torch.outer(pos, inv_freq)  # [P, D/2]
+    freqs = torch.outer(pos, inv_freq.cpu())  # [P, D/2]
     return freqs.cos().contiguous().to(device), freqs.sin().contiguous().to(device)
 
 
@@ -239,7 +245,8 @@ def _check_kv_append(k_cache, v_cache, k, v, cos, sin) -> None:
 # --- attention --------------------------------------------------------------------------------------------------
 
 
-def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+                        window: int = 0, scale: float | None = None) -> torch.Tensor:
     """Plain torch attention (matmul, mask, softmax, matmul in fp32); the fallback of ``attention``, the oracle.
 
     Same contract as ``attention``; no checks of its own.
@@ -249,22 +256,38 @@ def attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     n_keys = start + n
     k = k_cache[:, :n_keys].float().repeat_interleave(hq // hkv, dim=0)  # [Hq, L, D]
     v = v_cache[:, :n_keys].float().repeat_interleave(hq // hkv, dim=0)  # [Hq, L, D]
-    scores = q.float().transpose(0, 1) @ k.transpose(1, 2) / math.sqrt(d)  # [Hq, n, L]
+    scores = q.float().transpose(0, 1) @ k.transpose(1, 2) * _scale(d, scale)  # [Hq, n, L]
     key_pos = torch.arange(n_keys, device=q.device)  # [L]
     query_pos = start + torch.arange(n, device=q.device)  # [n]
-    scores = scores.masked_fill(key_pos[None, :] > query_pos[:, None], float("-inf"))  # bottom-right causal
+    masked = key_pos[None, :] > query_pos[:, None]  # bottom-right causal
+    if window:
+        masked |= key_pos[None, :] <= query_pos[:, None] - window  # the window's latest keys only
+    scores = scores.masked_fill(masked, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v  # [Hq, n, D]
     return out.transpose(0, 1).to(q.dtype)  # [n, Hq, D]
 
 
+def _scale(head_dim: int, scale: float | None) -> float:
+    """The factor on q · k: ``scale``, or 1 / sqrt(head_dim) (``ModelConfig.attention_scale``)."""
+    return 1.0 / math.sqrt(head_dim) if scale is None else scale
+
+
 def attention_segments_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                                 starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+                                 starts: torch.Tensor, lens: torch.Tensor, window: int = 0,
+                                 scale: float | None = None) -> torch.Tensor:
     """Torch form of ``attention_segments``: one ``attention_reference`` per segment. Same contract."""
     out, o = [], 0
     for r, s, n in zip(rows.tolist(), starts.tolist(), lens.tolist()):
-        out.append(attention_reference(q[o:o + n], k_cache[r], v_cache[r], s))
+        out.append(attention_reference(q[o:o + n], k_cache[r], v_cache[r], s, window, scale))
         o += n
     return torch.cat(out) if out else torch.empty_like(q)
+
+
+def _check_window_scale(what: str, window: int, scale: float | None) -> None:
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"{what}: window must be an int >= 0 (0: no sliding window), got {window!r}")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{what}: scale must be a finite number > 0, got {scale!r}")
 
 
 def _check_attention_shapes(what: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -288,7 +311,8 @@ def _check_attention_shapes(what: str, q: torch.Tensor, k_cache: torch.Tensor, v
     return n, hq, hkv, smax, d
 
 
-def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int) -> torch.Tensor:
+def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int, window: int = 0,
+              scale: float | None = None) -> torch.Tensor:
     """Causal GQA attention of a chunk of n queries against one KV-cache row.
 
     Args:
@@ -296,9 +320,12 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         k_cache, v_cache: one cache row ``[Hkv, S_max, D]``, contiguous, same dtype/device as q; positions
             ``[0, start + n)`` are read (the chunk's own keys must already be appended).
         start: absolute position of the chunk's first token.
+        window: a sliding window of that many keys (itself included); 0: none.
+        scale: the factor on q · k (default ``1 / sqrt(D)``).
 
-    Query j sees keys ``0 .. start + j`` (causal mask aligned bottom-right); query head h reads kv head
-    ``h // (Hq // Hkv)``; scores scaled by ``1 / sqrt(D)``; softmax max-subtracted, accumulated in fp32.
+    Query j at position p sees keys ``0 .. p`` (causal mask aligned bottom-right), or with a window only the
+    latest ``window`` of them (``p - window < t <= p``, transformers' sliding-window mask); query head h reads kv
+    head ``h // (Hq // Hkv)``; softmax max-subtracted, accumulated in fp32.
     CPU fp32 with D a multiple of 16 and at most ``MAX_HEAD_DIM`` runs the C kernel (online softmax, single
     thread); there each output row is bitwise independent of n and of the other rows, so decoding position p
     gives the same bits as row p of a verify chunk. Anything else runs ``attention_reference``.
@@ -321,14 +348,17 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, sta
         _check_attention_shapes("attention", q, k_cache, v_cache, cache_dims=3)
     if start < 0:
         raise ValueError(f"attention: start must be >= 0, got {start}")
+    if window or scale is not None:
+        _check_window_scale("attention", window, scale)
     if start + n > smax:
         raise KVRangeError(f"attention: positions [{start}, {start + n}) run past the cache row (S_max = {smax})")
     if n == 0 or not (_c_path(q) and _attn_c_ok(d)):
-        return attention_reference(q, k_cache, v_cache, start)
+        return attention_reference(q, k_cache, v_cache, start, window, scale)
     if not q.is_contiguous():
         q = q.contiguous()
     out = torch.empty((n, hq, d), dtype=torch.float32)
-    status = lib.ringshm_attn_forward(_f32p(out), _f32p(q), _f32p(k_cache), _f32p(v_cache), n, hq, hkv, smax, d, start)
+    status = lib.ringshm_attn_forward(_f32p(out), _f32p(q), _f32p(k_cache), _f32p(v_cache), n, hq, hkv, smax, d, start,
+                                      window, _scale(d, scale))
     if status:
         _check(status, "attention")
     return out
@@ -338,7 +368,8 @@ MAX_SEGMENTS: int = lib.ringshm_attn_max_segments()
 
 
 def attention_segments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                       starts: torch.Tensor, lens: torch.Tensor, n_threads: int | None = None) -> torch.Tensor:
+                       starts: torch.Tensor, lens: torch.Tensor, n_threads: int | None = None, window: int = 0,
+                       scale: float | None = None) -> torch.Tensor:
     """Attention of a ragged batch of segments, each on its own cache row (a step op's attention).
 
     Args:
@@ -349,9 +380,10 @@ def attention_segments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             ``>= 0`` and token count ``>= 1``, ``starts[i] + lens[i] <= S_max``, ``sum(lens) == T``,
             ``n_seg <= MAX_SEGMENTS``.
         n_threads: OpenMP threads over (segment, kv head) items (default: torch's intra-op threads).
+        window, scale: as ``attention``.
 
-    ``out[segment i] == attention(q[segment i], k_cache[rows[i]], v_cache[rows[i]], starts[i])``, bitwise on the C
-    path, whatever ``n_threads`` and the other segments (csrc/kernels.h).
+    ``out[segment i] == attention(q[segment i], k_cache[rows[i]], v_cache[rows[i]], starts[i], window, scale)``,
+    bitwise on the C path, whatever ``n_threads`` and the other segments (csrc/kernels.h).
 
     Returns:
         ``[T, Hq, D]``, q's dtype and device.
@@ -363,6 +395,7 @@ def attention_segments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
             Nothing is computed.
     """
     _, hq, hkv, smax, d = _check_attention_shapes("attention_segments", q, k_cache, v_cache, cache_dims=4)
+    _check_window_scale("attention_segments", window, scale)
     n_seg = rows.shape[0] if rows.dim() == 1 else -1
     for name, t in (("rows", rows), ("starts", starts), ("lens", lens)):
         if t.dtype != torch.int64 or t.shape != (n_seg,) or t.device.type != "cpu":
@@ -379,14 +412,14 @@ def attention_segments(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if n_seg == 0:
         return torch.empty_like(q)
     if not (_c_path(q) and _attn_c_ok(d)):
-        return attention_segments_reference(q, k_cache, v_cache, rows, starts, lens)
+        return attention_segments_reference(q, k_cache, v_cache, rows, starts, lens, window, scale)
     q = q.contiguous()
     rows, starts, lens = rows.contiguous(), starts.contiguous(), lens.contiguous()
     out = torch.empty_like(q)
     i64 = lambda t: ffi.cast("int64_t *", t.data_ptr())  # noqa: E731
     status = lib.ringshm_attn_forward_segments(
         _f32p(out), _f32p(q), _f32p(k_cache), _f32p(v_cache), i64(rows), i64(starts), i64(lens), n_seg, n_rows,
-        hq, hkv, smax, d, torch.get_num_threads() if n_threads is None else n_threads)
+        hq, hkv, smax, d, window, _scale(d, scale), torch.get_num_threads() if n_threads is None else n_threads)
     _check(status, "attention_segments")
     return out
 
@@ -414,19 +447,30 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate: ``silu(gate) * up`` for fp32 CPU ``gate_up [T, 2I]`` (rows ``[gate | up]``) → ``[T, I]``.
+def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The MLP's gate: ``act(gate) * up`` for fp32 CPU ``gate_up [T, 2I]`` (rows ``[gate | up]``) → ``[T, I]``.
 
+    ``activation``: "silu" (SwiGLU, Llama) or "gelu_tanh" (GeGLU, Gemma: transformers' gelu_pytorch_tanh).
     Each element by the same vector code (csrc/kernels.h), so its bits depend only on its two inputs.
 
     Raises:
-        ValueError: not a 2-D fp32 CPU tensor with an even, positive number of columns.
+        ValueError: not a 2-D fp32 CPU tensor with an even, positive number of columns; another activation.
     """
     if gate_up.dim() != 2 or gate_up.dtype is not torch.float32 or not gate_up.is_cpu or gate_up.shape[1] % 2 \
             or gate_up.shape[1] == 0 or gate_up.shape[0] < 1:
-        raise ValueError(f"silu_mul takes fp32 CPU [T ≥ 1, 2I], got {gate_up.dtype} {tuple(gate_up.shape)}")
+        raise ValueError(f"act_mul takes fp32 CPU [T ≥ 1, 2I], got {gate_up.dtype} {tuple(gate_up.shape)}")
+    fn = {"silu": lib.ringshm_silu_mul, "gelu_tanh": lib.ringshm_gelu_tanh_mul}.get(activation)
+    if fn is None:
+        raise ValueError(f"act_mul: activation {activation!r} is not silu or gelu_tanh")
     gate_up = gate_up.contiguous()
     inter = gate_up.shape[1] // 2
     out = torch.empty((gate_up.shape[0], inter), dtype=torch.float32)
-    _check(lib.ringshm_silu_mul(_f32p(out), _f32p(gate_up), gate_up.shape[0], inter), "silu_mul")
+    _check(fn(_f32p(out), _f32p(gate_up), gate_up.shape[0], inter), "act_mul")
     return out
+
+
+def act_mul_reference(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """Torch form of ``act_mul`` (any dtype and device): ``silu`` or tanh-``gelu`` of the gate times up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up

@@ -1,72 +1,40 @@
 """Checkpoint → ``ModelConfig`` + the weights of one contiguous layer range, from GGUF or an HF directory.
 
-Two sources, one contract (``Checkpoint``):
-
-- a ``.gguf`` file, parsed once with the ``gguf`` package (llama.cpp's own reader) into a cached index
-  (``ringshm.model.gguf_index``), its tensor bytes memory-mapped: metadata keys ``<arch>.*`` → ``ModelConfig``;
-- a Hugging Face directory (``config.json`` + ``*.safetensors``), read lazily with ``safetensors.safe_open``.
-
-Linear weights (and the embedding / LM head) stay in their encoding as ``RawWeight`` (``ringshm.model.qmatmul``):
-GGUF Q4_0 / Q4_1 / Q8_0 / F16 / BF16 / F32 as views of the file's memory map (no copy; stages of one engine
-share the page cache), safetensors F32 / F16 / BF16 as loaded. Other GGUF types (K-quants, Q5_x, IQ*) are
-dequantized to F32 at load (``ringshm.model.dequant``). Norms and biases are small and come as fp32 tensors.
+``Checkpoint.open(path)`` takes a ``.gguf`` file or an HF directory (``config.json`` + ``*.safetensors``); its
+``source`` (``ringshm.model.sources``) reads tensors, its ``config`` is what the family description
+(``ringshm.model.families``) makes of the metadata. Linear weights (and the embedding / LM head) stay in their
+encoding as ``RawWeight`` (``ringshm.model.qmatmul``) where the matmul reads it; other GGUF types are dequantized
+to fp32 at load, and the stage says so in one line (``stage_bytes`` counts them at that size). Norms and biases
+are small and come as fp32 tensors; every RMSNorm weight as ``norm_offset + w``.
 
 A stage reads only what it owns: its layers, plus the token embedding when it is first, and the final norm
 and LM head when it is last. With tied embeddings the last stage's LM head *is* ``token_embd``; a stage that
-is both first and last shares one tensor for both.
+is both first and last shares one tensor for both. A tensor of a layer that the description does not read is
+refused, never ignored.
 
 RoPE layout. The kernels rotate pairs ``(i, i + D/2)`` of each head (rotate-half, as HF Llama). llama.cpp's
 converter (``convert_hf_to_gguf.py``, ``LlamaModel.permute``) reorders the output rows of ``attn_q`` and
 ``attn_k`` for Llama-arch GGUFs so that ggml's adjacent-pair rotation ``(2i, 2i+1)`` gives the same result:
 within each head the HF rows, indexed ``[half, i]`` (``half`` in {0, 1}, ``i < D/2``), are stored as
 ``[i, half]``. ``_unpermute_rows`` views each head's rows as ``[D/2, 2]`` and transposes back to
-``[2, D/2]``. Qwen2 GGUFs are converted without the reorder (llama.cpp runs them with NeoX rotation).
+``[2, D/2]``. Other arches' GGUFs are converted without the reorder (llama.cpp runs them with NeoX rotation).
 """
 
 from __future__ import annotations
 
-import json
-import warnings
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
 
 import torch
-from safetensors import safe_open
 
 from ringshm.config import ModelConfig
 from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitecture
-from ringshm.model.dequant import dequantize
-from ringshm.model.gguf_index import GGUFIndex
-from ringshm.model.qmatmul import RawWeight, native_ok
+from ringshm.model import families
+from ringshm.model.qmatmul import RawWeight
+from ringshm.model.sources import GGUFSource, HFSource, Source, gguf_model_config, hf_model_config
 
-# Architectures computed by ringshm.model.stage_model, and whether their GGUF Q/K rows carry llama.cpp's reorder.
-GGUF_ARCHS = {"llama": True, "mistral": True, "qwen2": False}
-HF_ARCHS = ("llama", "mistral", "qwen2")
-
-# Per-layer tensors: field of LayerWeights → (GGUF name under blk.{i}., HF name under model.layers.{i}.)
-_LAYER_TENSORS = {
-    "attn_norm": ("attn_norm.weight", "input_layernorm.weight"),
-    "wq": ("attn_q.weight", "self_attn.q_proj.weight"),
-    "wk": ("attn_k.weight", "self_attn.k_proj.weight"),
-    "wv": ("attn_v.weight", "self_attn.v_proj.weight"),
-    "wo": ("attn_output.weight", "self_attn.o_proj.weight"),
-    "ffn_norm": ("ffn_norm.weight", "post_attention_layernorm.weight"),
-    "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
-    "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
-    "w_down": ("ffn_down.weight", "mlp.down_proj.weight"),
-}
-_BIAS_TENSORS = {
-    "bq": ("attn_q.bias", "self_attn.q_proj.bias"),
-    "bk": ("attn_k.bias", "self_attn.k_proj.bias"),
-    "bv": ("attn_v.bias", "self_attn.v_proj.bias"),
-}
-# Whole-model tensors: role → (GGUF name, HF name)
-_GLOBAL_TENSORS = {
-    "embed": ("token_embd.weight", "model.embed_tokens.weight"),
-    "norm": ("output_norm.weight", "model.norm.weight"),
-    "lm_head": ("output.weight", "lm_head.weight"),
-}
+log = logging.getLogger("ringshm.model.loader")
 
 
 @dataclass
@@ -76,7 +44,10 @@ class LayerWeights:
 
     ``wq`` is ``[n_heads * head_dim, hidden]``, ``wk``/``wv`` ``[n_kv_heads * head_dim, hidden]`` with rows in
     rotate-half order, ``wo`` ``[hidden, n_heads * head_dim]``, ``w_gate``/``w_up`` ``[intermediate, hidden]``,
-    ``w_down`` ``[hidden, intermediate]``; ``bq``/``bk``/``bv`` only for architectures with attention bias.
+    ``w_down`` ``[hidden, intermediate]``; ``bq``/``bk``/``bv`` only for architectures with attention bias,
+    ``bo`` with an output bias, ``b_gate``/``b_up``/``b_down`` with MLP biases; ``q_norm``/``k_norm`` fp32
+    ``[head_dim]`` with per-head q/k norms; ``post_attn_norm``/``post_ffn_norm`` fp32 ``[hidden]`` with post
+    norms (``ModelConfig``). Every RMSNorm weight already holds ``norm_offset + w``.
     """
 
     attn_norm: torch.Tensor
@@ -91,6 +62,14 @@ class LayerWeights:
     bq: torch.Tensor | None = None
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
+    bo: torch.Tensor | None = None
+    b_gate: torch.Tensor | None = None
+    b_up: torch.Tensor | None = None
+    b_down: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -138,78 +117,6 @@ def check_layer_range(layer_range: range | tuple[int, int], n_layers: int) -> ra
     return r
 
 
-class _Source(Protocol):
-    path: Path
-
-    def has(self, name: str) -> bool: ...
-
-    def get(self, name: str) -> torch.Tensor: ...
-
-    def get_raw(self, name: str) -> RawWeight: ...
-
-
-class _GGUFSource:
-    """Tensors of a GGUF file, dequantized to fp32 on demand. The metadata and tensor table come from the
-    cached ``GGUFIndex`` (parsing a GGUF takes seconds); tensor bytes are memory-mapped and read lazily."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.index = GGUFIndex.open(path)
-
-    def meta(self, key: str, default=None):
-        return self.index.meta.get(key, default)
-
-    def has(self, name: str) -> bool:
-        return name in self.index.tensors
-
-    def get(self, name: str) -> torch.Tensor:
-        t = self.index.tensors[name]
-        shape = tuple(reversed(t.shape))  # GGUF lists dims innermost first
-        return dequantize(self.index.raw(name), t.qtype, shape, name=name)
-
-    def get_raw(self, name: str) -> RawWeight:
-        """A 2-D tensor in its encoding when the matmul reads it (a view of the memory map), else as F32."""
-        t = self.index.tensors[name]
-        if len(t.shape) != 2:
-            raise MissingTensor(f"tensor {name!r} in {self.path} is {len(t.shape)}-D, expected a 2-D weight")
-        k, n = t.shape  # GGUF order: innermost (K) first
-        if native_ok(t.qtype, n, k):
-            with warnings.catch_warnings():  # a read-only map: the kernels only read it
-                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-                data = torch.from_numpy(self.index.raw(name))
-            return RawWeight.from_bytes(t.qtype, n, k, data)
-        return RawWeight.from_tensor(self.get(name))
-
-
-class _HFSource:
-    """Tensors of an HF directory's ``*.safetensors`` files, opened lazily by name."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file_of: dict[str, Path] = {}
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise MissingTensor(f"no *.safetensors files in {path}")
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for k in st.keys():
-                    self.file_of[k] = f
-
-    def has(self, name: str) -> bool:
-        return name in self.file_of
-
-    def get(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.file_of[name]), framework="pt") as st:
-            return st.get_tensor(name)
-
-    def get_raw(self, name: str) -> RawWeight:
-        """F32 / F16 / BF16 weights as stored (no fp32 copy of a bf16 checkpoint); other dtypes as F32."""
-        w = self.get(name)
-        if w.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            w = w.float()
-        return RawWeight.from_tensor(w)
-
-
 class Checkpoint:
     """An opened checkpoint: its ``config`` and a way to load any stage's weights from it.
 
@@ -220,19 +127,51 @@ class Checkpoint:
         UnsupportedArchitecture: the architecture (or its RoPE scaling) is not one ringshm computes.
     """
 
-    def __init__(self, path: Path, source: _Source, config: ModelConfig, gguf: bool) -> None:
+    def __init__(self, path: Path, source: Source, config: ModelConfig, gguf: bool) -> None:
         self.path, self.source, self.config, self.gguf = path, source, config, gguf
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
         path = Path(path)
         if path.is_file() and path.suffix == ".gguf":
-            src = _GGUFSource(path)
-            return cls(path, src, _gguf_config(src), gguf=True)
+            src = GGUFSource(path)
+            return cls(path, src, gguf_model_config(src), gguf=True)
         if path.is_dir() and (path / "config.json").is_file():
-            src = _HFSource(path)
-            return cls(path, src, _hf_config(path, src), gguf=False)
+            src = HFSource(path)
+            return cls(path, src, hf_model_config(path), gguf=False)
         raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
+
+    def stage_bytes(self, layer_range: range | tuple[int, int], is_first: bool, is_last: bool, native: bool = True,
+                    width: float = 4.0) -> tuple[int, list[str]]:
+        """The bytes one stage holds for its weights, and the 2-D tensors it expands at load (names).
+
+        ``native``: the stage runs the C matmul (CPU, fp32 activations), which reads a weight in its encoding
+        when it can (``native_ok``): such a tensor counts its stored bytes (packed panels; the embedding is read
+        through the file's map). Every other weight counts ``width`` bytes per parameter: 4 for a type the
+        matmul does not read (dequantized to fp32 at load), the dtype's width on a torch path. Counts what
+        ``load_stage`` reads: the stage's layers, the embedding when first (or tied and last), the final norm
+        and the LM head when last.
+
+        Raises:
+            LayerRangeError: as ``load_stage``.
+        """
+        cfg = self.config
+        r = check_layer_range(layer_range, cfg.n_layers)
+        side = 0 if self.gguf else 1
+        names = [n for i in r for n in self.source.names_under(f"blk.{i}." if self.gguf else f"model.layers.{i}.")]
+        roles = {role: pair[side] for role, pair in families.GLOBAL_TENSORS.items()}
+        if is_first or (is_last and cfg.tie_embeddings):
+            names.append(roles["embed"])
+        if is_last:
+            names += [roles["norm"]] + ([] if cfg.tie_embeddings else [roles["lm_head"]])
+        total, expanded = 0, []
+        for name in names:
+            if self.source.has(name):
+                n, grown = self.source.held_bytes(name, native, width)
+                total += n
+                if grown:
+                    expanded.append(name)
+        return total, expanded
 
     def load_stage(self, layer_range: range | tuple[int, int], is_first: bool, is_last: bool) -> StageWeights:
         """Read only the tensors of this stage: linear weights in their encoding, norms and biases as fp32.
@@ -245,6 +184,7 @@ class Checkpoint:
         cfg = self.config
         r = check_layer_range(layer_range, cfg.n_layers)
         side = 0 if self.gguf else 1
+        self._say_expanded(r, is_first, is_last)
 
         def need(name: str, what: str) -> None:
             if not self.source.has(name):
@@ -259,28 +199,98 @@ class Checkpoint:
             return self.source.get_raw(name)
 
         out = StageWeights(layer_range=r)
+        names = families.TENSOR_NAMES[cfg.arch]
+        permute = self.gguf and cfg.arch in families.GGUF_PERMUTED_QK
         for i in r:
             prefix = f"blk.{i}." if self.gguf else f"model.layers.{i}."
-            w = {f: (get_raw if f.startswith("w") else get)(prefix + names[side], f"layer {i} {f}")
-                 for f, names in _LAYER_TENSORS.items()}
-            if cfg.attention_bias:
-                w.update({f: get(prefix + names[side], f"layer {i} {f}") for f, names in _BIAS_TENSORS.items()})
-            if self.gguf and GGUF_ARCHS[cfg.arch]:
+            w = {}
+            for f, pair in names.layer.items():
+                if not _wanted(cfg, f, names):
+                    continue
+                name, what = prefix + pair[side], f"layer {i} {f}"
+                w[f] = get_raw(name, what) if f.startswith("w") else self._norm(get(name, what), f)
+            if names.fused_qkv:  # rows [q | k | v] of one tensor
+                qkv = w.pop("wq")
+                w["wq"], w["wk"], w["wv"] = (qkv.rows(torch.arange(a, b)) for a, b in _splits(
+                    (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)))
+            if names.fused_gate_up:  # rows [gate | up] of one tensor
+                gate_up = w.pop("w_gate")
+                w["w_gate"], w["w_up"] = (gate_up.rows(torch.arange(a, b)) for a, b in _splits(
+                    (cfg.intermediate, cfg.intermediate)))
+            if permute:
                 for f, n_heads in (("wq", cfg.n_heads), ("wk", cfg.n_kv_heads), ("bq", cfg.n_heads),
                                    ("bk", cfg.n_kv_heads)):
                     if f in w:
                         order = _unpermute_rows(torch.arange(w[f].shape[0]), n_heads)
                         w[f] = w[f].rows(order) if isinstance(w[f], RawWeight) else w[f][order].contiguous()
+            self._refuse_unread(prefix, {prefix + pair[side] for f, pair in names.layer.items()
+                                         if _wanted(cfg, f, names)}, f"layer {i}")
             out.layers.append(LayerWeights(**w))
-        names = {role: pair[side] for role, pair in _GLOBAL_TENSORS.items()}
+        roles = {role: pair[side] for role, pair in families.GLOBAL_TENSORS.items()}
         if is_first or (is_last and cfg.tie_embeddings):
-            out.embed = get_raw(names["embed"], "token embedding")
+            out.embed = get_raw(roles["embed"], "token embedding")
         if is_last:
-            out.norm = get(names["norm"], "final norm")
-            out.lm_head = out.embed if cfg.tie_embeddings else get_raw(names["lm_head"], "LM head")
+            out.norm = self._norm(get(roles["norm"], "final norm"), "norm")
+            out.lm_head = out.embed if cfg.tie_embeddings else get_raw(roles["lm_head"], "LM head")
             if not is_first:
                 out.embed = None  # held only as the tied head
         return out
+
+    def _say_expanded(self, r: range, is_first: bool, is_last: bool) -> None:
+        """One line on stderr naming the weights of this stage that the matmul does not read in their encoding
+        (GGUF Q2_K / Q3_K / IQ*), which are dequantized to fp32 at load, and the memory that costs."""
+        held, expanded = self.stage_bytes(r, is_first, is_last)
+        if not expanded:
+            return
+        grown = sum(self.source.held_bytes(n, True, 4.0)[0] for n in expanded)
+        types = sorted({self.source.type_name(n) for n in expanded})
+        log.warning("layers %d-%d: %d weight tensors of type %s are not read in their encoding by the matmul and are "
+                    "dequantized to fp32 at load (%.0f MiB, %.1fx their file size): %s", r.start, r.stop - 1,
+                    len(expanded), "/".join(types), grown / 2**20,
+                    grown / max(1, sum(self.source.stored_bytes(n) for n in expanded)),
+                    ", ".join(expanded[:6]) + (", ..." if len(expanded) > 6 else ""))
+
+    def _norm(self, w: torch.Tensor, field: str) -> torch.Tensor:
+        """An RMSNorm weight as the kernels take it: ``norm_offset + w`` in fp32 (Gemma's HF checkpoints store
+        ``w - 1``; its GGUF files the sum already, llama.cpp's converter adds it), other tensors unchanged."""
+        if field.endswith("norm") and self.config.norm_offset and not self.gguf:
+            return (w + self.config.norm_offset).contiguous()
+        return w
+
+    def _refuse_unread(self, prefix: str, read: set[str], what: str) -> None:
+        """Refuse a checkpoint that holds a tensor of this layer the description does not read (a bias of a
+        config that says there is none, say): computing without it would be silently wrong."""
+        extra = sorted(n for n in self.source.names_under(prefix) if n not in read)
+        if extra:
+            raise UnsupportedArchitecture(f"{self.path}: {what} holds tensor(s) {', '.join(extra)} that the "
+                                          f"{self.config.arch} description does not read (its config does not say "
+                                          f"what they do): refusing rather than ignoring them")
+
+
+def _wanted(cfg: ModelConfig, field: str, names) -> bool:
+    """Whether layer tensor ``field`` belongs to ``cfg``'s description."""
+    if field in ("wk", "wv") and names.fused_qkv or field == "w_up" and names.fused_gate_up:
+        return False
+    if field in ("bq", "bk", "bv"):
+        return cfg.attention_bias
+    if field == "bo":
+        return cfg.o_bias
+    if field in ("b_gate", "b_up", "b_down"):
+        return cfg.mlp_bias and not (names.fused_gate_up and field == "b_up")
+    if field in ("q_norm", "k_norm"):
+        return cfg.qk_norm
+    if field in ("post_attn_norm", "post_ffn_norm"):
+        return cfg.post_norms
+    return True
+
+
+def _splits(widths: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Consecutive ``(start, stop)`` row ranges of the given widths."""
+    out, at = [], 0
+    for w in widths:
+        out.append((at, at + w))
+        at += w
+    return out
 
 
 def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -305,80 +315,3 @@ def load_stage_weights(path: str | Path, layer_range: range | tuple[int, int], i
     """Open ``path`` and load one stage's weights (see ``Checkpoint.load_stage``)."""
     ckpt = Checkpoint.open(path)
     return ckpt.config, ckpt.load_stage(layer_range, is_first, is_last)
-
-
-def _gguf_config(src: _GGUFSource) -> ModelConfig:
-    arch = src.meta("general.architecture")
-    if arch not in GGUF_ARCHS:
-        raise UnsupportedArchitecture(f"GGUF architecture {arch!r} in {src.path} is not supported "
-                                      f"(supported: {', '.join(GGUF_ARCHS)})")
-    scaling = src.meta(f"{arch}.rope.scaling.type")
-    if (scaling not in (None, "none")) or src.has("rope_freqs.weight"):
-        raise UnsupportedArchitecture(f"RoPE scaling ({scaling or 'rope_freqs.weight'}) in {src.path} "
-                                      f"is not supported")
-
-    def need(key: str):
-        value = src.meta(f"{arch}.{key}")
-        if value is None:
-            raise UnsupportedArchitecture(f"GGUF metadata key {arch}.{key!r} missing in {src.path}")
-        return value
-
-    n_heads = int(need("attention.head_count"))
-    hidden = int(need("embedding_length"))
-    vocab = src.meta(f"{arch}.vocab_size")
-    if vocab is None:
-        vocab = src.index.array_lengths.get("tokenizer.ggml.tokens")
-        if vocab is None:
-            vocab = int(src.index.tensors["token_embd.weight"].shape[1])
-    eos = src.meta("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        arch=arch,
-        n_layers=int(need("block_count")),
-        hidden=hidden,
-        n_heads=n_heads,
-        n_kv_heads=int(src.meta(f"{arch}.attention.head_count_kv", n_heads)),
-        head_dim=int(src.meta(f"{arch}.attention.key_length", hidden // n_heads)),
-        intermediate=int(need("feed_forward_length")),
-        vocab=int(vocab),
-        rope_theta=float(src.meta(f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(need("attention.layer_norm_rms_epsilon")),
-        tie_embeddings=not src.has("output.weight"),
-        max_seq_len=int(need("context_length")),
-        bos_token_id=_opt_int(src.meta("tokenizer.ggml.bos_token_id")),
-        eos_token_ids=() if eos is None else (int(eos),),
-        attention_bias=src.has("blk.0.attn_q.bias"),
-    )
-
-
-def _hf_config(path: Path, src: _HFSource) -> ModelConfig:
-    c = json.loads((path / "config.json").read_text())
-    arch = c.get("model_type")
-    if arch not in HF_ARCHS:
-        raise UnsupportedArchitecture(f"model_type {arch!r} in {path / 'config.json'} is not supported "
-                                      f"(supported: {', '.join(HF_ARCHS)})")
-    rope = c.get("rope_scaling") or c.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise UnsupportedArchitecture(f"RoPE scaling {rope!r} in {path / 'config.json'} is not supported")
-    n_heads = c["num_attention_heads"]
-    eos = c.get("eos_token_id")
-    return ModelConfig(
-        arch=arch,
-        n_layers=c["num_hidden_layers"],
-        hidden=c["hidden_size"],
-        n_heads=n_heads,
-        n_kv_heads=c.get("num_key_value_heads") or n_heads,
-        head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,
-        intermediate=c["intermediate_size"],
-        vocab=c["vocab_size"],
-        rope_theta=float(c.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rms_eps=float(c.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        max_seq_len=c.get("max_position_embeddings", 2048),
-        bos_token_id=_opt_int(c.get("bos_token_id")),
-        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
-        attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
-    )
-
-
-def _opt_int(value) -> int | None:
-    return None if value is None else int(value)

@@ -45,6 +45,7 @@ from ringshm.model.head import StageOutput, head_outputs, plan_head
 from ringshm.model.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
 from ringshm.model.qmatmul import BEST_ISA, PackedWeight, RawWeight, concat_rows, embed_rows
 from ringshm.model.qmatmul import status_text as qmatmul_status_text
+from ringshm.model.rope import rope_inv_freq
 from ringshm.transport.messages import (
     MAX_TOP_LOGPROBS,
     WANT_ALL,
@@ -59,40 +60,56 @@ from ringshm.transport.messages import (
 
 class _Layer:
     """One decoder layer's weights, fused for fewer matmuls: ``wqkv [q_dim + 2*kv_dim, hidden]`` (+ ``bqkv``),
-    ``w_gate_up [2*intermediate, hidden]``; rows concatenated in the checkpoint's encoding.
+    ``w_gate_up [2*intermediate, hidden]`` (+ its bias); rows concatenated in the checkpoint's encoding. The
+    optional parts of the description (q/k norms, post norms, biases) are None where the model has none.
 
     ``native``: ``PackedWeight`` for the C matmul; else dequantized tensors of ``dtype`` on ``device``.
     """
 
     def __init__(self, w: LayerWeights, native: bool, dtype: torch.dtype, device: torch.device) -> None:
         bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
+        b_gate_up = None if w.b_gate is None else torch.cat([w.b_gate, w.b_up], dim=0)
         wqkv, w_gate_up = concat_rows([w.wq, w.wk, w.wv]), concat_rows([w.w_gate, w.w_up])
         if native:
-            self.attn_norm = w.attn_norm.to("cpu", torch.float32).contiguous()
-            self.ffn_norm = w.ffn_norm.to("cpu", torch.float32).contiguous()
-            self.wqkv, self.wo = PackedWeight(wqkv, bqkv), PackedWeight(w.wo)
-            self.w_gate_up, self.w_down = PackedWeight(w_gate_up), PackedWeight(w.w_down)
+            def f32(t):
+                return None if t is None else t.to("cpu", torch.float32).contiguous()
+
+            self.attn_norm, self.ffn_norm = f32(w.attn_norm), f32(w.ffn_norm)
+            self.q_norm, self.k_norm = f32(w.q_norm), f32(w.k_norm)
+            self.post_attn_norm, self.post_ffn_norm = f32(w.post_attn_norm), f32(w.post_ffn_norm)
+            self.wqkv, self.wo = PackedWeight(wqkv, bqkv), PackedWeight(w.wo, w.bo)
+            self.w_gate_up, self.w_down = PackedWeight(w_gate_up, b_gate_up), PackedWeight(w.w_down, w.b_down)
             return
 
         def dense(t):
             return None if t is None else (t.dequantize() if isinstance(t, RawWeight) else t).to(device, dtype)
 
         self.attn_norm, self.ffn_norm = dense(w.attn_norm), dense(w.ffn_norm)
-        self.wqkv, self.bqkv, self.wo = dense(wqkv), dense(bqkv), dense(w.wo)
-        self.w_gate_up, self.w_down = dense(w_gate_up), dense(w.w_down)
+        self.q_norm, self.k_norm = dense(w.q_norm), dense(w.k_norm)
+        self.post_attn_norm, self.post_ffn_norm = dense(w.post_attn_norm), dense(w.post_ffn_norm)
+        self.wqkv, self.bqkv, self.wo, self.bo = dense(wqkv), dense(bqkv), dense(w.wo), dense(w.bo)
+        self.w_gate_up, self.b_gate_up = dense(w_gate_up), dense(b_gate_up)
+        self.w_down, self.b_down = dense(w.w_down), dense(w.b_down)
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights and this
-        layer's caches; the tensors stay owned here and by the model."""
+    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window: int):
+        """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights, this
+        layer's caches, RoPE tables and window; the tensors stay owned here and by the model."""
         c = ffi.new("struct ringshm_layer_weights *")
         for field, pw in (("qkv", self.wqkv), ("o", self.wo), ("gate_up", self.w_gate_up), ("down", self.w_down)):
             setattr(c, f"type_{field}", pw.qtype)
             setattr(c, field, ffi.cast("uint8_t *", pw.packed.data_ptr()))
             setattr(c, f"{field}_bytes", pw.nbytes)
-        c.bqkv = ffi.NULL if self.wqkv.bias is None else ffi.cast("float *", self.wqkv.bias.data_ptr())
-        c.attn_norm = ffi.cast("float *", self.attn_norm.data_ptr())
-        c.ffn_norm = ffi.cast("float *", self.ffn_norm.data_ptr())
-        c.k_cache, c.v_cache = ffi.cast("float *", k_cache.data_ptr()), ffi.cast("float *", v_cache.data_ptr())
+
+        def fp(t):
+            return ffi.NULL if t is None else ffi.cast("float *", t.data_ptr())
+
+        c.bqkv, c.bo, c.bgate_up, c.bdown = fp(self.wqkv.bias), fp(self.wo.bias), fp(self.w_gate_up.bias), fp(
+            self.w_down.bias)
+        c.attn_norm, c.ffn_norm = fp(self.attn_norm), fp(self.ffn_norm)
+        c.q_norm, c.k_norm = fp(self.q_norm), fp(self.k_norm)
+        c.post_attn_norm, c.post_ffn_norm = fp(self.post_attn_norm), fp(self.post_ffn_norm)
+        c.cos, c.sin, c.window = fp(cos), fp(sin), window
+        c.k_cache, c.v_cache = fp(k_cache), fp(v_cache)
         return c
 
 
@@ -146,13 +163,24 @@ class StageModel:
         self.k_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
         self.length = [0] * max_rows  # positions written per row
-        self.cos, self.sin = kernels.rope_tables(d, max_seq_len, config.rope_theta, device=self.device)
+        # one RoPE table per distinct (base, scaling) among the stage's layers (Gemma 3: local and global)
+        tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rope = []  # per layer of the stage: (cos, sin) [max_seq_len, D/2] fp32
+        for i in self.layer_range:
+            key = config.rope_of(i)
+            if key not in tables:
+                tables[key] = kernels.rope_tables(d, max_seq_len, inv_freq=rope_inv_freq(config, i),
+                                                  device=self.device)
+            self.rope.append(tables[key])
+        self.windows = [config.window(i) for i in self.layer_range]
         if self.native:
-            self._c_layers = [layer.bind(k, v) for layer, k, v in zip(self.layers, self.k_cache, self.v_cache)]
+            self._c_layers = [layer.bind(k, v, cos, sin, window) for layer, k, v, (cos, sin), window in
+                              zip(self.layers, self.k_cache, self.v_cache, self.rope, self.windows)]
             self._c_shape = ffi.new("struct ringshm_layer_shape *", dict(
                 hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=n_kv, head_dim=d,
                 inter=config.intermediate, max_rows=max_rows, max_seq_len=max_seq_len, n_pos=max_seq_len,
-                rms_eps=config.rms_eps))
+                rms_eps=config.rms_eps, attn_scale=config.attention_scale,
+                act=lib.RINGSHM_ACT_GELU_TANH if config.activation == "gelu_tanh" else lib.RINGSHM_ACT_SILU))
             self._work = torch.empty(0, dtype=torch.float32)  # the layers' scratch, grown to the largest op
 
     @classmethod
@@ -304,9 +332,10 @@ class StageModel:
         if self.is_first:
             if x.dim() != 1 or x.dtype != torch.int64 or x.shape[0] < 1:
                 raise ValueError(f"first stage takes int64 token ids of [T], T ≥ 1; got {x.dtype} {tuple(x.shape)}")
-            if self.native:
-                return embed_rows(self.embed, x)  # [T, hidden]
-            return F.embedding(x.to(self.device), self.embed)
+            h = embed_rows(self.embed, x) if self.native else F.embedding(x.to(self.device), self.embed)  # [T, hidden]
+            if self.config.embed_scale != 1.0:  # Gemma: x sqrt(hidden), an fp32 product per element
+                h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype, device=h.device)
+            return h
         hidden = self.config.hidden
         if x.dim() != 2 or x.shape[1] != hidden or x.shape[0] < 1:
             raise ValueError(f"stage takes hidden states of [T, {hidden}], T ≥ 1; got {tuple(x.shape)}")
@@ -326,7 +355,6 @@ class StageModel:
         seg = torch.tensor([list(rows), list(starts), list(lens)], dtype=torch.int64)  # [3, n_seg]
         sp = ffi.cast("int64_t *", seg.data_ptr())
         args = (ffi.cast("float *", h.data_ptr()), t, sp, sp + n_seg, sp + 2 * n_seg, n_seg,
-                ffi.cast("float *", self.cos.data_ptr()), ffi.cast("float *", self.sin.data_ptr()),
                 ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
         for li, c in enumerate(self._c_layers):
             status = lib.ringshm_layer_forward(self._c_shape, c, *args)
@@ -337,7 +365,7 @@ class StageModel:
         return h
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over the last dim; ``x`` ``[..., hidden]``."""
+        """RMSNorm over the last dim; ``x`` ``[..., hidden]`` (or ``[..., head_dim]`` for q/k norms)."""
         if self.native:
             return kernels.rms_norm(x.reshape(-1, x.shape[-1]), weight, self.config.rms_eps).reshape(x.shape)
         # HF LlamaRMSNorm: normalize in fp32, scale in the weights' dtype.
@@ -346,8 +374,9 @@ class StageModel:
         return weight * xf.to(self.dtype)
 
     def _layer(self, layer: _Layer, li: int, x: torch.Tensor, attend) -> torch.Tensor:
-        """One decoder layer on ``x [T, hidden]`` (torch path); ``attend(q, k, v)`` maps ``[T, H*, D]`` to
-        ``[T, Hq, D]``. The native path does the same in C (``_native_layers``, csrc/layer.h)."""
+        """One decoder layer on ``x [T, hidden]`` (torch path), as ``ModelConfig`` describes it; ``attend(q, k, v)``
+        maps ``[T, H*, D]`` to ``[T, Hq, D]``. The native path does the same in C (``_native_layers``,
+        csrc/layer.h)."""
         cfg = self.config
         t = x.shape[0]
         qkv = F.linear(self._rms_norm(x, layer.attn_norm), layer.wqkv, layer.bqkv).float()
@@ -355,16 +384,21 @@ class StageModel:
         q = q.reshape(t, cfg.n_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
+        if layer.q_norm is not None:  # per head: each head's D values normalised on their own
+            q, k = self._rms_norm(q, layer.q_norm).float(), self._rms_norm(k, layer.k_norm).float()
         a = attend(q, k, v).reshape(t, cfg.q_dim)  # [T, Hq*D]
-        x = torch.addmm(x, a.to(self.dtype), layer.wo.t())  # x + a · Woᵀ
-        gate, up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up).chunk(2, dim=-1)  # [T, I] x2
-        return torch.addmm(x, F.silu(gate).mul_(up), layer.w_down.t())
+        o = F.linear(a.to(self.dtype), layer.wo, layer.bo)  # [T, hidden]
+        x = x + (self._rms_norm(o, layer.post_attn_norm) if layer.post_attn_norm is not None else o)
+        gate_up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up, layer.b_gate_up)  # [T, 2I]
+        m = F.linear(kernels.act_mul_reference(gate_up, cfg.activation), layer.w_down, layer.b_down)
+        return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m)
 
     def _attend_row(self, li: int, q, k, v, row: int, start: int) -> torch.Tensor:
         kc, vc = self.k_cache[li][row], self.v_cache[li][row]  # [Hkv, S_max, D]
-        kernels.kv_append(kc, vc, k.contiguous(), v.contiguous(), start, self.cos, self.sin)
-        q = kernels.apply_rope(q.contiguous(), start, self.cos, self.sin)
-        return kernels.attention(q, kc, vc, start)  # [n, Hq, D]
+        cos, sin = self.rope[li]
+        kernels.kv_append(kc, vc, k.contiguous(), v.contiguous(), start, cos, sin)
+        q = kernels.apply_rope(q.contiguous(), start, cos, sin)
+        return kernels.attention(q, kc, vc, start, self.windows[li], self.config.attention_scale)  # [n, Hq, D]
 
     def _attend_segments(self, li: int, q, k, v, table) -> torch.Tensor:
         """Attention of every segment on its own row (torch path): ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` →
@@ -384,4 +418,7 @@ class StageModel:
             logits = self.lm_head.matmul(normed)  # [n_pos, vocab]
         else:
             logits = F.linear(normed, self.lm_head).float()
+        cap = self.config.logit_softcap
+        if cap:  # Gemma's final soft-cap, elementwise as transformers applies it
+            logits = torch.tanh(logits / cap) * cap
         return head_outputs(logits, plan)

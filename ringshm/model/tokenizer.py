@@ -23,6 +23,20 @@ def tokenizer_cache_key(gguf_path: str | Path) -> str:
     return hashlib.sha256(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
 
 
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def has_tokenizer(model_path: str | Path) -> bool:
+    """Whether a ``.gguf`` file (``tokenizer.ggml.model`` in its metadata) or an HF directory (one of
+    ``HF_TOKENIZER_FILES``) carries a tokenizer. A checkpoint without one still serves token-id prompts."""
+    path = Path(model_path)
+    if path.is_dir():
+        return any((path / name).is_file() for name in HF_TOKENIZER_FILES)
+    from ringshm.model.gguf_index import GGUFIndex
+
+    return GGUFIndex.open(path).meta.get("tokenizer.ggml.model") is not None
+
+
 def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None = None):
     """Return a transformers tokenizer (with its chat template) for a ``.gguf`` file or an HF directory.
 

@@ -73,31 +73,9 @@ def check_shm(capacities: list[int]) -> None:
 STAGE_BASE_BYTES = 400 * 2**20
 
 
-def stage_memory_bytes(mc: ModelConfig, layers: range, is_first: bool, is_last: bool, max_rows: int,
-                       max_seq_len: int, bytes_per_weight: float) -> tuple[int, int]:
-    """(weights, KV cache) bytes of one stage: ``bytes_per_weight`` per parameter (the checkpoint's own
-    encoding on CPU fp32 stages, the dtype's width where weights are dequantized), each stage holding its own
-    embedding / head; KV fp32 ``[max_rows, max_seq_len, 2 * kv_dim]`` per layer."""
-    per_layer = (mc.hidden * mc.q_dim + 2 * mc.hidden * mc.kv_dim + mc.q_dim * mc.hidden
-                 + 3 * mc.hidden * mc.intermediate + 2 * mc.hidden)
-    if mc.attention_bias:
-        per_layer += mc.q_dim + 2 * mc.kv_dim
-    params = len(layers) * per_layer
-    if is_first:
-        params += mc.vocab * mc.hidden
-    if is_last:
-        params += mc.hidden + mc.vocab * mc.hidden
-    kv = len(layers) * max_rows * max_seq_len * 2 * mc.kv_dim * 4
-    return int(params * bytes_per_weight), kv
-
-
-def checkpoint_bytes_per_weight(path: str | Path, mc: ModelConfig) -> float:
-    """Average stored bytes per parameter: the checkpoint's tensor files (a .gguf, or an HF directory's
-    *.safetensors) over the model's parameter count. CPU fp32 stages keep weights in that encoding."""
-    p = Path(path)
-    size = p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in p.glob("*.safetensors"))
-    n_params = stage_memory_bytes(mc, range(mc.n_layers), True, not mc.tie_embeddings, 0, 0, 1.0)[0]
-    return max(size / max(n_params, 1), 0.5)
+def stage_kv_bytes(mc: ModelConfig, layers: range, max_rows: int, max_seq_len: int) -> int:
+    """KV cache bytes of one stage: fp32 ``[max_rows, max_seq_len, 2 * kv_dim]`` per layer."""
+    return len(layers) * max_rows * max_seq_len * 2 * mc.kv_dim * 4
 
 
 def available_memory_bytes() -> int:
@@ -117,34 +95,44 @@ def available_memory_bytes() -> int:
 
 
 def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], max_seq_len: int,
-                 available_bytes: int | None = None, bytes_per_weight: float | None = None,
-                 local: range | None = None) -> None:
+                 model_path: str | Path, available_bytes: int | None = None, local: range | None = None) -> None:
     """Refuse, before any stage starts, weights + KV caches that do not fit the available memory.
 
-    CPU stages count against host memory; with ``device="cuda"`` the KV cache and weights live on the GPU
-    and only the per-process base is checked here. ``bytes_per_weight``: the checkpoint's encoding
-    (``checkpoint_bytes_per_weight``), what CPU fp32 stages hold; None counts dequantized weights of the dtype.
-    ``local``: the stages this host runs (a node of a multi-host engine); None = all.
+    Weights are counted per stage from the checkpoint's own tensor table (``Checkpoint.stage_bytes``): on CPU
+    fp32 stages a tensor the matmul reads in its encoding counts its stored bytes, and one that is dequantized
+    at load counts 4 bytes per weight, plus the largest such tensor once more (its fp32 copy exists twice while
+    it is packed). With ``device="cuda"`` the KV cache and weights live on the GPU and only the per-process
+    base is checked here. ``local``: the stages this host runs (a node of a multi-host engine); None = all.
 
     Raises:
         ResourceShortage: with the per-stage numbers and what to change.
     """
+    from ringshm.model.loader import Checkpoint
+
     gib = 2 ** 30
+    native = cfg.device == "cpu" and cfg.dtype == "float32"
     width = 2.0 if cfg.dtype == "bfloat16" else 4.0
-    if bytes_per_weight is not None and cfg.device == "cpu" and cfg.dtype == "float32":
-        width = bytes_per_weight
+    ckpt = Checkpoint.open(model_path)
     local = range(len(layer_ranges)) if local is None else local
-    parts = [stage_memory_bytes(mc, layer_ranges[i], i == 0, i == len(layer_ranges) - 1, cfg.max_rows, max_seq_len,
-                                width) for i in local]
+    parts, expanded = [], []
+    for i in local:
+        first, last = i == 0, i == len(layer_ranges) - 1
+        held, grown = ckpt.stage_bytes(layer_ranges[i], first, last, native, width)
+        if grown:
+            held += max(ckpt.source.held_bytes(n, native, width)[0] for n in grown)  # the packing's second copy
+        expanded += grown
+        parts.append((held, stage_kv_bytes(mc, layer_ranges[i], cfg.max_rows, max_seq_len)))
     weights, kv = sum(w for w, _ in parts), sum(k for _, k in parts)
     base = STAGE_BASE_BYTES * len(parts)
     need = base + (weights + kv if cfg.device == "cpu" else 0)
     avail = available_memory_bytes() if available_bytes is None else available_bytes
     if need > avail:
         per_stage = ", ".join(f"{(w + k) / gib:.2f}" for w, k in parts)
+        grown = (f"; {len(expanded)} weight tensors are of types the matmul does not read and are expanded to fp32 "
+                 f"at load (e.g. {expanded[0]})" if expanded and native else "")
         raise ResourceShortage(
             f"the engine needs ~{need / gib:.1f} GiB of memory (weights {weights / gib:.2f} GiB + KV cache "
             f"{kv / gib:.2f} GiB for max_rows={cfg.max_rows} x max_seq_len={max_seq_len} + "
-            f"{base / gib:.2f} GiB for {len(parts)} stage processes; per stage: {per_stage} GiB) but "
+            f"{base / gib:.2f} GiB for {len(parts)} stage processes; per stage: {per_stage} GiB{grown}) but "
             f"{avail / gib:.1f} GiB is available: lower --max-rows or --max-seq-len (the KV cache is fp32 whatever "
-            f"the dtype)")
+            f"the dtype), or run more stages on more hosts")

@@ -58,7 +58,7 @@ def run_worker(nnodes: int, node_rank: int, master_addr: str = "127.0.0.1", mast
     import os
 
     from ringshm.runtime.launcher import NodePlan, StageGroup, connect_timeout_s
-    from ringshm.runtime.resources import check_memory, checkpoint_bytes_per_weight
+    from ringshm.runtime.resources import check_memory
     from ringshm.transport.cluster import TOKEN_ENV
 
     log = log or (lambda text: print(f"ringshm worker: {text}", file=sys.stderr, flush=True))
@@ -72,8 +72,7 @@ def run_worker(nnodes: int, node_rank: int, master_addr: str = "127.0.0.1", mast
 
     def check_here(hello: dict) -> str:
         path, cfg, mc, ranges = _local_model(hello, model)
-        check_memory(cfg, mc, ranges, int(hello["max_seq_len"]),
-                     bytes_per_weight=checkpoint_bytes_per_weight(path, mc),
+        check_memory(cfg, mc, ranges, int(hello["max_seq_len"]), path,
                      local=cfg.node_stage_ranges()[node_rank])
         return fingerprint(path, mc, ranges)
 

@@ -1,0 +1,342 @@
+"""The supported families, as descriptions: what each one's checkpoint calls its tensors and settings, and the
+``ModelConfig`` (``ringshm.config``) they mean. One layer loop (``ringshm.model.stage_model``, csrc/layer.c)
+reads the description; nothing here computes.
+
+    family   HF model_type   GGUF arch   differs from Llama by
+    llama    llama           llama       (Llama 2 / 3; Llama 3.1's RoPE scaling: rope_type llama3)
+    mistral  mistral         llama*      a sliding window on every layer (when the config sets one)
+    qwen2    qwen2           qwen2       q/k/v biases; NeoX-order q/k rows in GGUF
+    qwen3    qwen3           qwen3       per-head RMSNorm on q and k
+    gemma3   gemma3_text     gemma3      embedding x sqrt(hidden), (1 + w) RMSNorm (GGUF: stored already added),
+                                         post norms, GeGLU (tanh-GELU), q/k norms, sliding layers with their
+                                         own RoPE base, attention scale query_pre_attn_scalar^-1/2, logit cap
+    phi3     phi3            phi3        fused qkv and gate_up tensors, a sliding window on every layer
+    (* llama.cpp writes Mistral checkpoints as arch "llama")
+
+**A setting that changes the math is computed or refused by name, never ignored.** Every field of an HF
+``config.json`` is either read here, or listed in ``HARMLESS_HF_FIELDS`` (training-only, bookkeeping, or known to
+give the same function), or refused (``UnsupportedArchitecture`` naming it). The same holds for every GGUF
+metadata key under ``<arch>.`` (``HARMLESS_GGUF_KEYS``), and the loader refuses checkpoint tensors it would not
+read (an unread bias is how ``mlp_bias`` once went unnoticed).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ringshm.config import ROPE_SCALINGS, ModelConfig, RopeScaling
+from ringshm.errors import UnsupportedArchitecture
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+            "phi3": "phi3"}
+GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
+              "phi3": "phi3"}
+GGUF_PERMUTED_QK = {"llama", "mistral"}  # llama.cpp's converter reorders these arches' q/k rows (loader docstring)
+
+# Fields that never change what an inference computes: training-only (dropout, initialisation), bookkeeping,
+# token ids (read elsewhere), and flags whose every value gives the same function (pretraining_tp: a sliced
+# matmul in training; use_cache).
+HARMLESS_HF_FIELDS = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path",
+    "initializer_range", "use_cache", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop",
+    "bos_token_id", "eos_token_id", "pad_token_id", "pretraining_tp", "output_attentions", "output_hidden_states",
+    "return_dict", "cache_implementation", "tie_word_embeddings", "max_position_embeddings", "vocab_size",
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "intermediate_size", "rms_norm_eps", "chunk_size_feed_forward", "is_encoder_decoder", "tie_encoder_decoder",
+    "problem_type", "id2label", "label2id", "task_specific_params", "use_return_dict", "finetuning_task",
+    "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "max_window_layers",
+})
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """Where one family keeps a layer's tensors: (GGUF name under ``blk.{i}.``, HF name under
+    ``model.layers.{i}.``) per ``LayerWeights`` field; None where the family has no such tensor."""
+
+    layer: dict
+    fused_qkv: bool = False  # Phi-3: one attn_qkv / qkv_proj tensor [q + 2 kv, hidden]
+    fused_gate_up: bool = False  # Phi-3: one ffn_up / gate_up_proj tensor [2 I, hidden], rows [gate | up]
+
+
+_LLAMA_LAYER = {
+    "attn_norm": ("attn_norm.weight", "input_layernorm.weight"),
+    "wq": ("attn_q.weight", "self_attn.q_proj.weight"),
+    "wk": ("attn_k.weight", "self_attn.k_proj.weight"),
+    "wv": ("attn_v.weight", "self_attn.v_proj.weight"),
+    "wo": ("attn_output.weight", "self_attn.o_proj.weight"),
+    "ffn_norm": ("ffn_norm.weight", "post_attention_layernorm.weight"),
+    "w_gate": ("ffn_gate.weight", "mlp.gate_proj.weight"),
+    "w_up": ("ffn_up.weight", "mlp.up_proj.weight"),
+    "w_down": ("ffn_down.weight", "mlp.down_proj.weight"),
+    "bq": ("attn_q.bias", "self_attn.q_proj.bias"),
+    "bk": ("attn_k.bias", "self_attn.k_proj.bias"),
+    "bv": ("attn_v.bias", "self_attn.v_proj.bias"),
+    "bo": ("attn_output.bias", "self_attn.o_proj.bias"),
+    "b_gate": ("ffn_gate.bias", "mlp.gate_proj.bias"),
+    "b_up": ("ffn_up.bias", "mlp.up_proj.bias"),
+    "b_down": ("ffn_down.bias", "mlp.down_proj.bias"),
+    "q_norm": ("attn_q_norm.weight", "self_attn.q_norm.weight"),
+    "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+}
+_GEMMA3_LAYER = {
+    **_LLAMA_LAYER,
+    # Gemma's names: HF post_attention_layernorm is the norm *after* attention; pre_feedforward the FFN's input
+    "ffn_norm": ("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+    "post_attn_norm": ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+    "post_ffn_norm": ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"),
+}
+_PHI3_LAYER = {
+    **_LLAMA_LAYER,
+    "wq": ("attn_qkv.weight", "self_attn.qkv_proj.weight"),  # fused: split by the loader
+    "w_gate": ("ffn_up.weight", "mlp.gate_up_proj.weight"),  # fused: rows [gate | up]
+}
+TENSOR_NAMES = {
+    "llama": TensorNames(_LLAMA_LAYER), "mistral": TensorNames(_LLAMA_LAYER), "qwen2": TensorNames(_LLAMA_LAYER),
+    "qwen3": TensorNames(_LLAMA_LAYER), "gemma3": TensorNames(_GEMMA3_LAYER),
+    "phi3": TensorNames(_PHI3_LAYER, fused_qkv=True, fused_gate_up=True),
+}
+GLOBAL_TENSORS = {  # role -> (GGUF name, HF name)
+    "embed": ("token_embd.weight", "model.embed_tokens.weight"),
+    "norm": ("output_norm.weight", "model.norm.weight"),
+    "lm_head": ("output.weight", "lm_head.weight"),
+}
+
+
+def _refuse(where: str, field: str, value, why: str = "") -> UnsupportedArchitecture:
+    return UnsupportedArchitecture(f"{where}: {field} = {value!r} is not supported" + (f" ({why})" if why else ""))
+
+
+# ------------------------------------------------------------------------------------------ HF config.json
+def hf_config(c: dict, where: str) -> ModelConfig:
+    """The ``ModelConfig`` an HF ``config.json`` (already parsed) describes; ``where`` names it in errors.
+
+    Reads both transformers 4 (``rope_theta``, ``rope_scaling``, ``rope_local_base_freq``) and 5
+    (``rope_parameters``, per layer type for Gemma 3) spellings.
+
+    Raises:
+        UnsupportedArchitecture: another model_type, a field no family reads and not known to be harmless, or a
+            value ringshm does not compute (each named with the field).
+    """
+    model_type = c.get("model_type")
+    family = HF_TYPES.get(model_type)
+    if family is None:
+        raise UnsupportedArchitecture(f"{where}: model_type {model_type!r} is not supported (supported: "
+                                      f"{', '.join(HF_TYPES)})")
+    used: set[str] = set()
+
+    def get(key: str, default=None):
+        used.add(key)
+        return c.get(key, default)
+
+    n_heads = int(get("num_attention_heads"))
+    hidden = int(get("hidden_size"))
+    n_layers = int(get("num_hidden_layers"))
+    head_dim = int(get("head_dim") or hidden // n_heads)
+    eos = get("eos_token_id")
+    act = get("hidden_activation") if family == "gemma3" else get("hidden_act", "silu")
+    if family == "gemma3":
+        used.add("hidden_act")  # Gemma 3 reads hidden_activation; hidden_act, if present, is ignored by it too
+    activation = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}.get(act)
+    if activation is None or (family != "gemma3" and activation != "silu"):
+        raise _refuse(where, "hidden_act" if family != "gemma3" else "hidden_activation", act)
+    kw = dict(arch=family, n_layers=n_layers, hidden=hidden, n_heads=n_heads,
+              n_kv_heads=int(get("num_key_value_heads") or n_heads), head_dim=head_dim,
+              intermediate=int(get("intermediate_size")), vocab=int(get("vocab_size")),
+              rms_eps=float(get("rms_norm_eps", 1e-6)), tie_embeddings=bool(get("tie_word_embeddings", False)),
+              max_seq_len=int(get("max_position_embeddings", 2048)),
+              bos_token_id=None if get("bos_token_id") is None else int(c["bos_token_id"]),
+              eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+              activation=activation)
+    kw.update(_hf_rope(c, family, used, where))
+    kw.update(_hf_biases(c, family, used, where))
+    kw.update(_hf_windows(c, family, n_layers, used, where))
+    if family in ("qwen3", "gemma3"):
+        kw["qk_norm"] = True
+    if family == "gemma3":
+        if get("use_bidirectional_attention"):
+            raise _refuse(where, "use_bidirectional_attention", True, "an embedding model, not a decoder")
+        if get("attn_logit_softcapping") is not None:
+            raise _refuse(where, "attn_logit_softcapping", c["attn_logit_softcapping"])
+        kw.update(post_norms=True, norm_offset=1.0, embed_scale=float(_f32(math.sqrt(hidden))),
+                  attn_scale=float(get("query_pre_attn_scalar", 256)) ** -0.5,
+                  logit_softcap=float(get("final_logit_softcapping") or 0.0))
+    if family == "phi3":
+        if float(get("partial_rotary_factor", 1.0)) != 1.0:
+            raise _refuse(where, "partial_rotary_factor", c["partial_rotary_factor"], "RoPE on every dimension only")
+    unknown = sorted(k for k in c if k not in used and k not in HARMLESS_HF_FIELDS)
+    if unknown:
+        raise UnsupportedArchitecture(f"{where}: field(s) {', '.join(unknown)} of a {model_type} config are not "
+                                      f"read by ringshm and may change the math: refusing rather than ignoring them")
+    return ModelConfig(**kw)
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to fp32 (what a tensor of it holds)."""
+    import struct
+
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def _rope_scaling(params: dict | None, where: str, field: str) -> RopeScaling | None:
+    """A ``RopeScaling`` from one transformers RoPE dict, None for the default; refuses the others by name."""
+    if not params:
+        return None
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in ("default", None):
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise _refuse(where, f"{field}.rope_type", kind, f"supported: default, {', '.join(ROPE_SCALINGS)}")
+    if float(params.get("attention_factor") or 1.0) != 1.0:
+        raise _refuse(where, f"{field}.attention_factor", params["attention_factor"])
+    return RopeScaling(kind, float(params["factor"]), float(params.get("low_freq_factor", 1.0)),
+                       float(params.get("high_freq_factor", 4.0)),
+                       int(params.get("original_max_position_embeddings") or 8192))
+
+
+def _hf_rope(c: dict, family: str, used: set, where: str) -> dict:
+    used.update(("rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq"))
+    params = c.get("rope_parameters")
+    if family == "gemma3":
+        per_type = params if isinstance(params, dict) and "full_attention" in params else {}
+        full = per_type.get("full_attention") or c.get("rope_scaling") or {}
+        local = per_type.get("sliding_attention") or {}
+        theta = float(full.get("rope_theta", c.get("rope_theta", 1_000_000.0)))
+        local_theta = float(local.get("rope_theta", c.get("rope_local_base_freq", 10_000.0)))
+        if _rope_scaling(local, where, "rope_parameters.sliding_attention") is not None:
+            raise _refuse(where, "rope_parameters.sliding_attention.rope_type", local.get("rope_type"))
+        return dict(rope_theta=theta, rope_local_theta=local_theta,
+                    rope_scaling=_rope_scaling(full, where, "rope_parameters.full_attention"))
+    params = dict(params if isinstance(params, dict) else (c.get("rope_scaling") or {}))
+    theta = float(params.get("rope_theta", c.get("rope_theta", 10_000.0)))
+    field = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+    used.add("original_max_position_embeddings")  # llama3's band edges read it when the RoPE dict does not say
+    if c.get("original_max_position_embeddings") and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = c["original_max_position_embeddings"]
+    return dict(rope_theta=theta, rope_scaling=_rope_scaling(params, where, field))
+
+
+def _hf_biases(c: dict, family: str, used: set, where: str) -> dict:
+    used.update(("attention_bias", "mlp_bias"))
+    if family == "qwen2":  # Qwen 2: q/k/v biases always, no output bias
+        return dict(attention_bias=True)
+    attn_bias = bool(c.get("attention_bias", False))
+    if attn_bias and family in ("gemma3", "phi3", "qwen3", "mistral"):
+        # these families' attention_bias covers q/k/v and o, as Llama's (transformers' modeling files)
+        pass
+    return dict(attention_bias=attn_bias, o_bias=attn_bias, mlp_bias=bool(c.get("mlp_bias", False)))
+
+
+def _hf_windows(c: dict, family: str, n_layers: int, used: set, where: str) -> dict:
+    used.update(("sliding_window", "layer_types", "use_sliding_window", "sliding_window_pattern",
+                 "_sliding_window_pattern"))
+    window = c.get("sliding_window")
+    layer_types = c.get("layer_types")
+    if family in ("qwen2", "qwen3"):
+        if c.get("use_sliding_window"):
+            raise _refuse(where, "use_sliding_window", True, "Qwen's per-layer sliding windows are not computed")
+        return {}
+    if family == "gemma3":
+        if layer_types is None:
+            pattern = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
+        if len(layer_types) != n_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+            raise _refuse(where, "layer_types", layer_types)
+        sliding = tuple(t == "sliding_attention" for t in layer_types)
+        if any(sliding) and not window:
+            raise _refuse(where, "sliding_window", window, "sliding layers need a window")
+        return dict(sliding_window=int(window or 0), sliding_layers=sliding if any(sliding) else ())
+    if layer_types is not None and set(layer_types) != {"full_attention"}:
+        raise _refuse(where, "layer_types", layer_types, f"{family} slides on every layer or none")
+    return dict(sliding_window=int(window or 0))
+
+
+# ------------------------------------------------------------------------------------------ GGUF metadata
+HARMLESS_GGUF_KEYS = frozenset({
+    "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",
+    "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
+    "rope.freq_base", "rope.dimension_count", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
+    "rope.scaling.original_context_length", "attention.sliding_window", "final_logit_softcapping",
+    "rope.scaling.finetuned", "attention.sliding_window_pattern", "rope.freq_base_swa",
+})
+
+
+def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab: int, rope_freqs) -> ModelConfig:
+    """The ``ModelConfig`` of a GGUF file's metadata (``meta``: key -> value), tensor names and arch.
+
+    ``rope_freqs``: the values of ``rope_freqs.weight`` (llama.cpp's Llama 3 per-frequency factors) or None.
+
+    Raises:
+        UnsupportedArchitecture: another arch, a missing key, an ``<arch>.*`` key not read here and not known to
+            be harmless, or a value ringshm does not compute (each named).
+    """
+    family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}.get(arch)
+    if family is None:
+        raise UnsupportedArchitecture(f"{where}: GGUF architecture {arch!r} is not supported (supported: llama, "
+                                      f"qwen2, qwen3, gemma3, phi3)")
+
+    def need(key: str):
+        value = meta.get(f"{arch}.{key}")
+        if value is None:
+            raise UnsupportedArchitecture(f"{where}: GGUF metadata key {arch}.{key!r} is missing")
+        return value
+
+    n_heads = int(need("attention.head_count"))
+    hidden = int(need("embedding_length"))
+    n_layers = int(need("block_count"))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_heads))
+    if int(meta.get(f"{arch}.attention.value_length", head_dim)) != head_dim:
+        raise _refuse(where, f"{arch}.attention.value_length", meta.get(f"{arch}.attention.value_length"),
+                      "value heads as wide as key heads only")
+    rope_dims = meta.get(f"{arch}.rope.dimension_count")
+    if rope_dims is not None and int(rope_dims) != head_dim:
+        raise _refuse(where, f"{arch}.rope.dimension_count", rope_dims, "RoPE on every dimension only")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    kw = dict(arch=family, n_layers=n_layers, hidden=hidden, n_heads=n_heads,
+              n_kv_heads=int(meta.get(f"{arch}.attention.head_count_kv", n_heads)), head_dim=head_dim,
+              intermediate=int(need("feed_forward_length")), vocab=vocab,
+              rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+              rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+              tie_embeddings="output.weight" not in tensor_names, max_seq_len=int(need("context_length")),
+              bos_token_id=None if meta.get("tokenizer.ggml.bos_token_id") is None else int(meta.get(
+                  "tokenizer.ggml.bos_token_id")),
+              eos_token_ids=() if eos is None else (int(eos),),
+              attention_bias="blk.0.attn_q.bias" in tensor_names, o_bias="blk.0.attn_output.bias" in tensor_names,
+              mlp_bias="blk.0.ffn_down.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names)
+    scaling = meta.get(f"{arch}.rope.scaling.type")
+    if rope_freqs is not None:
+        kw["rope_freq_factors"] = tuple(float(x) for x in rope_freqs)
+    elif scaling not in (None, "none"):
+        if scaling != "linear":
+            raise _refuse(where, f"{arch}.rope.scaling.type", scaling, "supported: none, linear, and Llama 3's "
+                          "rope_freqs.weight")
+        kw["rope_scaling"] = RopeScaling("linear", float(need("rope.scaling.factor")))
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if family == "gemma3":
+        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
+        if pattern is None:  # llama.cpp's Gemma 3: every 6th layer global, the others sliding
+            sliding = tuple(bool((i + 1) % 6) for i in range(n_layers))
+        elif isinstance(pattern, (list, tuple)):
+            sliding = tuple(bool(x) for x in pattern)
+        else:
+            sliding = tuple(bool((i + 1) % int(pattern)) for i in range(n_layers))
+        kw.update(post_norms=True, activation="gelu_tanh", embed_scale=float(_f32(math.sqrt(hidden))),
+                  sliding_window=int(window or 0), sliding_layers=sliding if window else (),
+                  # the local layers' base: today's converter writes it; older files (the 270M one) do not, and
+                  # llama.cpp then takes 10000
+                  rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa") or 10_000.0),
+                  attn_scale=1.0 / math.sqrt(head_dim),  # llama.cpp: 1/sqrt(key_length) below 27B
+                  logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0))
+        if kw["attention_bias"] or kw["o_bias"] or kw["mlp_bias"]:
+            raise _refuse(where, "biases", "present", "Gemma 3 has none")
+    elif window:
+        if family not in ("phi3", "llama"):
+            raise _refuse(where, f"{arch}.attention.sliding_window", window)
+        kw["sliding_window"] = int(window)
+    unknown = sorted(k[len(arch) + 1:] for k in meta.keys() if k.startswith(f"{arch}.")
+                     and k[len(arch) + 1:] not in HARMLESS_GGUF_KEYS)
+    if unknown:
+        raise UnsupportedArchitecture(f"{where}: GGUF key(s) {', '.join(f'{arch}.{k}' for k in unknown)} are not read "
+                                      f"by ringshm and may change the math: refusing rather than ignoring them")
+    return ModelConfig(**kw)
