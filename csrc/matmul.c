@@ -92,10 +92,11 @@ int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, i
     const int64_t out_bytes = ((m - 1) * ldo + n_panels * 16) * 4; /* out holds the running sums */
     if (overlap(out, out_bytes, x, m * k * 4) || (residual && overlap(out, out_bytes, residual, ((m - 1) * ldr + n) * 4)))
         return RINGSHM_MATMUL_ERR_ALIAS;
+    const int64_t bk = ti->block_k;
     const struct ringshm_mm_args a = {
-        .type = type, .packed = packed, .n = n, .k = k, .m = m, .nb = (k + 31) / 32, .block_k = ti->block_k,
-        .block_bytes = ti->panel_block_bytes, .panel_bytes = (k + ti->block_k - 1) / ti->block_k * ti->panel_block_bytes,
-        .x = x, .out = out, .ldo = ldo, .bias = bias, .residual = residual, .ldr = ldr};
+        .type = type, .packed = packed, .n = n, .k = k, .m = m, .nb = (k + 31) / 32, .block_k = bk,
+        .block_bytes = ti->panel_block_bytes, .panel_bytes = (k + bk - 1) / bk * ti->panel_block_bytes, .x = x,
+        .out = out, .ldo = ldo, .bias = bias, .residual = residual, .ldr = ldr};
     const mm_panels_fn fn = panels_for(isa);
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > n_panels) nt = (int)n_panels;

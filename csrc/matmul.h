@@ -9,23 +9,27 @@
  *   type  GGUF block, per row                      packed, per panel (16 rows n) per block                    B
  *   Q4_0   32 w  18 B: d | qs[16]                  d f16[16] | qs u8[16 j][16 n]                            288
  *   Q4_1   32 w  20 B: d | m | qs[16]              d f16[16] | m f16[16] | qs u8[16 j][16 n]                320
- *   Q5_0   32 w  22 B: d | qh[4] | qs[16]          d f16[16] | qh u32[16 n] | qs u8[16 j][16 n]             352
- *   Q5_1   32 w  24 B: d | m | qh[4] | qs[16]      d f16[16] | m f16[16] | qh u32[16 n] | qs u8[16 j][16 n] 384
+ *   Q5_0   32 w  22 B: d | qh[4] | qs[16]          d f16[16] | qh u8[4 r][16 n] | qs u8[16 j][16 n]         352
+ *   Q5_1   32 w  24 B: d | m | qh[4] | qs[16]      d f16[16] | m f16[16] | qh u8[4 r][16 n] | qs ..         384
  *   Q8_0   32 w  34 B: d | qs i8[32]               d f16[16] | qs i8[32 k][16 n]                            544
  *   Q4_K  256 w 144 B: d | dmin | scales[12] |     d f16[16] | dmin f16[16] | scales u8[12][16 n] |
  *                      qs[128]                       8 sub-blocks s x ( qs u8[16 j][16 n] )                2304
  *   Q5_K  256 w 176 B: Q4_K's | qh[32] | qs[128]   d f16[16] | dmin f16[16] | scales u8[12][16 n] |
- *                                                    8 sub-blocks s x ( qh u32[16 n] | qs u8[16 j][16 n] ) 2816
+ *                                                    8 sub-blocks s x ( qh u8[4 r][16 n] | qs u8[16 j][16 n] )
+ *                                                                                                         2816
  *   Q6_K  256 w 210 B: ql[128] | qh[64] |          d f16[16] | sc i8[16 i][16 n] | 8 sub-blocks s x
- *                      scales i8[16] | d               ( ql u8[16 j][16 n] | qh u8[8 i][16 n] )             3360
+ *                      scales i8[16] | d               ( ql u8[16 j][16 n] | qh u8[8 r][16 n] )             3360
  *   F16, BF16   2 B a weight                       w u16[32 k][16 n]                                       1024
  *   F32         4 B a weight                       w f32[32 k][16 n]                                       2048
  *
  *   Packed nibble byte (j, n): low nibble = the low 4 bits of weight 2j of row n in its block of 32 (a K-quant's
  *   sub-block s of 32), high nibble = weight 2j + 1, so the walk over k is in order (in GGUF, weights j and
- *   j + 16 share a byte; in a K-quant, sub-blocks 2c and 2c + 1 share 32 bytes). qh u32 (little-endian) of
- *   row n: bit i = bit 4 of weight i of the block of 32. Q6_K qh byte (i, n): bits 2t, 2t + 1 = bits 4, 5 of
- *   weight 4i + t of the sub-block; sc (i, n) = the file's int8 scale of the super-block's weights 16i .. 16i + 15.
+ *   j + 16 share a byte; in a K-quant, sub-blocks 2c and 2c + 1 share 32 bytes). The high bits go where a byte
+ *   SIMD op finds them for 64 nibble bytes (4 rows j) at once, with one shift for all:
+ *   Q5 qh byte (r, n), r < 4: bits 2a, 2a + 1 = bit 4 of the two weights of nibble row j = 4a + r.
+ *   Q6_K qh byte (r, n), r < 8: bits 0-3 hold nibble row j = 8 (r / 4) + r % 4, bits 4-7 row j + 4; each row as
+ *   bits 4, 5 of weight 2j in its bits 0-1 and of weight 2j + 1 in bits 2-3. sc (i, n) = the file's int8 scale
+ *   of the super-block's weights 16i .. 16i + 15 of row n.
  *   Q4_K / Q5_K scales: the file's 12 bytes of row n as they are; the 6-bit scales and mins are unpacked when
  *   a block is read (a few integer ops per 16 rows, csrc/gguf_blocks.h draws the packing).
  *   Panels are stored one after another, each holding its blocks along K in order (K / 32, K / 256 for the
@@ -69,8 +73,8 @@
  * Algebraically this is x . (d q + m) summed over k, i.e. the fp32-dequantized product up to rounding order.
  *
  * Memory: the caller owns every buffer; nothing here allocates, prints or keeps state. Scratch is on the stack
- * of each thread, about 68 KiB: one dequantized block of up to 8 panels (16 KiB) and, for the types with a min,
- * the block sums of x for a chunk of rows (48 KiB).
+ * of each thread, about 75 KiB: one dequantized block of up to 8 panels (16 KiB, 6 KiB more for the Q5 / Q6
+ * bit fields) and, for the types with a min, the block sums of x for a chunk of rows (48 KiB).
  */
 #ifndef RINGSHM_MATMUL_H
 #define RINGSHM_MATMUL_H

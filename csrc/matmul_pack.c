@@ -16,12 +16,23 @@ _Static_assert(16 * sizeof(struct block_q4_K) == 2304 && 16 * sizeof(struct bloc
                    16 * sizeof(struct block_q6_K) == 3360,
                "a packed K-quant super-block is 16 rows of the file's block");
 
-/* Weight i (< 32) of a GGUF legacy block's nibbles: low nibble of qs[i] for i < 16, else high nibble of qs[i - 16]. */
+/* Weight i (< 32) of a GGUF legacy block's nibbles: the low nibble of qs[i] for i < 16, else the high one of
+ * qs[i - 16]. */
 static inline unsigned nibble32(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 15u : (unsigned)qs[i - 16] >> 4; }
 
 /* Packed nibble bytes of one block of 32: byte (j, l) = weight 2j | weight 2j + 1 << 4, from `low4(i)`. */
 #define PUT_NIBBLES(o, l, low4)                                                                                 \
     for (int j = 0; j < 16; j++) (o)[j * 16 + (l)] = (uint8_t)((low4(2 * j)) | (low4(2 * j + 1)) << 4)
+
+/* The fifth bits of a block of 32 (bit i of h = weight i) as packed: byte (r, l), r < 4, holds in bits 2a and
+ * 2a + 1 those of weights 2 (4a + r) and 2 (4a + r) + 1, the two weights of nibble byte row j = 4a + r. */
+static void put_q5_high(uint8_t *o, int l, uint32_t h) {
+    for (int r = 0; r < 4; r++) {
+        unsigned v = 0;
+        for (int a = 0; a < 4; a++) v |= ((h >> 2 * (4 * a + r)) & 3u) << 2 * a;
+        o[r * 16 + l] = (uint8_t)v;
+    }
+}
 
 static void pack_legacy(int type, const uint8_t *blk, uint8_t *o, int l) {
     memcpy(o + 2 * l, blk, 2); /* d */
@@ -43,14 +54,14 @@ static void pack_legacy(int type, const uint8_t *blk, uint8_t *o, int l) {
     }
     case RINGSHM_W_Q5_0: {
         const uint8_t *qs = blk + 6;
-        memcpy(o + 32 + 4 * l, blk + 2, 4); /* qh: the file's little-endian u32, bit i = bit 4 of weight i */
+        put_q5_high(o + 32, l, blk[2] | (uint32_t)blk[3] << 8 | (uint32_t)blk[4] << 16 | (uint32_t)blk[5] << 24);
         PUT_NIBBLES(o + 96, l, LOW4);
         return;
     }
     default: { /* Q5_1 */
         const uint8_t *qs = blk + 8;
         memcpy(o + 32 + 2 * l, blk + 2, 2); /* m */
-        memcpy(o + 64 + 4 * l, blk + 4, 4); /* qh */
+        put_q5_high(o + 64, l, blk[4] | (uint32_t)blk[5] << 8 | (uint32_t)blk[6] << 16 | (uint32_t)blk[7] << 24);
         PUT_NIBBLES(o + 128, l, LOW4);
         return;
     }
@@ -73,7 +84,7 @@ static void pack_q45_k(int type, const uint8_t *blk, uint8_t *o, int l) {
         if (q5) {
             uint32_t h = 0;
             for (int i = 0; i < 32; i++) h |= (uint32_t)((qh[i] >> s) & 1) << i;
-            for (int by = 0; by < 4; by++) so[4 * l + by] = (uint8_t)(h >> 8 * by);
+            put_q5_high(so, l, h);
             so += 64;
         }
         PUT_NIBBLES(so, l, LOW4);
@@ -81,7 +92,7 @@ static void pack_q45_k(int type, const uint8_t *blk, uint8_t *o, int l) {
     }
 }
 
-/* Q6_K: d | sc[16][16] at 0, 32; sub-block s at 288 + 384 s: ql [16 j][16] | qh [8 i][16]. */
+/* Q6_K: d | sc[16][16] at 0, 32; sub-block s at 288 + 384 s: ql [16 j][16] | qh [8 r][16]. */
 static void pack_q6_k(const uint8_t *blk, uint8_t *o, int l) {
     const struct block_q6_K *b = (const struct block_q6_K *)blk;
     memcpy(o + 2 * l, blk + offsetof(struct block_q6_K, d), 2);
@@ -94,10 +105,16 @@ static void pack_q6_k(const uint8_t *blk, uint8_t *o, int l) {
 #define LOW4(i) ((ql[i] >> shift) & 15)
         PUT_NIBBLES(so, l, LOW4);
 #undef LOW4
-        for (int i = 0; i < 8; i++) {
+        /* high pairs: byte (r, l) holds nibble rows j = 8 (r / 4) + r % 4 (bits 0-3) and j + 4 (bits 4-7), each
+         * as weight 2j in its bits 0-1 and weight 2j + 1 in bits 2-3 */
+        for (int r = 0; r < 8; r++) {
+            const int j = 8 * (r / 4) + r % 4;
             unsigned v = 0;
-            for (int t = 0; t < 4; t++) v |= ((qh[4 * i + t] >> 2 * c) & 3u) << 2 * t;
-            so[256 + i * 16 + l] = (uint8_t)v;
+            for (int t = 0; t < 4; t++) { /* weights 2j, 2j + 1, 2 (j + 4), 2 (j + 4) + 1 */
+                const int i = t < 2 ? 2 * j + t : 2 * (j + 4) + t - 2;
+                v |= ((qh[i] >> 2 * c) & 3u) << 2 * t;
+            }
+            so[256 + r * 16 + l] = (uint8_t)v;
         }
     }
 }

@@ -178,8 +178,9 @@ static void random_rows(int type, uint8_t *src, int64_t n, int64_t k, int64_t ro
 }
 
 int main(void) {
-    const int types[] = {RINGSHM_W_F32,  RINGSHM_W_F16,  RINGSHM_W_BF16, RINGSHM_W_Q4_0, RINGSHM_W_Q4_1, RINGSHM_W_Q8_0,
-                         RINGSHM_W_Q5_0, RINGSHM_W_Q5_1, RINGSHM_W_Q4_K, RINGSHM_W_Q5_K, RINGSHM_W_Q6_K};
+    const int types[] = {RINGSHM_W_F32,  RINGSHM_W_F16,  RINGSHM_W_BF16, RINGSHM_W_Q4_0,
+                         RINGSHM_W_Q4_1, RINGSHM_W_Q8_0, RINGSHM_W_Q5_0, RINGSHM_W_Q5_1,
+                         RINGSHM_W_Q4_K, RINGSHM_W_Q5_K, RINGSHM_W_Q6_K};
     const int n_types = (int)(sizeof types / sizeof types[0]);
     int cases = 0, dequant_rows = 0;
     for (int it = 0; it < 16 * n_types; it++) {
@@ -190,7 +191,8 @@ int main(void) {
         const int64_t k = kquant ? 256 * (1 + next() % 3) : quant ? 32 * (1 + next() % 5) : 1 + next() % 150;
         const int64_t m = it % 10 == 0 ? 200 + next() % 20 : 1 + next() % 9;
         const int64_t sbytes = ringshm_qmat_src_bytes(type, n, k), pbytes = ringshm_qmat_packed_bytes(type, n, k);
-        if (sbytes <= 0 || pbytes <= 0) FAIL("sizes refused: type %d n %lld k %lld\n", type, (long long)n, (long long)k);
+        if (sbytes <= 0 || pbytes <= 0)
+            FAIL("sizes refused: type %d n %lld k %lld\n", type, (long long)n, (long long)k);
         uint8_t *src = malloc((size_t)sbytes), *packed = malloc((size_t)pbytes);
         const int64_t row_bytes = sbytes / n;
         random_rows(type, src, n, k, row_bytes);
@@ -215,9 +217,9 @@ int main(void) {
                 if (use_bias) want = want + bias[c];
                 if (use_res) want = want + res[r * ldr + c];
                 if (memcmp(&want, &out[r * ldo + c], 4) || memcmp(&want, &one[c], 4)) {
-                    FAIL("mismatch: type %d n %lld k %lld m %lld at (%lld, %lld): want %a, batch %a, alone %a\n", type,
-                         (long long)n, (long long)k, (long long)m, (long long)r, (long long)c, want, out[r * ldo + c],
-                         one[c]);
+                    FAIL("mismatch: type %d n %lld k %lld m %lld at (%lld, %lld): want %a, batch %a, alone %a\n",
+                         type, (long long)n, (long long)k, (long long)m, (long long)r, (long long)c, want,
+                         out[r * ldo + c], one[c]);
                 }
             }
         }
