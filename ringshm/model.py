@@ -51,20 +51,30 @@ from ringshm.qmatmul import status_text as qmatmul_status_text
 
 class _Layer:
     """One decoder layer's weights, fused for fewer matmuls: ``wqkv [q_dim + 2*kv_dim, hidden]`` (+ ``bqkv``),
-    ``w_gate_up [2*intermediate, hidden]``; rows concatenated in the checkpoint's encoding.
+    ``w_gate_up [2*intermediate, hidden]``; rows concatenated in the checkpoint's encoding. Native Q, K, V of
+    different encodings stay apart: ``wqkv`` is then Q alone and ``wk``, ``wv`` K and V (csrc/layer.h).
 
     ``native``: ``PackedWeight`` for the C matmul; else dequantized tensors of ``dtype`` on ``device``.
     """
 
     def __init__(self, w: LayerWeights, native: bool, dtype: torch.dtype, device: torch.device) -> None:
         bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
-        wqkv, w_gate_up = concat_rows([w.wq, w.wk, w.wv]), concat_rows([w.w_gate, w.w_up])
+        w_gate_up = concat_rows([w.w_gate, w.w_up])
+        # Q, K, V of different encodings (Q4_K_M: V in Q6_K in some layers) stay three packed weights in the C
+        # path: fused, concat_rows would widen them to F32 (8x a Q4_K tensor's memory). wk, wv: None when fused.
+        self.wk = self.wv = None
         if native:
             self.attn_norm = w.attn_norm.to("cpu", torch.float32).contiguous()
             self.ffn_norm = w.ffn_norm.to("cpu", torch.float32).contiguous()
-            self.wqkv, self.wo = PackedWeight(wqkv, bqkv), PackedWeight(w.wo)
-            self.w_gate_up, self.w_down = PackedWeight(w_gate_up), PackedWeight(w.w_down)
+            if len({w.wq.qtype, w.wk.qtype, w.wv.qtype}) > 1:
+                self.wqkv, self.wk, self.wv = PackedWeight(w.wq), PackedWeight(w.wk), PackedWeight(w.wv)
+                self.bqkv = None if bqkv is None else bqkv.to("cpu", torch.float32).contiguous()
+            else:
+                self.wqkv = PackedWeight(concat_rows([w.wq, w.wk, w.wv]), bqkv)
+                self.bqkv = self.wqkv.bias
+            self.wo, self.w_gate_up, self.w_down = PackedWeight(w.wo), PackedWeight(w_gate_up), PackedWeight(w.w_down)
             return
+        wqkv = concat_rows([w.wq, w.wk, w.wv])
 
         def dense(t):
             return None if t is None else (t.dequantize() if isinstance(t, RawWeight) else t).to(device, dtype)
@@ -77,11 +87,14 @@ class _Layer:
         """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights and this
         layer's caches; the tensors stay owned here and by the model."""
         c = ffi.new("struct ringshm_layer_weights *")
-        for field, pw in (("qkv", self.wqkv), ("o", self.wo), ("gate_up", self.w_gate_up), ("down", self.w_down)):
+        split = self.wk is not None
+        parts = (("qkv", self.wqkv), ("o", self.wo), ("gate_up", self.w_gate_up), ("down", self.w_down))
+        for field, pw in parts + ((("wk", self.wk), ("wv", self.wv)) if split else ()):
             setattr(c, f"type_{field}", pw.qtype)
             setattr(c, field, ffi.cast("uint8_t *", pw.packed.data_ptr()))
             setattr(c, f"{field}_bytes", pw.nbytes)
-        c.bqkv = ffi.NULL if self.wqkv.bias is None else ffi.cast("float *", self.wqkv.bias.data_ptr())
+        c.qkv_split = int(split)
+        c.bqkv = ffi.NULL if self.bqkv is None else ffi.cast("float *", self.bqkv.data_ptr())
         c.attn_norm = ffi.cast("float *", self.attn_norm.data_ptr())
         c.ffn_norm = ffi.cast("float *", self.ffn_norm.data_ptr())
         c.k_cache, c.v_cache = ffi.cast("float *", k_cache.data_ptr()), ffi.cast("float *", v_cache.data_ptr())
