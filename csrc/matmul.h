@@ -47,20 +47,20 @@
  *     Q8_0    int8                                       d                      -
  *     Q4_K    nibble                                     d * sc[s]              (-dmin) * m[s]
  *     Q5_K    5-bit value                                d * sc[s]              (-dmin) * m[s]
- *     Q6_K    sc[k / 16] * (6-bit value - 32)            d                      -
+ *     Q6_K    6-bit value - 32                           d * sc[k / 16], per half of 16 (below)
  *     floats  the weight itself                          1                      -
  *
- *     fp16 fields are widened to fp32 (exact). The K-quant products are exact in fp32: d * sc and dmin * m
- *     are an 11-bit significand times a 6-bit integer, and Q6_K's sc * (q - 32) is an integer of magnitude at
- *     most 4096; so Q4_K / Q5_K's m is exactly -(dmin * m[s]) (a zero's sign included: ggml's w = d sc q - dmin m).
- *     Q6_K folds its 16-weight scales into q instead of splitting the chain: each block of 32 stays one chain
- *     and one fma by d, like every other type, and no 16-long sum tree is needed.
+ *     fp16 fields are widened to fp32 (exact). The K-quant products are exact in fp32 (an 11-bit significand
+ *     times a 6- or 8-bit integer), so Q4_K / Q5_K's m is exactly -(dmin * m[s]) (a zero's sign included:
+ *     ggml's w = d sc q - dmin m), and d * sc is the value ggml and gguf.quants compute.
  *
  *     acc = 0
  *     for each block b in order:
  *         t = 0;  for k in the block in order:  t = fma(x[m, k], q[n, k], t)
  *         acc = fma(d[n, b], t, acc)
  *         types with a min (Q4_1, Q5_1, Q4_K, Q5_K):  acc = fma(m[n, b], s[m, b], acc)   s = block sum of x, below
+ *     Q6_K, whose scales cover 16 weights, runs each block of 32 as two such chains of 16 k in order, each closed
+ *         by acc = fma(d * sc[half], t, acc): no sum of 16 is needed (it has no min), and no multiply per weight.
  *     out[m, n] = acc;  then out += bias[n];  then out += residual[m, n]       (each a rounded fp32 op)
  *
  *     s[m, b] = sum of x[m, 32b .. 32b + 31] by a fixed tree: v[l] = x[l] + x[l + 16] (l < 16), then pairs

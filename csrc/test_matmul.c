@@ -93,8 +93,8 @@ static void weight_at(int type, const uint8_t *row, int64_t kk, float *q, float 
         const int hi = (blk[128 + 32 * h + l] >> 2 * c) & 3;
         const int scale = (int8_t)blk[192 + i / 16], v = (lo | hi << 4) - 32;
         const float dd = ringshm_half_to_float(blk + 208);
-        *q = (float)(scale * v), *d = dd;
-        *w = (dd * (float)scale) * (float)v;
+        *q = (float)v, *d = dd * (float)scale; /* the d of its half-block of 16 */
+        *w = *d * *q;
         return;
     }
     case RINGSHM_W_F16: *q = ringshm_half_to_float(row + 2 * kk); break;
@@ -112,12 +112,13 @@ static int has_min(int type) {
     return type == RINGSHM_W_Q4_1 || type == RINGSHM_W_Q5_1 || type == RINGSHM_W_Q4_K || type == RINGSHM_W_Q5_K;
 }
 
-/* matmul.h's reduction for one output element, with plain loops. */
+/* matmul.h's reduction for one output element, with plain loops (chains of 32; Q6_K's of 16). */
 static float reference(int type, const uint8_t *row, const float *x, int64_t k) {
+    const int64_t len = type == RINGSHM_W_Q6_K ? 16 : 32;
     float acc = 0;
-    for (int64_t b = 0; b * 32 < k; b++) {
+    for (int64_t b = 0; b * len < k; b++) {
         float t = 0, d = 1, m = 0, q, w;
-        for (int64_t kk = b * 32; kk < k && kk < b * 32 + 32; kk++) {
+        for (int64_t kk = b * len; kk < k && kk < b * len + len; kk++) {
             weight_at(type, row, kk, &q, &d, &m, &w);
             t = fmaf(x[kk], q, t);
         }
