@@ -7,9 +7,10 @@ Two sources, one contract (``Checkpoint``):
 - a Hugging Face directory (``config.json`` + ``*.safetensors``), read lazily with ``safetensors.safe_open``.
 
 Linear weights (and the embedding / LM head) stay in their encoding as ``RawWeight`` (``ringshm.qmatmul``):
-GGUF Q4_0 / Q4_1 / Q8_0 / F16 / BF16 / F32 as views of the file's memory map (no copy; stages of one engine
-share the page cache), safetensors F32 / F16 / BF16 as loaded. Other GGUF types (K-quants, Q5_x, IQ*) are
-dequantized to F32 at load (``ringshm.dequant``). Norms and biases are small and come as fp32 tensors.
+GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K / F16 / BF16 / F32 as views of the file's memory
+map (no copy; stages of one engine share the page cache), safetensors F32 / F16 / BF16 as loaded. Other GGUF
+types (Q2_K, Q3_K, IQ*, or a K-quant whose rows are not whole super-blocks) are dequantized to F32 at load
+(``ringshm.dequant``). Norms and biases are small and come as fp32 tensors.
 
 A stage reads only what it owns: its layers, plus the token embedding when it is first, and the final norm
 and LM head when it is last. With tied embeddings the last stage's LM head *is* ``token_embd``; a stage that
