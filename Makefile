@@ -78,8 +78,8 @@ test-c:
 	mkdir -p csrc/build
 	$(CC) -std=c11 $(SAN) -pthread csrc/ring.c csrc/test_ring.c -o csrc/build/test_ring
 	./csrc/build/test_ring
-	$(CC) -std=gnu11 $(SAN) -Wno-psabi -fopenmp -DRINGSHM_PORTABLE_ONLY -Icsrc csrc/matmul.c csrc/simd_v1.c \
-		csrc/kernels.c csrc/test_matmul.c -lm -o csrc/build/test_matmul
+	$(CC) -std=gnu11 $(SAN) -Wno-psabi -fopenmp -DRINGSHM_PORTABLE_ONLY -Icsrc csrc/matmul.c csrc/matmul_pack.c \
+		csrc/simd_v1.c csrc/kernels.c csrc/dequant.c csrc/test_matmul.c -lm -o csrc/build/test_matmul
 	./csrc/build/test_matmul
 
 bench: install

@@ -11,13 +11,20 @@ a ring of copies larger than the last-level cache, as a decode that walks 30 lay
 
 Figures: per-call medians, ``F.linear`` / ours (above 1 = ours faster), and the weight bytes per second the
 matmul streams against memcpy's. Nothing here asserts on time.
+
+``test_quant_types_side_by_side`` compares the encodings of a Q4_K_M download (Q4_K, Q6_K, Q5_0, Q5_K) with
+the legacy ones (Q4_1, Q5_1, Q8_0) on the same shapes (K a multiple of 256: SmolLM2's down, Llama 3.2 1B's
+projections): each round times every type once, in an order that rotates, so slow phases of this shared machine
+fall on all of them alike; the ratios are medians over rounds (type / Q4_1 time, above 1 = slower than Q4_1).
 """
 
 from __future__ import annotations
 
 import platform
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
@@ -100,3 +107,94 @@ def test_matmul_vs_fp32_linear(benchmark, figures, impl, shape, m):
         if m == 1:
             figures.ratio(f"{shape}: memcpy / ringshm M=1 (weight bytes/s vs memcpy)", f"{shape} M=1 memcpy",
                           f"{label} ringshm")
+
+
+# ---- the encodings side by side -----------------------------------------------------------------------------
+
+TYPE_SHAPES = {  # name: (N, K)
+    "down 1536->576": (576, 1536),
+    "qkv 2048->3072": (3072, 2048),
+    "gate_up 2048->16384": (16384, 2048),
+    "down 8192->2048": (2048, 8192),
+}
+TYPES = (qm.Q4_1, qm.Q4_K, qm.Q6_K, qm.Q5_0, qm.Q5_K, qm.Q5_1, qm.Q8_0)
+TYPE_MS = (1, 8, 256)
+TYPE_THREADS = sorted({1, torch.get_num_threads()})  # one thread: the kernel alone, without the pool's wake-ups
+TYPE_CASES = [(s, m, t) for s in TYPE_SHAPES for m in TYPE_MS for t in TYPE_THREADS]
+K_BLOCK_BYTES = {qm.Q4_K: 144, qm.Q5_K: 176, qm.Q6_K: 210}
+
+
+def type_weight(qtype: int, n: int, k: int) -> qm.RawWeight:
+    """A weight of ``qtype``: gguf.quants of a normal tensor, or (K-quants, which gguf-py does not quantize)
+    random blocks with fp16 scales that give weights of about the same size."""
+    rng = np.random.default_rng(0)
+    if qtype not in qm.K_QUANTS:
+        w = rng.standard_normal((n, k), dtype=np.float32)
+        return qm.RawWeight.from_bytes(qtype, n, k, quants.quantize(w, QT(qtype)).reshape(-1))
+    raw = rng.integers(0, 256, size=(n, k // 256, K_BLOCK_BYTES[qtype]), dtype=np.uint8)
+    for at in ((208,) if qtype == qm.Q6_K else (0, 2)):
+        raw[:, :, at:at + 2] = np.full(raw.shape[:2], 0.01, np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return qm.RawWeight.from_bytes(qtype, n, k, raw.reshape(-1))
+
+
+_TYPE_CACHE: dict = {}
+
+
+def type_rings(shape: str) -> dict:
+    """For each type: a ring of PackedWeight copies larger than the last-level cache (one shape at a time)."""
+    if shape not in _TYPE_CACHE:
+        _TYPE_CACHE.clear()
+        n, k = TYPE_SHAPES[shape]
+        rings = {}
+        for qtype in TYPES:
+            raw = type_weight(qtype, n, k)
+            first = qm.PackedWeight(raw)
+            copies = max(2, RING_BYTES // first.nbytes)
+            rings[qtype] = Ring([first] + [qm.PackedWeight(raw) for _ in range(copies - 1)])
+        _TYPE_CACHE[shape] = rings
+    return _TYPE_CACHE[shape]
+
+
+@pytest.mark.parametrize("shape,m,threads", TYPE_CASES,
+                         ids=[f"{s.split()[0]}{s.split()[1]}-M{m}-T{t}" for s, m, t in TYPE_CASES])
+def test_quant_types_side_by_side(benchmark, figures, shape, m, threads):
+    rings = type_rings(shape)
+    n, k = TYPE_SHAPES[shape]
+    x = torch.randn(m, k)
+    budget_s = 3.0  # per case, all types together
+    calls = 1
+    for qtype in TYPES:  # warm up; size a round to about budget / 15
+        t0 = time.perf_counter()
+        rings[qtype].next().matmul(x, threads=threads)
+        calls = max(calls, int(budget_s / 15 / len(TYPES) / max(time.perf_counter() - t0, 1e-6)))
+    calls = min(calls, 200)
+    times: dict[int, list[float]] = {t: [] for t in TYPES}
+
+    def run():
+        rounds, start = 0, time.perf_counter()
+        while rounds < 5 or (time.perf_counter() - start < budget_s and rounds < 40):
+            order = TYPES[rounds % len(TYPES):] + TYPES[:rounds % len(TYPES)]
+            for qtype in order:
+                ring = rings[qtype]
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    ring.next().matmul(x, threads=threads)
+                times[qtype].append((time.perf_counter() - t0) / calls)
+            rounds += 1
+
+    benchmark.pedantic(run, rounds=1, warmup_rounds=0)  # the rounds are run's own, interleaved over the types
+    rounds = len(times[TYPES[0]])
+    label = f"{shape} M={m} T={threads}"
+    for qtype in TYPES:
+        figures.record_value(f"{label} {qm.type_name(qtype)}", float(np.median(times[qtype])), cpu=cpu_name(),
+                             isa=qm.ISA_NAMES[qm.BEST_ISA], threads=threads, rounds=rounds,
+                             calls=calls, weight_bytes=rings[qtype].items[0].nbytes)
+    if not figures.summary or not figures.summary[0].startswith("quant types side by side"):
+        figures.summary.insert(0, f"quant types side by side on {cpu_name()}, {qm.ISA_NAMES[qm.BEST_ISA]} "
+                                  f"(median per call; T = threads):")
+    figures.summary.append(f"  {label:<28} " + "  ".join(
+        f"{qm.type_name(t)} {np.median(times[t]) * 1e6:9.1f} us" for t in TYPES) + f"  ({rounds} rounds)")
+    for qtype in TYPES[1:]:
+        goal = "<= 1.11 (Q4_K at least 0.9 x Q4_1's speed)" if qtype == qm.Q4_K and m == 1 else ""
+        figures.ratio(f"{label}: {qm.type_name(qtype)} / Q4_1 (time)", f"{label} {qm.type_name(qtype)}",
+                      f"{label} Q4_1", goal)

@@ -1,8 +1,10 @@
 /* GGUF block dequantization: see dequant.h. */
 #include "dequant.h"
 
+#include <stddef.h>
 #include <string.h>
 
+#include "gguf_blocks.h"
 #include "matmul.h"
 #include "matmul_internal.h"
 
@@ -46,6 +48,81 @@ NO_FMA int ringshm_dequant_q4_1(const uint8_t *src, float *dst, int64_t n_blocks
     return 0;
 }
 
+/* The fifth bit of weight i of a Q5_0 / Q5_1 block: bit i of its qh read as a little-endian u32. */
+static inline unsigned q5_high(const uint8_t *qh, int i) { return (qh[i / 8] >> (i % 8)) & 1u; }
+
+NO_FMA int ringshm_dequant_q5_0(const uint8_t *src, float *dst, int64_t n_blocks) {
+    if (n_blocks < 0) return -1;
+    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q5_0), dst += 32) {
+        const struct block_q5_0 *blk = (const struct block_q5_0 *)src;
+        const float d = half_to_float(src);
+        for (int j = 0; j < 16; j++) {
+            dst[j] = d * (float)((int)((blk->qs[j] & 0x0F) | q5_high(blk->qh, j) << 4) - 16);
+            dst[j + 16] = d * (float)((int)((blk->qs[j] >> 4) | q5_high(blk->qh, j + 16) << 4) - 16);
+        }
+    }
+    return 0;
+}
+
+NO_FMA int ringshm_dequant_q5_1(const uint8_t *src, float *dst, int64_t n_blocks) {
+    if (n_blocks < 0) return -1;
+    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q5_1), dst += 32) {
+        const struct block_q5_1 *blk = (const struct block_q5_1 *)src;
+        const float d = half_to_float(src), m = half_to_float(src + 2);
+        for (int j = 0; j < 16; j++) {
+            dst[j] = d * (float)((blk->qs[j] & 0x0F) | q5_high(blk->qh, j) << 4) + m;
+            dst[j + 16] = d * (float)((blk->qs[j] >> 4) | q5_high(blk->qh, j + 16) << 4) + m;
+        }
+    }
+    return 0;
+}
+
+/* Q4_K (qh NULL) and Q5_K: w = (d * sc) * q - dmin * m per sub-block of 32, each product rounded to fp32 as
+ * gguf.quants computes it (both products are exact; the subtraction rounds once). */
+NO_FMA static void kq_super(const uint8_t *hdr, const uint8_t *qh, const uint8_t *qs, float *dst) {
+    const float d = half_to_float(hdr), dmin = half_to_float(hdr + 2);
+    for (int s = 0; s < 8; s++) {
+        int sc, m;
+        ringshm_kq_scale_min(hdr + 4, s, &sc, &m);
+        const float ds = d * (float)sc, dm = dmin * (float)m;
+        const uint8_t *q = qs + 32 * (s / 2);
+        for (int l = 0; l < 32; l++) {
+            const unsigned v = ((q[l] >> 4 * (s & 1)) & 15u) | (qh ? ((qh[l] >> s) & 1u) << 4 : 0u);
+            dst[32 * s + l] = ds * (float)v - dm;
+        }
+    }
+}
+
+int ringshm_dequant_q4_k(const uint8_t *src, float *dst, int64_t n_blocks) {
+    if (n_blocks < 0) return -1;
+    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q4_K), dst += 256)
+        kq_super(src, NULL, src + offsetof(struct block_q4_K, qs), dst);
+    return 0;
+}
+
+int ringshm_dequant_q5_k(const uint8_t *src, float *dst, int64_t n_blocks) {
+    if (n_blocks < 0) return -1;
+    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q5_K), dst += 256)
+        kq_super(src, src + offsetof(struct block_q5_K, qh), src + offsetof(struct block_q5_K, qs), dst);
+    return 0;
+}
+
+/* Q6_K: w = (d * sc) * (q - 32), both products exact. */
+NO_FMA int ringshm_dequant_q6_k(const uint8_t *src, float *dst, int64_t n_blocks) {
+    if (n_blocks < 0) return -1;
+    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q6_K), dst += 256) {
+        const struct block_q6_K *blk = (const struct block_q6_K *)src;
+        const float d = half_to_float(src + offsetof(struct block_q6_K, d));
+        for (int i = 0; i < 256; i++) {
+            const int h = i / 128, c = (i % 128) / 32, l = i % 32;
+            const int lo = (blk->ql[64 * h + 32 * (c & 1) + l] >> 4 * (c >> 1)) & 15;
+            const int hi = (blk->qh[32 * h + l] >> 2 * c) & 3;
+            dst[i] = (d * (float)blk->scales[i / 16]) * (float)((lo | hi << 4) - 32);
+        }
+    }
+    return 0;
+}
+
 int ringshm_dequant_rows(int type, const uint8_t *src, int64_t src_bytes, int64_t n_rows, int64_t k,
                          const int64_t *ids, int64_t n_ids, float *out) {
     const int64_t want = ringshm_qmat_src_bytes(type, n_rows, k);
@@ -61,6 +138,11 @@ int ringshm_dequant_rows(int type, const uint8_t *src, int64_t src_bytes, int64_
         case RINGSHM_W_Q8_0: ringshm_dequant_q8_0(row, o, k / 32); break;
         case RINGSHM_W_Q4_0: ringshm_dequant_q4_0(row, o, k / 32); break;
         case RINGSHM_W_Q4_1: ringshm_dequant_q4_1(row, o, k / 32); break;
+        case RINGSHM_W_Q5_0: ringshm_dequant_q5_0(row, o, k / 32); break;
+        case RINGSHM_W_Q5_1: ringshm_dequant_q5_1(row, o, k / 32); break;
+        case RINGSHM_W_Q4_K: ringshm_dequant_q4_k(row, o, k / 256); break;
+        case RINGSHM_W_Q5_K: ringshm_dequant_q5_k(row, o, k / 256); break;
+        case RINGSHM_W_Q6_K: ringshm_dequant_q6_k(row, o, k / 256); break;
         case RINGSHM_W_F32: memcpy(o, row, sizeof(float) * (size_t)k); break;
         case RINGSHM_W_F16:
             for (int64_t j = 0; j < k; j++) o[j] = half_to_float(row + 2 * j);

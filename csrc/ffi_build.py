@@ -10,8 +10,9 @@ from cffi import FFI
 
 HERE = Path(__file__).resolve().parent
 MODULES = ["ring", "kernels", "dequant", "matmul", "layer"]  # csrc/<name>.h + csrc/<name>.c each
-# The SIMD loops, one translation unit per ISA level (isa.h): no header of their own.
-ISA_SOURCES = ["simd_v1.c", "simd_v3.c", "simd_v4.c"]
+# Sources without a header of their own: the matmul's packing (declared in matmul.h) and the SIMD loops, one
+# translation unit per ISA level (isa.h).
+EXTRA_SOURCES = ["matmul_pack.c", "simd_v1.c", "simd_v3.c", "simd_v4.c"]
 
 
 def _cdef_of(header: Path) -> str:
@@ -29,7 +30,7 @@ ffibuilder.set_source(
     "ringshm._C",
     "\n".join(f'#include "{m}.h"' for m in present),
     # setuptools wants source paths relative to setup.py's folder.
-    sources=[f"csrc/{m}.c" for m in present] + [f"csrc/{s}" for s in ISA_SOURCES],
+    sources=[f"csrc/{m}.c" for m in present] + [f"csrc/{s}" for s in EXTRA_SOURCES],
     include_dirs=["csrc"],
     # Headers and the per-ISA .inc bodies: a change to any of them rebuilds the extension (setuptools only
     # compares the sources' times otherwise, and an edited .inc would leave a stale build).

@@ -75,9 +75,19 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
     int st;
 
     if ((st = ringshm_rms_norm(h, x, w->attn_norm, t, hid, s->rms_eps))) return st;
-    if ((st = ringshm_qmat_matmul(w->type_qkv, w->qkv, w->qkv_bytes, qd + 2 * kvd, hid, h, t, qkv, l.qkv_w, w->bqkv,
-                                  NULL, 0, n_threads, isa)))
-        return st;
+    if (!w->qkv_split) {
+        if ((st = ringshm_qmat_matmul(w->type_qkv, w->qkv, w->qkv_bytes, qd + 2 * kvd, hid, h, t, qkv, l.qkv_w,
+                                      w->bqkv, NULL, 0, n_threads, isa)))
+            return st;
+    } else { /* Q, K, V in order into their columns (q_dim, kv_dim are multiples of 16: no padding overlaps) */
+        const int types[3] = {w->type_qkv, w->type_wk, w->type_wv};
+        const uint8_t *parts[3] = {w->qkv, w->wk, w->wv};
+        const int64_t bytes[3] = {w->qkv_bytes, w->wk_bytes, w->wv_bytes}, rows[3] = {qd, kvd, kvd};
+        for (int i = 0, col = 0; i < 3; col += (int)rows[i], i++)
+            if ((st = ringshm_qmat_matmul(types[i], parts[i], bytes[i], rows[i], hid, h, t, qkv + col, l.qkv_w,
+                                          w->bqkv ? w->bqkv + col : NULL, NULL, 0, n_threads, isa)))
+                return st;
+    }
     for (int64_t i = 0; i < t; i++) { /* split the fused rows: q, k, v contiguous [t, H, D] */
         memcpy(q + i * qd, qkv + i * l.qkv_w, sizeof(float) * (size_t)qd);
         memcpy(k + i * kvd, qkv + i * l.qkv_w + qd, sizeof(float) * (size_t)kvd);

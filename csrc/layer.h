@@ -8,6 +8,7 @@
  *
  *     h    = rms_norm(x, attn_norm)                                     [T, hidden]
  *     qkv  = h . Wqkv^T (+ bqkv)                                        [T, q_dim + 2 kv_dim]
+ *            (one matmul, or three when Q, K, V are in different encodings: the same bits either way)
  *     q, k = rms_norm per head (q_norm, k_norm: [D]; Qwen 3, Gemma 3)
  *     per segment s (row r, start p, n tokens, its tokens at offset o of the op):
  *         kv_append(cache[r], rope(k), v) at positions p .. p + n - 1;  q[o .. o + n) = rope(q)   (this
@@ -52,6 +53,13 @@ struct ringshm_layer_weights {
     int type_qkv, type_o, type_gate_up, type_down;              /* ringshm_wtype */
     const uint8_t *qkv, *o, *gate_up, *down;                    /* packed panels */
     int64_t qkv_bytes, o_bytes, gate_up_bytes, down_bytes;
+    /* Q, K and V in encodings of their own (a Q4_K_M file keeps V in Q6_K in some layers and Q, K in Q4_K):
+     * when qkv_split is 1, qkv / type_qkv / qkv_bytes hold Q's rows alone and wk / wv K's and V's, three
+     * matmuls whose outputs sit where the fused one's would (bqkv stays [q_dim + 2 kv_dim]). */
+    int qkv_split;
+    int type_wk, type_wv;
+    const uint8_t *wk, *wv;
+    int64_t wk_bytes, wv_bytes;
     const float *bqkv, *bo, *bgate_up, *bdown;                  /* biases [rows of the matmul] or NULL */
     const float *attn_norm, *ffn_norm;                          /* [hidden] */
     const float *q_norm, *k_norm;                               /* [D] or NULL: no per-head q / k norm */

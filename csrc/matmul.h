@@ -2,31 +2,65 @@
  * per-row ops around it (RMSNorm, SwiGLU), all batch-invariant by construction.
  *
  * Weights stay in their checkpoint encoding. ringshm_qmat_pack rearranges a GGUF tensor's bytes (N rows of K,
- * row-major, ggml's ggml-common.h block layouts) into panels of 16 output rows, so that SIMD lanes run over
- * output rows n and the reduction walks K one position at a time. Nothing is dequantized to a full fp32 copy:
+ * row-major, ggml's ggml-common.h block layouts: csrc/gguf_blocks.h) into panels of 16 output rows, so that SIMD
+ * lanes run over output rows n and the reduction walks K one position at a time. Nothing is dequantized to a
+ * full fp32 copy, and every quantized type packs into exactly the file's bytes (16 rows x its block):
  *
- *   type   GGUF block (per row, 32 weights)           packed, per panel (16 rows) per block of 32 k
- *   Q4_0   18 B: d f16 | qs u8[16]                    d f16[16] | qs u8[16 j][16 n]                288 B
- *   Q4_1   20 B: d f16 | m f16 | qs u8[16]            d f16[16] | m f16[16] | qs u8[16 j][16 n]    320 B
- *   Q8_0   34 B: d f16 | qs i8[32]                    d f16[16] | qs i8[32 k][16 n]                544 B
- *   F16, BF16   2 B a weight                          w u16[32 k][16 n]                           1024 B
- *   F32         4 B a weight                          w f32[32 k][16 n]                           2048 B
+ *   type  GGUF block, per row                      packed, per panel (16 rows n) per block                    B
+ *   Q4_0   32 w  18 B: d | qs[16]                  d f16[16] | qs u8[16 j][16 n]                            288
+ *   Q4_1   32 w  20 B: d | m | qs[16]              d f16[16] | m f16[16] | qs u8[16 j][16 n]                320
+ *   Q5_0   32 w  22 B: d | qh[4] | qs[16]          d f16[16] | qh u8[4 r][16 n] | qs u8[16 j][16 n]         352
+ *   Q5_1   32 w  24 B: d | m | qh[4] | qs[16]      d f16[16] | m f16[16] | qh u8[4 r][16 n] | qs ..         384
+ *   Q8_0   32 w  34 B: d | qs i8[32]               d f16[16] | qs i8[32 k][16 n]                            544
+ *   Q4_K  256 w 144 B: d | dmin | scales[12] |     d f16[16] | dmin f16[16] | scales u8[12][16 n] |
+ *                      qs[128]                       8 sub-blocks s x ( qs u8[16 j][16 n] )                2304
+ *   Q5_K  256 w 176 B: Q4_K's | qh[32] | qs[128]   d f16[16] | dmin f16[16] | scales u8[12][16 n] |
+ *                                                    8 sub-blocks s x ( qh u8[4 r][16 n] | qs u8[16 j][16 n] )
+ *                                                                                                         2816
+ *   Q6_K  256 w 210 B: ql[128] | qh[64] |          d f16[16] | sc i8[16 i][16 n] | 8 sub-blocks s x
+ *                      scales i8[16] | d               ( ql u8[16 j][16 n] | qh u8[8 r][16 n] )             3360
+ *   F16, BF16   2 B a weight                       w u16[32 k][16 n]                                       1024
+ *   F32         4 B a weight                       w f32[32 k][16 n]                                       2048
  *
- *   GGUF Q4 nibbles: low nibble of qs[j] = weight j, high nibble = weight j + 16 (ggml's order);
- *   packed Q4 byte (j, n): low nibble = weight 2j of row n, high nibble = weight 2j + 1 (so the walk over k is in
- *   order). Panels are stored one after another, each holding its nb = ceil(K / 32) blocks in order. Rows of
- *   the last panel past N are zero. Float types allow any K (the last block is cut short); quantized types
- *   need K % 32 == 0.
+ *   Packed nibble byte (j, n): low nibble = the low 4 bits of weight 2j of row n in its block of 32 (a K-quant's
+ *   sub-block s of 32), high nibble = weight 2j + 1, so the walk over k is in order (in GGUF, weights j and
+ *   j + 16 share a byte; in a K-quant, sub-blocks 2c and 2c + 1 share 32 bytes). The high bits go where a byte
+ *   SIMD op finds them for 64 nibble bytes (4 rows j) at once, with one shift for all:
+ *   Q5 qh byte (r, n), r < 4: bits 2a, 2a + 1 = bit 4 of the two weights of nibble row j = 4a + r.
+ *   Q6_K qh byte (r, n), r < 8: bits 0-3 hold nibble row j = 8 (r / 4) + r % 4, bits 4-7 row j + 4; each row as
+ *   bits 4, 5 of weight 2j in its bits 0-1 and of weight 2j + 1 in bits 2-3. sc (i, n) = the file's int8 scale
+ *   of the super-block's weights 16i .. 16i + 15 of row n.
+ *   Q4_K / Q5_K scales: the file's 12 bytes of row n as they are; the 6-bit scales and mins are unpacked when
+ *   a block is read (a few integer ops per 16 rows, csrc/gguf_blocks.h draws the packing).
+ *   Panels are stored one after another, each holding its blocks along K in order (K / 32, K / 256 for the
+ *   K-quants, ceil(K / 32) for floats). Rows of the last panel past N are zero. Float types allow any K (the
+ *   last block is cut short); Q4_0 .. Q8_0 need K % 32 == 0, the K-quants K % 256 == 0.
  *
- * The reduction (the contract every path, every M and every thread count follows, lane by lane):
+ * The reduction (the contract every path, every M and every thread count follows, lane by lane). K runs in
+ * blocks b of 32 (for a K-quant, the 8 sub-blocks of each super-block in order); for each block:
  *
- *     q[n, k]  the block's integer (Q4_1: nibble; Q4_0: nibble - 8; Q8_0: int8) or the float weight itself
- *     d, m     the block's fp16 scale and min widened to fp32 (float types: d = 1, no m)
+ *     type    q[n, k]                                    d[n, b]                m[n, b]
+ *     Q4_0    nibble - 8                                 d                      -
+ *     Q4_1    nibble                                     d                      m
+ *     Q5_0    5-bit value - 16                           d                      -
+ *     Q5_1    5-bit value                                d                      m
+ *     Q8_0    int8                                       d                      -
+ *     Q4_K    nibble                                     d * sc[s]              (-dmin) * m[s]
+ *     Q5_K    5-bit value                                d * sc[s]              (-dmin) * m[s]
+ *     Q6_K    6-bit value - 32                           d * sc[k / 16], per half of 16 (below)
+ *     floats  the weight itself                          1                      -
+ *
+ *     fp16 fields are widened to fp32 (exact). The K-quant products are exact in fp32 (an 11-bit significand
+ *     times a 6- or 8-bit integer), so Q4_K / Q5_K's m is exactly -(dmin * m[s]) (a zero's sign included:
+ *     ggml's w = d sc q - dmin m), and d * sc is the value ggml and gguf.quants compute.
+ *
  *     acc = 0
  *     for each block b in order:
  *         t = 0;  for k in the block in order:  t = fma(x[m, k], q[n, k], t)
  *         acc = fma(d[n, b], t, acc)
- *         Q4_1 only:  acc = fma(m[n, b], s[m, b], acc)     s[m, b] = block sum of x, below
+ *         types with a min (Q4_1, Q5_1, Q4_K, Q5_K):  acc = fma(m[n, b], s[m, b], acc)   s = block sum of x, below
+ *     Q6_K, whose scales cover 16 weights, runs each block of 32 as two such chains of 16 k in order, each closed
+ *         by acc = fma(d * sc[half], t, acc): no sum of 16 is needed (it has no min), and no multiply per weight.
  *     out[m, n] = acc;  then out += bias[n];  then out += residual[m, n]       (each a rounded fp32 op)
  *
  *     s[m, b] = sum of x[m, 32b .. 32b + 31] by a fixed tree: v[l] = x[l] + x[l + 16] (l < 16), then pairs
@@ -39,8 +73,8 @@
  * Algebraically this is x . (d q + m) summed over k, i.e. the fp32-dequantized product up to rounding order.
  *
  * Memory: the caller owns every buffer; nothing here allocates, prints or keeps state. Scratch is on the stack
- * of each thread, about 68 KiB: one dequantized block of up to 8 panels (16 KiB) and Q4_1's block sums of x
- * for a chunk of rows (48 KiB).
+ * of each thread, about 70 KiB: one dequantized block of up to 8 panels (16 KiB, 4 KiB more for the Q5 / Q6
+ * bit fields) and, for the types with a min, the block sums of x for a chunk of rows (48 KiB).
  */
 #ifndef RINGSHM_MATMUL_H
 #define RINGSHM_MATMUL_H
@@ -54,7 +88,12 @@ enum ringshm_wtype {
     RINGSHM_W_F16 = 1,
     RINGSHM_W_Q4_0 = 2,
     RINGSHM_W_Q4_1 = 3,
+    RINGSHM_W_Q5_0 = 6,
+    RINGSHM_W_Q5_1 = 7,
     RINGSHM_W_Q8_0 = 8,
+    RINGSHM_W_Q4_K = 12,
+    RINGSHM_W_Q5_K = 13,
+    RINGSHM_W_Q6_K = 14,
     RINGSHM_W_BF16 = 30
 };
 
@@ -69,7 +108,7 @@ enum ringshm_isa {
 enum ringshm_matmul_status {
     RINGSHM_MATMUL_OK = 0,
     RINGSHM_MATMUL_ERR_TYPE = -32,  /* unknown weight type or ISA, or an ISA this CPU cannot run */
-    RINGSHM_MATMUL_ERR_SHAPE = -33, /* M, N or K <= 0, K % 32 != 0 for a quantized type, ldo < 16 * panels */
+    RINGSHM_MATMUL_ERR_SHAPE = -33, /* M, N or K <= 0, K not whole blocks (32; 256 for K-quants), ldo too small */
     RINGSHM_MATMUL_ERR_SIZE = -34,  /* a buffer size given does not match what the shape needs */
     RINGSHM_MATMUL_ERR_ALIAS = -35  /* out overlaps x or residual */
 };
@@ -100,7 +139,8 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
  *               the caller's floating-point mode (MXCSR / FPCR: flush-to-zero, rounding), which is part of
  *               the contract: the same mode gives the same bits
  *     isa       a ringshm_isa this CPU runs (ringshm_isa_best() or below)
- * Limits: M, N, K < 2^31; Q4_1: K <= 65536 (its block sums of x live on the stack). Returns RINGSHM_MATMUL_ERR_* before writing anything on bad arguments. */
+ * Limits: M, N, K < 2^31; types with a min (Q4_1, Q5_1, Q4_K, Q5_K): K <= 65536 (their block sums of x live on
+ * the stack). Returns RINGSHM_MATMUL_ERR_* before writing anything on bad arguments. */
 int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
                         const float *x, int64_t m, float *out, int64_t ldo, const float *bias,
                         const float *residual, int64_t ldr, int n_threads, int isa);

@@ -1,21 +1,59 @@
-/* What matmul.c shares with the per-ISA panel loops (matmul_impl.inc); not part of the cffi API. */
+/* What matmul.c, matmul_pack.c and dequant.c share with the per-ISA panel loops (matmul_impl.inc); not part of
+ * the cffi API. */
 #ifndef RINGSHM_MATMUL_INTERNAL_H
 #define RINGSHM_MATMUL_INTERNAL_H
 
 #include <stdint.h>
 #include <string.h>
 
-/* Q4_1's block sums of x live on the stack (matmul_impl.inc): K may have at most this many blocks. */
-#define RINGSHM_MM_MAX_Q4_1_BLOCKS 2048
+#include "matmul.h"
+
+/* The block sums of x of the types with a min live on the stack (matmul_impl.inc): K may have at most this
+ * many blocks of 32. */
+#define RINGSHM_MM_MAX_SUM_BLOCKS 2048
+
+/* One weight encoding (matmul.h's table). Float types: block_k = 32 and the last block may be cut short. */
+struct ringshm_wtype_info {
+    int block_k;           /* weights of a block along K: 32, or 256 for the K-quants */
+    int row_block_bytes;   /* bytes of one block of one row in the GGUF file */
+    int panel_block_bytes; /* bytes of one block of one packed 16-row panel */
+    int quantized;         /* K must be whole blocks */
+    int has_min;           /* the reduction adds fma(m, block sum of x) per block of 32 */
+};
+
+/* The encoding of a ringshm_wtype, or NULL for an unknown type. */
+static inline const struct ringshm_wtype_info *ringshm_wtype_info(int type) {
+    static const struct ringshm_wtype_info f32 = {32, 128, 2048, 0, 0}, f16 = {32, 64, 1024, 0, 0};
+    static const struct ringshm_wtype_info q4_0 = {32, 18, 288, 1, 0}, q4_1 = {32, 20, 320, 1, 1};
+    static const struct ringshm_wtype_info q5_0 = {32, 22, 352, 1, 0}, q5_1 = {32, 24, 384, 1, 1};
+    static const struct ringshm_wtype_info q8_0 = {32, 34, 544, 1, 0};
+    static const struct ringshm_wtype_info q4_k = {256, 144, 2304, 1, 1}, q5_k = {256, 176, 2816, 1, 1};
+    static const struct ringshm_wtype_info q6_k = {256, 210, 3360, 1, 0};
+    switch (type) {
+    case RINGSHM_W_F32: return &f32;
+    case RINGSHM_W_F16:
+    case RINGSHM_W_BF16: return &f16;
+    case RINGSHM_W_Q4_0: return &q4_0;
+    case RINGSHM_W_Q4_1: return &q4_1;
+    case RINGSHM_W_Q5_0: return &q5_0;
+    case RINGSHM_W_Q5_1: return &q5_1;
+    case RINGSHM_W_Q8_0: return &q8_0;
+    case RINGSHM_W_Q4_K: return &q4_k;
+    case RINGSHM_W_Q5_K: return &q5_k;
+    case RINGSHM_W_Q6_K: return &q6_k;
+    default: return 0;
+    }
+}
 
 /* One checked call of ringshm_qmat_matmul. */
 struct ringshm_mm_args {
     int type;
     const uint8_t *packed;
     int64_t n, k, m;        /* out[m, n] = x[m, k] . W[n, k]^T */
-    int64_t nb;             /* blocks of 32 k per row: ceil(k / 32) */
-    int64_t block_bytes;    /* one block of one panel (16 rows) */
-    int64_t panel_bytes;    /* nb * block_bytes */
+    int64_t nb;             /* blocks of 32 k per row: ceil(k / 32) (a K-quant's sub-blocks) */
+    int64_t block_k;        /* weights of one packed block: 32, or 256 for a K-quant's super-block */
+    int64_t block_bytes;    /* one packed block of one panel (16 rows) */
+    int64_t panel_bytes;    /* ceil(k / block_k) * block_bytes */
     const float *x;         /* [m, k] */
     float *out;             /* [m, ldo] */
     int64_t ldo;

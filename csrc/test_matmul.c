@@ -1,12 +1,14 @@
 /* C-only test of the matmul under AddressSanitizer + UBSan (make test-c): the portable path against a scalar
  * reference of matmul.h's contract written from the GGUF bytes, bit for bit, for every weight type, odd shapes,
  * padded strides, bias and residual, 1-3 OpenMP threads; and each row alone against the same row in a batch.
+ * The embedding lookup (dequant.c) against the same reference decode, weight by weight.
  * Built with -DRINGSHM_PORTABLE_ONLY (no SIMD copies). Exits non-zero on the first mismatch. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "dequant.h"
 #include "matmul.h"
 #include "matmul_internal.h"
 
@@ -29,8 +31,10 @@ static void put_half(uint8_t *p, float f) { /* f in [2^-8, 2): exact enough, any
     p[0] = h & 255, p[1] = h >> 8;
 }
 
-/* The contract, one element: q, d, m of weight kk of a GGUF row. */
-static void weight_at(int type, const uint8_t *row, int64_t kk, float *q, float *d, float *m) {
+/* Weight kk of a GGUF row, decoded straight from its bytes (ggml-common.h's layouts, written out here on their
+ * own rather than taken from gguf_blocks.h): the contract's q, d, m (matmul.h's table) and the weight w as
+ * gguf.quants computes it in float32 (one rounding per operation, in its order). */
+static void weight_at(int type, const uint8_t *row, int64_t kk, float *q, float *d, float *m, float *w) {
     const int64_t b = kk / 32, j = kk % 32;
     *d = 1, *m = 0;
     switch (type) {
@@ -38,19 +42,60 @@ static void weight_at(int type, const uint8_t *row, int64_t kk, float *q, float 
         const uint8_t *blk = row + b * 18;
         *d = ringshm_half_to_float(blk);
         *q = (float)((j < 16 ? blk[2 + j] & 15 : blk[2 + j - 16] >> 4) - 8);
-        break;
+        *w = *d * *q;
+        return;
     }
     case RINGSHM_W_Q4_1: {
         const uint8_t *blk = row + b * 20;
         *d = ringshm_half_to_float(blk), *m = ringshm_half_to_float(blk + 2);
         *q = (float)(j < 16 ? blk[4 + j] & 15 : blk[4 + j - 16] >> 4);
-        break;
+        *w = *d * *q + *m;
+        return;
+    }
+    case RINGSHM_W_Q5_0:
+    case RINGSHM_W_Q5_1: {
+        const int q51 = type == RINGSHM_W_Q5_1;
+        const uint8_t *blk = row + b * (q51 ? 24 : 22), *qh = blk + (q51 ? 4 : 2), *qs = qh + 4;
+        const uint32_t hbits = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+        const int v = (j < 16 ? qs[j] & 15 : qs[j - 16] >> 4) | (int)((hbits >> j) & 1) << 4;
+        *d = ringshm_half_to_float(blk);
+        if (q51) *m = ringshm_half_to_float(blk + 2);
+        *q = (float)(q51 ? v : v - 16);
+        *w = q51 ? *d * *q + *m : *d * *q;
+        return;
     }
     case RINGSHM_W_Q8_0: {
         const uint8_t *blk = row + b * 34;
         *d = ringshm_half_to_float(blk);
         *q = (float)(int8_t)blk[2 + j];
-        break;
+        *w = *d * *q;
+        return;
+    }
+    case RINGSHM_W_Q4_K:
+    case RINGSHM_W_Q5_K: {
+        const int q5 = type == RINGSHM_W_Q5_K;
+        const uint8_t *blk = row + kk / 256 * (q5 ? 176 : 144), *sc = blk + 4, *qh = blk + 16;
+        const uint8_t *qs = blk + (q5 ? 48 : 16);
+        const int s = (int)(kk % 256 / 32);
+        const int scale = s < 4 ? sc[s] & 63 : (sc[s + 4] & 15) | (sc[s - 4] >> 6) << 4;
+        const int min = s < 4 ? sc[s + 4] & 63 : (sc[s + 4] >> 4) | (sc[s] >> 6) << 4;
+        int v = (qs[32 * (s / 2) + j] >> (s % 2 ? 4 : 0)) & 15;
+        if (q5) v |= ((qh[j] >> s) & 1) << 4;
+        const float dd = ringshm_half_to_float(blk), dmin = ringshm_half_to_float(blk + 2);
+        *q = (float)v, *d = dd * (float)scale, *m = -(dmin * (float)min);
+        *w = *d * *q - dmin * (float)min;
+        return;
+    }
+    case RINGSHM_W_Q6_K: {
+        const uint8_t *blk = row + kk / 256 * 210;
+        const int i = (int)(kk % 256), h = i / 128, c = i % 128 / 32, l = i % 32;
+        const int lo = (blk[64 * h + 32 * (c % 2) + l] >> (c < 2 ? 0 : 4)) & 15;
+        const int hi = (blk[128 + 32 * h + l] >> 2 * c) & 3;
+        const int scale = (int8_t)blk[192 + i / 16], v = (lo | hi << 4) - 32;
+        const float dd = ringshm_half_to_float(blk + 208);
+        *q = (float)v, *d = dd * (float)scale; /* the d of its half-block of 16 */
+        *w = *d * *q;
+        return;
     }
     case RINGSHM_W_F16: *q = ringshm_half_to_float(row + 2 * kk); break;
     case RINGSHM_W_BF16: {
@@ -60,58 +105,98 @@ static void weight_at(int type, const uint8_t *row, int64_t kk, float *q, float 
     }
     default: memcpy(q, row + 4 * kk, 4);
     }
+    *w = *q;
 }
 
+static int has_min(int type) {
+    return type == RINGSHM_W_Q4_1 || type == RINGSHM_W_Q5_1 || type == RINGSHM_W_Q4_K || type == RINGSHM_W_Q5_K;
+}
+
+/* matmul.h's reduction for one output element, with plain loops (chains of 32; Q6_K's of 16). */
 static float reference(int type, const uint8_t *row, const float *x, int64_t k) {
+    const int64_t len = type == RINGSHM_W_Q6_K ? 16 : 32;
     float acc = 0;
-    for (int64_t b = 0; b * 32 < k; b++) {
-        float t = 0, d = 1, m = 0, q;
-        for (int64_t kk = b * 32; kk < k && kk < b * 32 + 32; kk++) {
-            weight_at(type, row, kk, &q, &d, &m);
+    for (int64_t b = 0; b * len < k; b++) {
+        float t = 0, d = 1, m = 0, q, w;
+        for (int64_t kk = b * len; kk < k && kk < b * len + len; kk++) {
+            weight_at(type, row, kk, &q, &d, &m, &w);
             t = fmaf(x[kk], q, t);
         }
         acc = fmaf(d, t, acc);
-        if (type == RINGSHM_W_Q4_1) {
+        if (has_min(type)) {
             float v[16];
             for (int l = 0; l < 16; l++) v[l] = x[b * 32 + l] + x[b * 32 + l + 16];
-            for (int w = 8; w >= 1; w /= 2)
-                for (int l = 0; l < w; l++) v[l] = v[l] + v[l + w];
+            for (int sw = 8; sw >= 1; sw /= 2)
+                for (int l = 0; l < sw; l++) v[l] = v[l] + v[l + sw];
             acc = fmaf(m, v[0], acc);
         }
     }
     return acc;
 }
 
-int main(void) {
-    const int types[] = {RINGSHM_W_F32, RINGSHM_W_F16, RINGSHM_W_BF16, RINGSHM_W_Q4_0, RINGSHM_W_Q4_1, RINGSHM_W_Q8_0};
-    int cases = 0;
-    for (int it = 0; it < 120; it++) {
-        const int type = types[it % 6], quant = type >= RINGSHM_W_Q4_0 && type <= RINGSHM_W_Q8_0;
-        const int64_t n = 1 + next() % 70, k = quant ? 32 * (1 + next() % 5) : 1 + next() % 150;
-        const int64_t m = it % 10 == 0 ? 200 + next() % 20 : 1 + next() % 9;
-        const int64_t sbytes = ringshm_qmat_src_bytes(type, n, k), pbytes = ringshm_qmat_packed_bytes(type, n, k);
-        uint8_t *src = malloc((size_t)sbytes), *packed = malloc((size_t)pbytes);
-        for (int64_t i = 0; i < sbytes; i++) src[i] = (uint8_t)next();
-        const int64_t row_bytes = sbytes / n;
-        for (int64_t r = 0; r < n; r++) { /* finite scales and weights */
-            uint8_t *row = src + r * row_bytes;
-            if (quant) {
-                const int bs = type == RINGSHM_W_Q4_0 ? 18 : type == RINGSHM_W_Q4_1 ? 20 : 34;
-                for (int64_t b = 0; b < k / 32; b++) {
-                    put_half(row + b * bs, uniform() * 0.1f);
-                    if (type == RINGSHM_W_Q4_1) put_half(row + b * bs + 2, uniform() * 0.1f);
-                }
-            } else {
-                for (int64_t kk = 0; kk < k; kk++) {
-                    float f = uniform();
-                    uint32_t bits;
-                    memcpy(&bits, &f, 4);
-                    if (type == RINGSHM_W_F32) memcpy(row + 4 * kk, &f, 4);
-                    else if (type == RINGSHM_W_F16) put_half(row + 2 * kk, f);
-                    else row[2 * kk] = (bits >> 16) & 255, row[2 * kk + 1] = bits >> 24;
+/* Random GGUF rows of `type` with finite fp16 scales (the rest of each block random bytes). */
+static void random_rows(int type, uint8_t *src, int64_t n, int64_t k, int64_t row_bytes) {
+    for (int64_t i = 0; i < n * row_bytes; i++) src[i] = (uint8_t)next();
+    for (int64_t r = 0; r < n; r++) {
+        uint8_t *row = src + r * row_bytes;
+        switch (type) {
+        case RINGSHM_W_Q4_0:
+        case RINGSHM_W_Q4_1:
+        case RINGSHM_W_Q5_0:
+        case RINGSHM_W_Q5_1:
+        case RINGSHM_W_Q8_0: {
+            const int bs = (int)(row_bytes / (k / 32)), two = type == RINGSHM_W_Q4_1 || type == RINGSHM_W_Q5_1;
+            for (int64_t b = 0; b < k / 32; b++) {
+                put_half(row + b * bs, uniform() * 0.1f);
+                if (two) put_half(row + b * bs + 2, uniform() * 0.1f);
+            }
+            break;
+        }
+        case RINGSHM_W_Q4_K:
+        case RINGSHM_W_Q5_K:
+        case RINGSHM_W_Q6_K: {
+            const int bs = (int)(row_bytes / (k / 256));
+            for (int64_t b = 0; b < k / 256; b++) {
+                if (type == RINGSHM_W_Q6_K) {
+                    put_half(row + b * bs + 208, uniform() * 0.01f);
+                } else {
+                    put_half(row + b * bs, uniform() * 0.01f), put_half(row + b * bs + 2, uniform() * 0.01f);
                 }
             }
+            break;
         }
+        default:
+            for (int64_t kk = 0; kk < k; kk++) {
+                float f = uniform();
+                uint32_t bits;
+                memcpy(&bits, &f, 4);
+                if (type == RINGSHM_W_F32) memcpy(row + 4 * kk, &f, 4);
+                else if (type == RINGSHM_W_F16) put_half(row + 2 * kk, f);
+                else row[2 * kk] = (bits >> 16) & 255, row[2 * kk + 1] = bits >> 24;
+            }
+        }
+    }
+}
+
+int main(void) {
+    const int types[] = {RINGSHM_W_F32,  RINGSHM_W_F16,  RINGSHM_W_BF16, RINGSHM_W_Q4_0,
+                         RINGSHM_W_Q4_1, RINGSHM_W_Q8_0, RINGSHM_W_Q5_0, RINGSHM_W_Q5_1,
+                         RINGSHM_W_Q4_K, RINGSHM_W_Q5_K, RINGSHM_W_Q6_K};
+    const int n_types = (int)(sizeof types / sizeof types[0]);
+    int cases = 0, dequant_rows = 0;
+    for (int it = 0; it < 16 * n_types; it++) {
+        const int type = types[it % n_types];
+        const int kquant = type == RINGSHM_W_Q4_K || type == RINGSHM_W_Q5_K || type == RINGSHM_W_Q6_K;
+        const int quant = kquant || (type >= RINGSHM_W_Q4_0 && type <= RINGSHM_W_Q8_0);
+        const int64_t n = 1 + next() % 70;
+        const int64_t k = kquant ? 256 * (1 + next() % 3) : quant ? 32 * (1 + next() % 5) : 1 + next() % 150;
+        const int64_t m = it % 10 == 0 ? 200 + next() % 20 : 1 + next() % 9;
+        const int64_t sbytes = ringshm_qmat_src_bytes(type, n, k), pbytes = ringshm_qmat_packed_bytes(type, n, k);
+        if (sbytes <= 0 || pbytes <= 0)
+            FAIL("sizes refused: type %d n %lld k %lld\n", type, (long long)n, (long long)k);
+        uint8_t *src = malloc((size_t)sbytes), *packed = malloc((size_t)pbytes);
+        const int64_t row_bytes = sbytes / n;
+        random_rows(type, src, n, k, row_bytes);
         if (ringshm_qmat_pack(type, src, sbytes, n, k, packed, pbytes)) FAIL("pack refused\n");
         const int64_t ldo = (n + 15) / 16 * 16 + 16 * (next() % 2), ldr = n + next() % 3;
         float *x = malloc(sizeof(float) * (size_t)(m * k)), *out = malloc(sizeof(float) * (size_t)(m * ldo));
@@ -133,15 +218,31 @@ int main(void) {
                 if (use_bias) want = want + bias[c];
                 if (use_res) want = want + res[r * ldr + c];
                 if (memcmp(&want, &out[r * ldo + c], 4) || memcmp(&want, &one[c], 4)) {
-                    FAIL("mismatch: type %d n %lld k %lld m %lld at (%lld, %lld): want %a, batch %a, alone %a\n", type,
-                         (long long)n, (long long)k, (long long)m, (long long)r, (long long)c, want, out[r * ldo + c],
-                         one[c]);
+                    FAIL("mismatch: type %d n %lld k %lld m %lld at (%lld, %lld): want %a, batch %a, alone %a\n",
+                         type, (long long)n, (long long)k, (long long)m, (long long)r, (long long)c, want,
+                         out[r * ldo + c], one[c]);
                 }
             }
         }
+        /* the embedding lookup (dequant.c): every weight of every row, bitwise the reference decode */
+        int64_t *ids = malloc(sizeof(int64_t) * (size_t)n);
+        float *rows = malloc(sizeof(float) * (size_t)(n * k));
+        for (int64_t i = 0; i < n; i++) ids[i] = n - 1 - i;
+        if (ringshm_dequant_rows(type, src, sbytes, n, k, ids, n, rows)) FAIL("dequant_rows refused\n");
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t kk = 0; kk < k; kk++) {
+                float q, d, mm, w;
+                weight_at(type, src + ids[i] * row_bytes, kk, &q, &d, &mm, &w);
+                if (memcmp(&w, &rows[i * k + kk], 4))
+                    FAIL("dequant mismatch: type %d k %lld row %lld weight %lld: want %a, got %a\n", type,
+                         (long long)k, (long long)ids[i], (long long)kk, w, rows[i * k + kk]);
+            }
+        dequant_rows += (int)n;
+        free(ids), free(rows);
         free(src), free(packed), free(x), free(out), free(one), free(bias), free(res);
         cases++;
     }
-    printf("test_matmul: %d cases, every element bitwise the contract's, alone and batched\n", cases);
+    printf("test_matmul: %d cases over %d types, every element bitwise the contract's, alone and batched; "
+           "%d dequantized rows bitwise the reference decode\n", cases, n_types, dequant_rows);
     return 0;
 }

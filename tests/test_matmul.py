@@ -14,31 +14,60 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from ringshm._C import ffi, lib
-from ringshm.model import kernels
+from ringshm.model import dequant, kernels
 from ringshm.model import qmatmul as qm
 
 U = 2.0 ** -24  # fp32 unit roundoff
-GGUF_QUANT = {qm.Q4_0: QT.Q4_0, qm.Q4_1: QT.Q4_1, qm.Q8_0: QT.Q8_0}
+NEW_TYPES = [qm.Q5_0, qm.Q5_1, qm.Q4_K, qm.Q5_K, qm.Q6_K]
+GGUF_QUANT = {t: QT(t) for t in [qm.Q4_0, qm.Q4_1, qm.Q8_0, *NEW_TYPES]}
 FLOAT = {qm.F32: torch.float32, qm.F16: torch.float16, qm.BF16: torch.bfloat16}
-ALL_TYPES = [qm.Q4_0, qm.Q4_1, qm.Q8_0, qm.F16, qm.BF16, qm.F32]
+ALL_TYPES = [qm.Q4_0, qm.Q4_1, qm.Q8_0, qm.F16, qm.BF16, qm.F32, *NEW_TYPES]
 ISAS = [isa for isa in qm.ISA_NAMES if lib.ringshm_isa_supported(isa)]
 M_SWEEP = (1, 2, 3, 7, 8, 33, 64, 256)
+# Bytes of each quantized block (ggml's GGML_QUANT_SIZES) and where its fp16 scales sit: the rest of a block
+# built from random bytes is any integer the type can hold.
+BLOCK = {qm.Q5_0: (22, (0,)), qm.Q5_1: (24, (0, 2)), qm.Q4_K: (144, (0, 2)), qm.Q5_K: (176, (0, 2)),
+         qm.Q6_K: (210, (208,))}
+# The bytes that hold q (zeroed, a block dequantizes to its min term alone: m, or -dmin * m).
+Q_BYTES = {qm.Q4_1: slice(4, 20), qm.Q5_1: slice(4, 24), qm.Q4_K: slice(16, 144), qm.Q5_K: slice(16, 176)}
+
+
+def kfit(qtype: int, k: int) -> int:
+    """``k`` rounded up to whole blocks of ``qtype`` (K-quants: 256)."""
+    b = qm.block_k(qtype)
+    return (k + b - 1) // b * b
+
+
+def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """GGUF bytes ``[n, row_bytes]`` of random blocks: random integers, finite fp16 scales of a sane size."""
+    rng = np.random.default_rng(seed)
+    size, scale_at = BLOCK[qtype]
+    raw = rng.integers(0, 256, size=(n, k // qm.block_k(qtype), size), dtype=np.uint8)
+    amp = {qm.Q5_0: 0.1, qm.Q5_1: 0.1}.get(qtype, 0.01)  # K-quant scales multiply a 6-bit sc
+    for at in scale_at:
+        half = rng.uniform(-amp, amp, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, at:at + 2] = half.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
 
 
 def make_weight(qtype: int, n: int, k: int, seed: int = 0) -> tuple[qm.RawWeight, torch.Tensor, torch.Tensor]:
     """A random weight in ``qtype``: (RawWeight, its exact fp32 dequantization, |parts| for the error bound).
 
-    The last is ``|d q| + |m|`` per weight for Q4_1 (its two terms are rounded apart), ``|w|`` otherwise.
+    Q4_0 / Q4_1 / Q8_0 / Q5_x come from ``gguf.quants.quantize`` of a normal tensor, the K-quants (gguf-py
+    does not quantize them) from random blocks. The last item is ``|d q| + |m|`` per weight for the types with
+    a min (their two terms are rounded apart), ``|w|`` otherwise.
     """
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed))
     if qtype in GGUF_QUANT:
-        raw = quants.quantize(w.numpy(), GGUF_QUANT[qtype])
-        exact = torch.from_numpy(quants.dequantize(raw, GGUF_QUANT[qtype])).reshape(n, k).float()
+        gq = GGUF_QUANT[qtype]
+        raw = random_blocks(qtype, n, k, seed) if qtype in qm.K_QUANTS else quants.quantize(w.numpy(), gq)
+        exact = torch.from_numpy(quants.dequantize(raw, gq)).reshape(n, k).float()
         mag = exact.abs()
-        if qtype == qm.Q4_1:  # blocks: d f16 | m f16 | 16 B
-            blocks = raw.reshape(n, k // 32, 20)
-            m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32)).reshape(n, k // 32)
-            m = m.repeat_interleave(32, dim=1)
+        if qtype in Q_BYTES:
+            size = raw.shape[-1] // (k // qm.block_k(qtype))
+            blocks = raw.reshape(n, -1, size).copy()
+            blocks[:, :, Q_BYTES[qtype]] = 0
+            m = torch.from_numpy(quants.dequantize(blocks.reshape(n, -1), gq)).reshape(n, k).float()
             mag = (exact - m).abs() + m.abs()
         return qm.RawWeight.from_bytes(qtype, n, k, raw.reshape(-1)), exact, mag
     t = w.to(FLOAT[qtype])
@@ -53,6 +82,7 @@ SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (1, 32), (7, 64), (3
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
 @pytest.mark.parametrize("n,k", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_the_product_is_within_the_summation_bound_of_fp64(qtype, n, k):
+    k = kfit(qtype, k)
     raw, exact, mag = make_weight(qtype, n, k)
     bias = torch.randn(n)
     x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
@@ -90,9 +120,10 @@ def rows_match_alone(matmul, x: torch.Tensor) -> bool:
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_each_row_is_bitwise_the_same_for_every_batch_size_and_thread_count(qtype, threads):
-    raw, _, _ = make_weight(qtype, 200, 96)  # 13 panels: groups and thread splits fall unevenly
+    k = kfit(qtype, 96)
+    raw, _, _ = make_weight(qtype, 200, k)  # 13 panels: groups and thread splits fall unevenly
     pw = qm.PackedWeight(raw, torch.randn(200))
-    x = torch.randn(max(M_SWEEP), 96)
+    x = torch.randn(max(M_SWEEP), k)
     assert rows_match_alone(lambda a: pw.matmul(a, threads=threads), x)
     assert torch.equal(pw.matmul(x, threads=threads), pw.matmul(x, threads=1))
 
@@ -123,10 +154,32 @@ def test_torch_linear_is_the_kind_of_kernel_this_replaces():
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
 @pytest.mark.parametrize("isa", ISAS, ids=[qm.ISA_NAMES[i] for i in ISAS])
 def test_every_isa_path_gives_the_portable_bits(qtype, isa):
-    raw, _, _ = make_weight(qtype, 100, 160)
+    k = kfit(qtype, 160)
+    raw, _, _ = make_weight(qtype, 100, k)
     pw = qm.PackedWeight(raw, torch.randn(100))
-    x = torch.randn(9, 160)
+    x = torch.randn(9, k)
     assert torch.equal(pw.matmul(x, isa=isa), pw.matmul(x, isa=lib.RINGSHM_ISA_PORTABLE))
+
+
+M_SWEEP_NEW = (1, 2, 3, 5, 7, 16, 33, 100)
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=[qm.type_name(t) for t in NEW_TYPES])
+def test_new_types_give_each_row_its_alone_bits_for_every_m_thread_count_and_isa(qtype):
+    """Row m of an M-row product is bitwise the row alone, over M in M_SWEEP_NEW and 1-3 threads, on every ISA
+    this CPU runs; and every ISA gives the portable path's bits."""
+    k = kfit(qtype, 512)  # two super-blocks: a K-quant's scales change between them
+    raw, _, _ = make_weight(qtype, 200, k, seed=3)
+    pw = qm.PackedWeight(raw, torch.randn(200))
+    x = torch.randn(max(M_SWEEP_NEW), k, generator=torch.Generator().manual_seed(4))
+    portable = pw.matmul(x, threads=1, isa=lib.RINGSHM_ISA_PORTABLE)
+    for isa in ISAS:
+        alone = torch.cat([pw.matmul(x[i:i + 1], threads=1, isa=isa) for i in range(x.shape[0])])
+        assert torch.equal(alone, portable), qm.ISA_NAMES[isa]
+        for threads in (1, 2, 3):
+            for m in M_SWEEP_NEW:
+                assert torch.equal(pw.matmul(x[:m], threads=threads, isa=isa), alone[:m]), \
+                    (qm.ISA_NAMES[isa], threads, m)
 
 
 def test_the_best_isa_is_one_this_cpu_runs():
@@ -138,10 +191,24 @@ def test_the_best_isa_is_one_this_cpu_runs():
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
 def test_embedding_rows_are_bitwise_the_gguf_dequantization(qtype):
-    raw, exact, _ = make_weight(qtype, 50, 64)
+    raw, exact, _ = make_weight(qtype, 50, kfit(qtype, 64))
     ids = torch.tensor([3, 0, 49, 3], dtype=torch.int64)
     assert torch.equal(qm.embed_rows(raw, ids), exact[ids])
     assert torch.equal(raw.dequantize(), exact)
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=[qm.type_name(t) for t in NEW_TYPES])
+def test_new_types_dequantize_bitwise_as_gguf_from_random_blocks(qtype):
+    """Every bit pattern of q (random bytes) with finite scales: the loader's dequantize (whole tensor, the C
+    block loops), RawWeight.dequantize and the embedding lookup (ringshm_dequant_rows) all equal gguf.quants."""
+    n, k = 24, 2 * qm.QK_K
+    raw = random_blocks(qtype, n, k, seed=5)
+    ref = torch.from_numpy(quants.dequantize(raw, GGUF_QUANT[qtype])).reshape(n, k)
+    w = qm.RawWeight.from_bytes(qtype, n, k, raw.reshape(-1))
+    assert torch.equal(dequant.dequantize(raw.reshape(-1), qtype, (n, k)), ref)
+    assert torch.equal(w.dequantize(), ref)
+    ids = torch.tensor([23, 0, 7, 7], dtype=torch.int64)
+    assert torch.equal(qm.embed_rows(w, ids), ref[ids])
 
 
 def test_concatenated_rows_keep_their_encoding_and_mixed_ones_become_f32():
@@ -169,8 +236,16 @@ def test_a_buffer_shorter_than_the_shape_needs_is_refused():
 
 
 def test_an_unknown_gguf_type_is_refused_with_the_supported_list():
-    with pytest.raises(ValueError, match="Q4_1, Q8_0"):
-        qm.row_bytes(int(QT.Q4_K), 256)
+    with pytest.raises(ValueError, match="Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K"):
+        qm.row_bytes(int(QT.Q3_K), 256)
+
+
+def test_a_k_quant_row_that_is_not_whole_super_blocks_is_refused_and_left_to_dequantize():
+    """Gemma 3 270M's 640-wide rows: ggml stores them as Q5_0; a K-quant of that width is not read natively."""
+    with pytest.raises(ValueError, match="multiple of 256"):
+        qm.row_bytes(qm.Q4_K, 640)
+    assert not qm.native_ok(qm.Q6_K, 16, 640) and qm.native_ok(qm.Q5_0, 16, 640)
+    assert qm.native_ok(qm.Q4_K, 16, 768) and qm.row_bytes(qm.Q4_K, 768) == 3 * 144
 
 
 def test_x_of_the_wrong_dtype_or_width_is_refused():
@@ -203,7 +278,7 @@ def test_the_c_side_rechecks_sizes_shapes_and_isas():
     assert call(k=48) == lib.RINGSHM_MATMUL_ERR_SHAPE
     assert call(ldo=15) == lib.RINGSHM_MATMUL_ERR_SHAPE
     assert call(isa=7) == lib.RINGSHM_MATMUL_ERR_TYPE
-    assert call(qtype=12) == lib.RINGSHM_MATMUL_ERR_TYPE
+    assert call(qtype=int(QT.Q3_K)) == lib.RINGSHM_MATMUL_ERR_TYPE
     src = raw.data.contiguous()
     dst = torch.empty(pw.nbytes, dtype=torch.uint8)
     assert lib.ringshm_qmat_pack(qm.Q4_1, ffi.cast("uint8_t *", src.data_ptr()), src.numel() - 20, 16, 64,

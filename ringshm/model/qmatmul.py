@@ -1,7 +1,7 @@
 """Weights in their checkpoint encoding and the batch-invariant matmul over them (csrc/matmul.h).
 
-``RawWeight`` is a ``[N, K]`` weight as the checkpoint stores it: GGUF Q4_0 / Q4_1 / Q8_0 blocks, F16, BF16 or
-F32, one row of bytes per output row (for a GGUF file, a view of its memory map: no copy). ``PackedWeight`` is
+``RawWeight`` is a ``[N, K]`` weight as the checkpoint stores it: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks,
+the K-quants Q4_K / Q5_K / Q6_K, F16, BF16 or F32, one row of bytes per output row (for a GGUF file, a view of its memory map: no copy). ``PackedWeight`` is
 the same weight rearranged once at load into 16-row panels for ``ringshm_qmat_matmul``, which computes
 ``out = x · Wᵀ (+ bias) (+ residual)`` in fp32 with every output element reduced in one fixed order, whatever
 the number of rows in ``x`` and the thread count (batch invariance; the order is drawn in csrc/matmul.h).
@@ -22,13 +22,25 @@ import torch
 
 from ringshm._C import ffi, lib
 
-QK = 32  # weights per quantized block (ggml's QK4_0 / QK4_1 / QK8_0)
+QK = 32  # weights per legacy quantized block (ggml's QK4_0 / QK5_0 / QK8_0 ...)
+QK_K = 256  # weights per K-quant super-block (ggml's QK_K)
 
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = (lib.RINGSHM_W_F32, lib.RINGSHM_W_F16, lib.RINGSHM_W_Q4_0, lib.RINGSHM_W_Q4_1,
                                     lib.RINGSHM_W_Q8_0, lib.RINGSHM_W_BF16)
-TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", BF16: "BF16"}
+Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (lib.RINGSHM_W_Q5_0, lib.RINGSHM_W_Q5_1, lib.RINGSHM_W_Q4_K, lib.RINGSHM_W_Q5_K,
+                                lib.RINGSHM_W_Q6_K)
+TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+              Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
 """The encodings the kernel reads natively, by ggml type code (``gguf.GGMLQuantizationType``)."""
-QUANTIZED = (Q4_0, Q4_1, Q8_0)
+K_QUANTS = (Q4_K, Q5_K, Q6_K)
+QUANTIZED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, *K_QUANTS)
+WITH_MIN = (Q4_1, Q5_1, Q4_K, Q5_K)
+"""Types whose reduction adds a min term per block of 32 (their block sums of x limit K to 65536)."""
+
+
+def block_k(qtype: int) -> int:
+    """Weights per block along K: 256 for the K-quants, 32 for the other quantized types, 1 for floats."""
+    return QK_K if qtype in K_QUANTS else QK if qtype in QUANTIZED else 1
 _TORCH_TYPE = {torch.float32: F32, torch.float16: F16, torch.bfloat16: BF16}
 _TYPE_TORCH = {v: k for k, v in _TORCH_TYPE.items()}
 
@@ -38,8 +50,8 @@ BEST_ISA: int = lib.ringshm_isa_best()
 
 _STATUS = {
     lib.RINGSHM_MATMUL_ERR_TYPE: "unknown weight type, or an ISA this CPU cannot run",
-    lib.RINGSHM_MATMUL_ERR_SHAPE: "bad shape (M, N or K <= 0, K not a multiple of 32 for a quantized type, or "
-                                  "an output row stride below 16 * ceil(N / 16))",
+    lib.RINGSHM_MATMUL_ERR_SHAPE: "bad shape (M, N or K <= 0, K not a multiple of the block (32; 256 for the "
+                                  "K-quants), or an output row stride below 16 * ceil(N / 16))",
     lib.RINGSHM_MATMUL_ERR_SIZE: "a buffer's size does not match the shape",
     lib.RINGSHM_MATMUL_ERR_ALIAS: "the output overlaps x or the residual",
 }
@@ -60,25 +72,32 @@ def type_name(qtype: int) -> str:
 
 
 def row_bytes(qtype: int, k: int) -> int:
-    """Bytes of one row of ``k`` weights in the checkpoint's encoding.
+    """Bytes of one row of ``k`` weights in the checkpoint's encoding (ggml's block sizes: Q4_K 144 B per 256
+    weights, Q6_K 210 B, Q5_0 22 B per 32, ...).
 
     Raises:
-        ValueError: unknown type, ``k <= 0``, or ``k`` not a multiple of 32 for a quantized type.
+        ValueError: unknown type, ``k <= 0``, ``k`` not a multiple of the type's block (32; 256 for the
+            K-quants), or ``k > 65536`` for a type with a min.
     """
     if qtype not in TYPE_NAMES:
-        raise ValueError(f"weight type {type_name(qtype)} is not one the matmul reads (F32, F16, BF16, Q4_0, "
-                         f"Q4_1, Q8_0); dequantize it to F32 first")
+        names = ", ".join(TYPE_NAMES[t] for t in sorted(TYPE_NAMES))
+        raise ValueError(f"weight type {type_name(qtype)} is not one the matmul reads ({names}); dequantize it "
+                         f"to F32 first")
     n = lib.ringshm_qmat_src_bytes(qtype, 1, k)
     if n < 0:
+        bk = block_k(qtype)
         why = ("K must be in [1, 2^31 - 1)" if not 0 < k < 2**31 - 1
-               else "K must be a multiple of 32 (the block size)" if qtype in QUANTIZED and k % 32
-               else "Q4_1 takes K <= 65536 (its block sums of x live on the stack); dequantize it to F32")
+               else f"K must be a multiple of {bk} (the {'super-' if bk == QK_K else ''}block size)" if k % bk
+               else f"{type_name(qtype)} takes K <= 65536 (its block sums of x live on the stack); dequantize it "
+                    f"to F32")
         raise ValueError(f"a {type_name(qtype)} row of K = {k} weights: {why}")
     return int(n)
 
 
 def native_ok(qtype: int, n: int, k: int) -> bool:
-    """Whether the matmul reads an ``[n, k]`` weight of ``qtype`` as it is (else dequantize it to F32)."""
+    """Whether the matmul reads an ``[n, k]`` weight of ``qtype`` as it is (else dequantize it to F32): a type in
+    ``TYPE_NAMES`` and ``k`` whole blocks (a K-quant: ``k % 256 == 0``; ggml itself falls back to Q5_0 / Q8_0
+    for rows that are not), at most 65536 for a type with a min."""
     return qtype in TYPE_NAMES and lib.ringshm_qmat_src_bytes(qtype, n, k) > 0
 
 

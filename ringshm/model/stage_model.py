@@ -5,10 +5,11 @@ it knows nothing about processes or rings. RoPE, KV-append and attention go thro
 
 Two paths, fixed at construction:
 - **CPU, fp32 activations (the default):** every matmul is ``ringshm.model.qmatmul`` over the checkpoint's own
-  encoding (Q4_0 / Q4_1 / Q8_0 / F16 / BF16 / F32, packed once at load), RMSNorm and SwiGLU are C kernels, and
-  the embedding dequantizes only the rows it looks up. Every one of these computes a row in an order that does
-  not depend on the other rows of the op or on the thread count, so a sequence's bits are the same whatever
-  the chunking, the batch it shares an op with, or the stage split (batch invariance).
+  encoding (Q4_0 / Q4_1 / Q5_x / Q8_0 / Q4_K / Q5_K / Q6_K / F16 / BF16 / F32, packed once at load), RMSNorm
+  and SwiGLU are C kernels, and the embedding dequantizes only the rows it looks up. Every one of these
+  computes a row in an order that does not depend on the other rows of the op or on the thread count, so a
+  sequence's bits are the same whatever the chunking, the batch it shares an op with, or the stage split
+  (batch invariance).
 - **CUDA, or a bf16 compute dtype:** weights are dequantized at load to ``dtype`` on the device and the
   matmuls are ``torch.nn.functional.linear``. Batch invariance is not promised there.
 
@@ -60,8 +61,10 @@ from ringshm.transport.messages import (
 
 class _Layer:
     """One decoder layer's weights, fused for fewer matmuls: ``wqkv [q_dim + 2*kv_dim, hidden]`` (+ ``bqkv``),
-    ``w_gate_up [2*intermediate, hidden]`` (+ its bias); rows concatenated in the checkpoint's encoding. The
-    optional parts of the description (q/k norms, post norms, biases) are None where the model has none.
+    ``w_gate_up [2*intermediate, hidden]`` (+ its bias); rows concatenated in the checkpoint's encoding. Native
+    Q, K, V of different encodings stay apart: ``wqkv`` is then Q alone and ``wk``, ``wv`` K and V (csrc/layer.h);
+    fused, ``concat_rows`` would widen them to F32 (8x a Q4_K tensor's memory). The optional parts of the
+    description (q/k norms, post norms, biases) are None where the model has none.
 
     ``native``: ``PackedWeight`` for the C matmul; else dequantized tensors of ``dtype`` on ``device``.
     """
@@ -69,7 +72,8 @@ class _Layer:
     def __init__(self, w: LayerWeights, native: bool, dtype: torch.dtype, device: torch.device) -> None:
         bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
         b_gate_up = None if w.b_gate is None else torch.cat([w.b_gate, w.b_up], dim=0)
-        wqkv, w_gate_up = concat_rows([w.wq, w.wk, w.wv]), concat_rows([w.w_gate, w.w_up])
+        w_gate_up = concat_rows([w.w_gate, w.w_up])
+        self.wk = self.wv = None  # K and V apart from Q (native, encodings differ)
         if native:
             def f32(t):
                 return None if t is None else t.to("cpu", torch.float32).contiguous()
@@ -77,8 +81,14 @@ class _Layer:
             self.attn_norm, self.ffn_norm = f32(w.attn_norm), f32(w.ffn_norm)
             self.q_norm, self.k_norm = f32(w.q_norm), f32(w.k_norm)
             self.post_attn_norm, self.post_ffn_norm = f32(w.post_attn_norm), f32(w.post_ffn_norm)
-            self.wqkv, self.wo = PackedWeight(wqkv, bqkv), PackedWeight(w.wo, w.bo)
-            self.w_gate_up, self.w_down = PackedWeight(w_gate_up, b_gate_up), PackedWeight(w.w_down, w.b_down)
+            if len({w.wq.qtype, w.wk.qtype, w.wv.qtype}) > 1:
+                self.wqkv, self.wk, self.wv = PackedWeight(w.wq), PackedWeight(w.wk), PackedWeight(w.wv)
+                self.bqkv = f32(bqkv)
+            else:
+                self.wqkv = PackedWeight(concat_rows([w.wq, w.wk, w.wv]), bqkv)
+                self.bqkv = self.wqkv.bias
+            self.wo, self.w_down = PackedWeight(w.wo, w.bo), PackedWeight(w.w_down, w.b_down)
+            self.w_gate_up = PackedWeight(w_gate_up, b_gate_up)
             return
 
         def dense(t):
@@ -87,7 +97,8 @@ class _Layer:
         self.attn_norm, self.ffn_norm = dense(w.attn_norm), dense(w.ffn_norm)
         self.q_norm, self.k_norm = dense(w.q_norm), dense(w.k_norm)
         self.post_attn_norm, self.post_ffn_norm = dense(w.post_attn_norm), dense(w.post_ffn_norm)
-        self.wqkv, self.bqkv, self.wo, self.bo = dense(wqkv), dense(bqkv), dense(w.wo), dense(w.bo)
+        self.wqkv, self.bqkv = dense(concat_rows([w.wq, w.wk, w.wv])), dense(bqkv)
+        self.wo, self.bo = dense(w.wo), dense(w.bo)
         self.w_gate_up, self.b_gate_up = dense(w_gate_up), dense(b_gate_up)
         self.w_down, self.b_down = dense(w.w_down), dense(w.b_down)
 
@@ -95,7 +106,9 @@ class _Layer:
         """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights, this
         layer's caches, RoPE tables and window; the tensors stay owned here and by the model."""
         c = ffi.new("struct ringshm_layer_weights *")
-        for field, pw in (("qkv", self.wqkv), ("o", self.wo), ("gate_up", self.w_gate_up), ("down", self.w_down)):
+        split = self.wk is not None
+        parts = (("qkv", self.wqkv), ("o", self.wo), ("gate_up", self.w_gate_up), ("down", self.w_down))
+        for field, pw in parts + ((("wk", self.wk), ("wv", self.wv)) if split else ()):
             setattr(c, f"type_{field}", pw.qtype)
             setattr(c, field, ffi.cast("uint8_t *", pw.packed.data_ptr()))
             setattr(c, f"{field}_bytes", pw.nbytes)
@@ -103,7 +116,8 @@ class _Layer:
         def fp(t):
             return ffi.NULL if t is None else ffi.cast("float *", t.data_ptr())
 
-        c.bqkv, c.bo, c.bgate_up, c.bdown = fp(self.wqkv.bias), fp(self.wo.bias), fp(self.w_gate_up.bias), fp(
+        c.qkv_split = int(split)
+        c.bqkv, c.bo, c.bgate_up, c.bdown = fp(self.bqkv), fp(self.wo.bias), fp(self.w_gate_up.bias), fp(
             self.w_down.bias)
         c.attn_norm, c.ffn_norm = fp(self.attn_norm), fp(self.ffn_norm)
         c.q_norm, c.k_norm = fp(self.q_norm), fp(self.k_norm)
