@@ -84,3 +84,92 @@ def test_the_engine_serves_a_family_over_two_stage_processes_byte_identical_to_i
                 progress=False) as engine:
         out = engine.generate_batch(prompts, max_new_tokens=N_NEW, ignore_eos=True)
     assert [r.token_ids for r in out.results] == want
+
+
+# ------------------------------------------------------------------ fields that change the math: computed or refused
+# Each setting below changes what a model computes. A model that sets it either equals the oracle (computed) or is
+# refused with an error naming the field (never loaded and silently wrong).
+COMPUTED = [
+    ("llama", dict(mlp_bias=True)),  # biases on gate, up and down
+    ("llama", dict(attention_bias=True)),  # Llama's covers q, k, v and o
+    ("mistral", dict(sliding_window=16)),  # every layer slides (HF only: llama.cpp's converter drops the window)
+    ("llama", dict(head_dim=32)),  # heads narrower than hidden / n_heads
+    ("llama", dict(tie_word_embeddings=True)),
+    ("qwen2", dict(tie_word_embeddings=False)),
+    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+]
+
+
+@pytest.mark.parametrize("family, overrides", COMPUTED, ids=[f"{f}-{next(iter(o))}" for f, o in COMPUTED])
+def test_a_setting_ringshm_computes_gives_the_oracles_tokens(zoo, family, overrides, assert_greedy_matches):
+    model = zoo(family, "f32", **overrides)
+    for path in (model.hf_dir,) if "sliding_window" in overrides else (model.hf_dir, model.gguf_path):
+        try:
+            stages = _stages(path, ())
+        except Exception as exc:  # noqa: BLE001 - a refusal is allowed only if it names the field
+            pytest.fail(f"{family} {overrides} from {path.name} was refused: {exc}")
+        prompt = prompt_ids(PROMPT_LEN, stages[0].config.vocab, 3)
+        ours = greedy_generate(stages, torch.tensor(prompt), N_NEW)
+        assert_greedy_matches(ours, model.oracle_greedy(prompt, N_NEW), f"{family} {overrides} {path.name}")
+
+
+REFUSED = [
+    ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                  "original_max_position_embeddings": 32}, "yarn"),
+    ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "dynamic"),
+    ("gemma3", "attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
+    ("gemma3", "use_bidirectional_attention", True, "use_bidirectional_attention"),
+    ("qwen3", "use_sliding_window", True, "use_sliding_window"),
+    ("phi3", "partial_rotary_factor", 0.5, "partial_rotary_factor"),
+    ("llama", "hidden_act", "gelu", "hidden_act"),
+    ("llama", "some_new_switch", 1, "some_new_switch"),  # a field no release of ringshm has heard of
+]
+
+
+@pytest.mark.parametrize("family, field, value, named", REFUSED, ids=[f"{f}-{k}-{n}" for f, k, _, n in REFUSED])
+def test_a_setting_ringshm_does_not_compute_is_refused_naming_it(zoo, tmp_path, family, field, value, named):
+    import json
+    import shutil
+
+    from ringshm.errors import UnsupportedArchitecture
+
+    src = zoo(family, "f32").hf_dir
+    shutil.copytree(src, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg[field] = value
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedArchitecture, match=named):
+        Checkpoint.open(tmp_path / "hf")
+
+
+def test_a_checkpoint_tensor_the_description_does_not_read_is_refused(zoo, tmp_path):
+    """A bias the config does not announce (how an ignored mlp_bias once slipped through)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ringshm.errors import UnsupportedArchitecture
+
+    shutil.copytree(zoo("llama", "f32").hf_dir, tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    tensors["model.layers.1.mlp.down_proj.bias"] = torch.zeros(tensors["model.layers.1.mlp.down_proj.weight"].shape[0])
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UnsupportedArchitecture, match="mlp.down_proj.bias"):
+        _stages(tmp_path / "hf", ())
+
+
+def test_a_type_the_matmul_does_not_read_is_dequantized_counted_at_fp32_and_said_once(zoo, caplog):
+    model = zoo("llama", "q3_k")
+    ckpt = Checkpoint.open(model.gguf_path)
+    held, expanded = ckpt.stage_bytes((0, ckpt.config.n_layers), True, True)
+    assert expanded and all(".weight" in n for n in expanded)
+    q3 = [n for n, t in model.gguf_types.items() if t.name == "Q3_K"]
+    assert set(q3) <= set(expanded)
+    n_el = sum(int(torch.tensor(ckpt.source.index.tensors[n].shape).prod()) for n in q3)
+    assert held >= 4 * n_el  # at fp32, not at the file's ~3.4 bits a weight
+    with caplog.at_level("WARNING", logger="ringshm.model.loader"):
+        stages = _stages(model.gguf_path, ())
+    lines = [r.getMessage() for r in caplog.records if "dequantized to fp32 at load" in r.getMessage()]
+    assert len(lines) == 1 and "Q3_K" in lines[0], lines
+    prompt = prompt_ids(PROMPT_LEN, stages[0].config.vocab, 4)
+    assert greedy_generate(stages, torch.tensor(prompt), 4).numel() == 4

@@ -223,8 +223,9 @@ def prompt_ids(n: int, vocab: int, seed: int = 0) -> list[int]:
     return [int(t) for t in torch.randint(3, vocab, (n,), generator=g)]
 
 
-def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0) -> ZooModel:
-    """Write ``root/hf`` and ``root/model.gguf`` for ``family`` (``FAMILIES``) with ``recipe``'s types.
+def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0, **overrides) -> ZooModel:
+    """Write ``root/hf`` and ``root/model.gguf`` for ``family`` (``FAMILIES``) with ``recipe``'s types;
+    ``overrides`` are config fields (e.g. ``mlp_bias=True``) set on the family's transformers config.
 
     Raises:
         KeyError: unknown family or recipe (``FAMILIES``, ``zoo_quant.RECIPES``).
@@ -234,7 +235,7 @@ def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0) 
     root = Path(root)
     hf_dir = root / "hf"
     hf_dir.mkdir(parents=True, exist_ok=True)
-    config = spec.config()
+    config = spec.config(**overrides)
     config.dtype = "float32"
     shapes = _hf_shapes(config)
     config.architectures = [shapes.pop("_class")]
@@ -292,13 +293,14 @@ _BUILT: dict[tuple, ZooModel] = {}  # one build per (family, recipe, seed) per t
 
 
 def zoo_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., ZooModel]:
-    """``get(family, recipe="q4_k_m", seed=0) -> ZooModel``, each built once per session under
+    """``get(family, recipe="q4_k_m", seed=0, **config_overrides) -> ZooModel``, each built once per session under
     ``tmp_path_factory`` (the ``zoo`` fixture of ``conftest.py``)."""
 
-    def get(family: str, recipe: str = "q4_k_m", seed: int = 0) -> ZooModel:
-        key = (family, recipe, seed)
+    def get(family: str, recipe: str = "q4_k_m", seed: int = 0, **overrides) -> ZooModel:
+        key = (family, recipe, seed, repr(sorted(overrides.items())))
         if key not in _BUILT:
-            _BUILT[key] = build(family, tmp_path_factory.mktemp(f"zoo-{family}-{recipe}-{seed}"), recipe, seed)
+            _BUILT[key] = build(family, tmp_path_factory.mktemp(f"zoo-{family}-{recipe}-{seed}"), recipe, seed,
+                                **overrides)
         return _BUILT[key]
 
     return get

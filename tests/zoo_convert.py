@@ -145,6 +145,9 @@ def write_gguf(path: Path, arch: str, config, file_type: gguf.LlamaFileType, mod
         w.add_head_count(hp["num_attention_heads"])
         w.add_head_count_kv(hp["num_key_value_heads"])
         w.add_rope_freq_base(full["rope_theta"])
+        if full.get("rope_type") == "linear":  # the converter's linear scaling keys (llama3 writes rope_freqs)
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
         if "sliding_attention" in rp:
             w.add_rope_freq_base_swa(rp["sliding_attention"]["rope_theta"])
         w.add_layer_norm_rms_eps(hp["rms_norm_eps"])
