@@ -25,14 +25,17 @@
 /* ringshm_isa_best and ringshm_isa_supported are declared in matmul.h (the cffi API). */
 
 struct ringshm_mm_args; /* matmul_impl.inc */
+struct ringshm_kv_pool; /* kernels.h */
 
 #define RINGSHM_ISA_DECLS(S)                                                                                   \
-    void ringshm_attn_chunk_##S(float *out, const float *q, const float *kc, const float *vc, int n, int hq,  \
-                                int hkv, int smax, int d, int start, int window, float scale, int h0, int h1);\
+    void ringshm_attn_chunk_##S(float *out, const float *q, const struct ringshm_kv_pool *pool,               \
+                                const int32_t *table, int n, int hq, int d, int start, int window, float scale, \
+                                int h0, int h1);                                                              \
     void ringshm_rms_norm_rows_##S(float *out, const float *x, const float *w, int64_t m, int64_t k,          \
                                    float eps);                                                                \
     void ringshm_silu_mul_rows_##S(float *out, const float *gu, int64_t m, int64_t inter);                   \
     void ringshm_gelu_tanh_mul_rows_##S(float *out, const float *gu, int64_t m, int64_t inter);              \
+    void ringshm_kv_widen_rows_##S(float *out, const void *src, int64_t n, int kv_type);                     \
     void ringshm_mm_panels_##S(const struct ringshm_mm_args *a, int64_t p_begin, int64_t p_end);
 RINGSHM_ISA_DECLS(v1)
 RINGSHM_ISA_DECLS(v3)

@@ -3,6 +3,7 @@
 #include "kernels.h"
 
 #include <stddef.h>
+#include <stdint.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -15,8 +16,8 @@
 
 #define VW RINGSHM_ATTN_HEAD_DIM_MULTIPLE
 
-typedef void (*attn_fn)(float *, const float *, const float *, const float *, int, int, int, int, int, int, int,
-                        float, int, int);
+typedef void (*attn_fn)(float *, const float *, const struct ringshm_kv_pool *, const int32_t *, int, int, int, int,
+                        int, float, int, int);
 typedef void (*rms_fn)(float *, const float *, const float *, int64_t, int64_t, float);
 typedef void (*silu_fn)(float *, const float *, int64_t, int64_t);
 
@@ -33,54 +34,124 @@ typedef void (*silu_fn)(float *, const float *, int64_t, int64_t);
 #define ISA_V3(name) name##_v1
 #endif
 
-static int attn_shape_ok(int n, int hq, int hkv, int smax, int d) {
-    return n > 0 && hq > 0 && hkv > 0 && smax > 0 && hq % hkv == 0 && d > 0 && d <= RINGSHM_ATTN_MAX_HEAD_DIM &&
-           d % VW == 0;
+static int pool_ok(const struct ringshm_kv_pool *p) {
+    return p && p->k && p->v && p->n_blocks > 0 && p->n_kv_heads > 0 && p->block_size > 0 &&
+           p->block_size % RINGSHM_KV_KEY_TILE == 0 && p->block_size <= RINGSHM_KV_MAX_BLOCK && p->head_dim > 0 &&
+           p->head_dim <= RINGSHM_ATTN_MAX_HEAD_DIM && p->head_dim % VW == 0 && p->kv_type >= RINGSHM_KV_F32 &&
+           p->kv_type <= RINGSHM_KV_BF16;
+}
+
+static int attn_params_ok(const struct ringshm_kv_pool *p, int n_q_heads, int window, float scale) {
+    return pool_ok(p) && n_q_heads > 0 && n_q_heads % p->n_kv_heads == 0 && window >= 0 && scale > 0.0f &&
+           scale < 1e30f;
+}
+
+/* A table of n_table ids covers positions [0, end) and names blocks of the pool only. */
+static int table_ok(const int32_t *table, int64_t n_table, int64_t end, const struct ringshm_kv_pool *p) {
+    if (end <= 0 || n_table < (end + p->block_size - 1) / p->block_size) return 0;
+    for (int64_t j = 0; j < (end + p->block_size - 1) / p->block_size; j++)
+        if (table[j] < 0 || table[j] >= p->n_blocks) return 0;
+    return 1;
 }
 
 int ringshm_attn_max_head_dim(void) { return RINGSHM_ATTN_MAX_HEAD_DIM; }
 int ringshm_attn_max_segments(void) { return RINGSHM_ATTN_MAX_SEGMENTS; }
+int ringshm_kv_max_block(void) { return RINGSHM_KV_MAX_BLOCK; }
+int ringshm_kv_key_tile(void) { return RINGSHM_KV_KEY_TILE; }
 
-static int attn_params_ok(int window, float scale) { return window >= 0 && scale > 0.0f && scale < 1e30f; }
+static inline uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
 
-int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const float *v_cache, int n,
-                         int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim, int start, int window,
-                         float scale) {
-    if (!attn_shape_ok(n, n_q_heads, n_kv_heads, max_seq_len, head_dim) || !attn_params_ok(window, scale))
+static inline float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* fp32 -> bf16, round to nearest even; every NaN becomes the quiet NaN 0x7fc0 (as torch converts). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u = f32_bits(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* fp32 -> fp16 (IEEE binary16), round to nearest even: overflow to inf, subnormals by letting the FPU round
+ * an addition at the subnormals' spacing (F. Giesen's float_to_half_fast3_rtne). */
+static inline uint16_t to_f16(float f) {
+    uint32_t u = f32_bits(f);
+    const uint32_t sign = (u >> 16) & 0x8000u;
+    u &= 0x7fffffffu;
+    if (u >= 0x7f800000u) return (uint16_t)(sign | (u > 0x7f800000u ? 0x7e00u : 0x7c00u)); /* inf, NaN */
+    if (u >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* rounds past 65504: inf */
+    if (u < 0x38800000u) /* below 2^-14: the sum's low bits are the subnormal, rounded to nearest even */
+        return (uint16_t)(sign | (f32_bits(bits_f32(u) + 0.5f) - 0x3f000000u));
+    const uint32_t odd = (u >> 13) & 1u;
+    u += 0xc8000fffu + odd; /* rebias the exponent (15 - 127) and round the 13 dropped bits to nearest even */
+    return (uint16_t)(sign | (u >> 13));
+}
+
+int ringshm_kv_widen(float *out, const void *src, int64_t n, int kv_type, int isa) {
+    if (n < 0 || n % VW || kv_type < RINGSHM_KV_F32 || kv_type > RINGSHM_KV_BF16 || !ringshm_isa_supported(isa))
         return RINGSHM_KERNEL_ERR_SHAPE;
-    if (start < 0 || start > max_seq_len - n) return RINGSHM_KERNEL_ERR_RANGE;
-    ISA_PICK(ringshm_attn_chunk)(out, q, k_cache, v_cache, n, n_q_heads, n_kv_heads, max_seq_len, head_dim, start,
-                                 window, scale, 0, n_kv_heads);
+#if RINGSHM_HAVE_X86_ISAS
+    if (isa == RINGSHM_ISA_AVX512) return ringshm_kv_widen_rows_v4(out, src, n, kv_type), RINGSHM_KERNEL_OK;
+    if (isa == RINGSHM_ISA_AVX2) return ringshm_kv_widen_rows_v3(out, src, n, kv_type), RINGSHM_KERNEL_OK;
+#endif
+    ringshm_kv_widen_rows_v1(out, src, n, kv_type);
     return RINGSHM_KERNEL_OK;
 }
 
-int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cache, const float *v_cache,
-                                  const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
-                                  int n_cache_rows, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim,
-                                  int window, float scale, int n_threads) {
-    if (n_seg < 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS || n_cache_rows <= 0 ||
-        !attn_shape_ok(1, n_q_heads, n_kv_heads, max_seq_len, head_dim) || !attn_params_ok(window, scale))
+/* Store n floats at dst (element index at) in the pool's type. */
+static inline void kv_store(void *dst, size_t at, const float *x, int n, int kv_type) {
+    if (kv_type == RINGSHM_KV_F32) {
+        memcpy((float *)dst + at, x, sizeof(float) * (size_t)n);
+    } else if (kv_type == RINGSHM_KV_F16) {
+        for (int i = 0; i < n; i++) ((uint16_t *)dst)[at + i] = to_f16(x[i]);
+    } else {
+        for (int i = 0; i < n; i++) ((uint16_t *)dst)[at + i] = to_bf16(x[i]);
+    }
+}
+
+int ringshm_attn_forward(float *out, const float *q, const struct ringshm_kv_pool *pool, const int32_t *table,
+                         int n_table, int n, int n_q_heads, int start, int window, float scale) {
+    if (n <= 0 || !attn_params_ok(pool, n_q_heads, window, scale)) return RINGSHM_KERNEL_ERR_SHAPE;
+    if (start < 0 || !table_ok(table, n_table, (int64_t)start + n, pool)) return RINGSHM_KERNEL_ERR_RANGE;
+    ISA_PICK(ringshm_attn_chunk)(out, q, pool, table, n, n_q_heads, pool->head_dim, start, window, scale, 0,
+                                 pool->n_kv_heads);
+    return RINGSHM_KERNEL_OK;
+}
+
+int ringshm_attn_forward_segments(float *out, const float *q, const struct ringshm_kv_pool *pool,
+                                  const int32_t *tables, const int64_t *table_offs, const int64_t *starts,
+                                  const int64_t *lens, int n_seg, int n_q_heads, int window, float scale,
+                                  int n_threads) {
+    if (n_seg < 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS || !attn_params_ok(pool, n_q_heads, window, scale))
         return RINGSHM_KERNEL_ERR_SHAPE;
     for (int i = 0; i < n_seg; i++) {
-        if (lens[i] < 1 || lens[i] > max_seq_len) return RINGSHM_KERNEL_ERR_SHAPE;
-        if (rows[i] < 0 || rows[i] >= n_cache_rows || starts[i] < 0 || starts[i] > max_seq_len - lens[i])
+        if (lens[i] < 1) return RINGSHM_KERNEL_ERR_SHAPE;
+        if (starts[i] < 0 || table_offs[i] < 0 || table_offs[i + 1] < table_offs[i] ||
+            !table_ok(tables + table_offs[i], table_offs[i + 1] - table_offs[i], starts[i] + lens[i], pool))
             return RINGSHM_KERNEL_ERR_RANGE;
     }
     if (n_seg == 0) return RINGSHM_KERNEL_OK;
     const attn_fn fn = ISA_PICK(ringshm_attn_chunk);
-    const size_t tok = (size_t)n_q_heads * head_dim;                  /* one query / output token */
-    const size_t row = (size_t)n_kv_heads * max_seq_len * head_dim; /* one cache row */
-    const int64_t n_items = (int64_t)n_seg * n_kv_heads;
+    const int hkv = pool->n_kv_heads, d = pool->head_dim;
+    const size_t tok = (size_t)n_q_heads * d; /* one query / output token */
+    const int64_t n_items = (int64_t)n_seg * hkv;
     int64_t offsets[RINGSHM_ATTN_MAX_SEGMENTS]; /* token offset of each segment */
     for (int i = 0; i < n_seg; i++) offsets[i] = i ? offsets[i - 1] + lens[i - 1] : 0;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > n_items) nt = (int)n_items;
 #define ITEM(it)                                                                                                \
     do {                                                                                                       \
-        const int i = (int)((it) / n_kv_heads), h = (int)((it) % n_kv_heads);                                   \
+        const int i = (int)((it) / hkv), h = (int)((it) % hkv);                                                 \
         const int64_t o = offsets[i];                                                                          \
-        fn(out + o * tok, q + o * tok, k_cache + rows[i] * row, v_cache + rows[i] * row, (int)lens[i], n_q_heads, \
-           n_kv_heads, max_seq_len, head_dim, (int)starts[i], window, scale, h, h + 1);                         \
+        fn(out + o * tok, q + o * tok, pool, tables + table_offs[i], (int)lens[i], n_q_heads, d, (int)starts[i], \
+           window, scale, h, h + 1);                                                                           \
     } while (0)
 #ifdef _OPENMP
     if (nt > 1) {
@@ -99,6 +170,36 @@ int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cac
     for (int64_t it = 0; it < n_items; it++) ITEM(it);
 #undef ITEM
     return RINGSHM_KERNEL_OK;
+}
+
+int ringshm_kv_check(const int32_t *fill, int n_blocks, int block_size, const int32_t *tables,
+                     const int64_t *table_offs, const int64_t *starts, const int64_t *lens, int n_seg,
+                     int *bad_segment) {
+    for (int i = 0; i < n_seg; i++) {
+        const int64_t s = starts[i], end = s + lens[i], n_table = table_offs[i + 1] - table_offs[i];
+        const int32_t *t = tables + table_offs[i];
+        int ok = s >= 0 && lens[i] >= 1 && block_size > 0 && n_table >= (end + block_size - 1) / block_size;
+        for (int64_t j = 0; ok && j < (end + block_size - 1) / block_size; j++) ok = t[j] >= 0 && t[j] < n_blocks;
+        for (int64_t j = 0; ok && j < s / block_size; j++) ok = fill[t[j]] == block_size;
+        if (ok && s % block_size) ok = fill[t[s / block_size]] >= s % block_size;
+        if (!ok) {
+            if (bad_segment) *bad_segment = i;
+            return RINGSHM_KERNEL_ERR_RANGE;
+        }
+    }
+    return RINGSHM_KERNEL_OK;
+}
+
+void ringshm_kv_mark(int32_t *fill, int block_size, const int32_t *tables, const int64_t *table_offs,
+                     const int64_t *starts, const int64_t *lens, int n_seg) {
+    for (int i = 0; i < n_seg; i++) {
+        const int64_t s = starts[i], end = s + lens[i];
+        const int32_t *t = tables + table_offs[i];
+        for (int64_t j = s / block_size; j * block_size < end; j++) {
+            const int64_t f = end - j * block_size;
+            fill[t[j]] = (int32_t)(f < block_size ? f : block_size);
+        }
+    }
 }
 
 /* out may be x itself: each pair is read before it is written. */
@@ -123,20 +224,24 @@ int ringshm_rope_apply(float *out, const float *x, const float *cos, const float
     return RINGSHM_KERNEL_OK;
 }
 
-int ringshm_kv_append(float *k_cache, float *v_cache, const float *k, const float *v, const float *cos,
-                      const float *sin, int n, int n_kv_heads, int max_seq_len, int head_dim, int start, int n_pos) {
-    if (n <= 0 || n_kv_heads <= 0 || max_seq_len <= 0 || head_dim <= 0 || head_dim % 2 != 0)
-        return RINGSHM_KERNEL_ERR_SHAPE;
-    if (start < 0 || start > max_seq_len - n || start > n_pos - n) return RINGSHM_KERNEL_ERR_RANGE;
-    const int half = head_dim / 2;
-    for (int j = 0; j < n; j++)
-        for (int h = 0; h < n_kv_heads; h++) {
-            const size_t src = ((size_t)j * n_kv_heads + h) * head_dim;           /* k, v [n, Hkv, D] */
-            const size_t dst = ((size_t)h * max_seq_len + start + j) * head_dim; /* cache [Hkv, S_max, D] */
-            rope_one(k_cache + dst, k + src, cos + (size_t)(start + j) * half, sin + (size_t)(start + j) * half,
-                     half);
-            memcpy(v_cache + dst, v + src, sizeof(float) * (size_t)head_dim);
+int ringshm_kv_append(const struct ringshm_kv_pool *pool, const int32_t *table, int n_table, const float *k,
+                      const float *v, const float *cos, const float *sin, int n, int start, int n_pos) {
+    if (n <= 0 || !pool_ok(pool) || pool->head_dim % 2 != 0) return RINGSHM_KERNEL_ERR_SHAPE;
+    if (start < 0 || start > n_pos - n || !table_ok(table, n_table, (int64_t)start + n, pool))
+        return RINGSHM_KERNEL_ERR_RANGE;
+    const int hkv = pool->n_kv_heads, d = pool->head_dim, bs = pool->block_size, half = d / 2;
+    float rotated[RINGSHM_ATTN_MAX_HEAD_DIM];
+    for (int j = 0; j < n; j++) {
+        const int p = start + j;
+        const size_t block = (size_t)table[p / bs] * hkv; /* block [Hkv, B, D] */
+        for (int h = 0; h < hkv; h++) {
+            const size_t src = ((size_t)j * hkv + h) * d;             /* k, v [n, Hkv, D] */
+            const size_t dst = ((block + h) * bs + p % bs) * d;        /* pool [n_blocks, Hkv, B, D] */
+            rope_one(rotated, k + src, cos + (size_t)p * half, sin + (size_t)p * half, half);
+            kv_store(pool->k, dst, rotated, d, pool->kv_type);
+            kv_store(pool->v, dst, v + src, d, pool->kv_type);
         }
+    }
     return RINGSHM_KERNEL_OK;
 }
 

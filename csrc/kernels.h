@@ -1,22 +1,29 @@
-/* ringshm kernels: RoPE, KV-append and causal GQA attention over one KV-cache row, fp32, single thread.
+/* ringshm kernels: RoPE, KV-append and causal GQA attention over paged KV, RMSNorm and the MLP gates; fp32
+ * activations, KV stored in fp32, fp16 or bf16.
  *
  * These are the hot path of a stage process: decode (n = 1) and speculative verify (n = 8) run one
- * attention call per layer per op. The caller (ringshm/kernels.py) checks shapes, dtypes, devices and
+ * attention call per layer per op. The caller (ringshm/model/kernels.py) checks shapes, dtypes, devices and
  * contiguity before every call; the C side re-checks only what a wrong value would turn into an
  * out-of-bounds access, and answers with a status. Nothing here prints, exits, allocates or keeps state.
  *
  * Tensor layout (row-major, contiguous, fp32; names as in the Python docstrings):
  *
- *     q, out       [n, Hq, D]          query j of the chunk sits at absolute position start + j
- *     k, v         [n, Hkv, D]         new keys/values of the chunk, k not yet rotated
- *     cache row    [Hkv, S_max, D]     one row of the per-layer cache [R, Hkv, S_max, D]
- *     cos, sin     [P, D/2]            RoPE tables, row p = position p (ringshm.kernels.rope_tables)
+ *     q, out       [n, Hq, D]             query j of the chunk sits at absolute position start + j
+ *     k, v         [n, Hkv, D]            new keys/values of the chunk, k not yet rotated
+ *     KV pool      [n_blocks, Hkv, B, D]  one layer's keys (and as many values), in the pool's KV type (fp32,
+ *                                         or fp16 / bf16: rounded to nearest-even once, on append, and widened
+ *                                         exactly to fp32 when read): block b holds B consecutive
+ *                                         positions of whichever stream's table names it, head by head
+ *     table        [ceil((start + n) / B)] int32: the blocks of one stream, in position order: position p
+ *                                         lives in block table[p / B] at offset p % B
+ *     cos, sin     [P, D/2]               RoPE tables, row p = position p (ringshm.model.kernels.rope_tables)
  *
  * RoPE is the rotate-half (NeoX / Hugging Face Llama) layout: dims i and i + D/2 form a pair,
  *     x'[i]       = x[i]       * cos[p, i] - x[i + D/2] * sin[p, i]
  *     x'[i + D/2] = x[i + D/2] * cos[p, i] + x[i]       * sin[p, i]        for 0 <= i < D/2.
  *
- * Limits: 0 < D <= ringshm_attn_max_head_dim() and D % 16 == 0 for attention (vector width); Hq % Hkv == 0.
+ * Limits: 0 < D <= ringshm_attn_max_head_dim() and D % 16 == 0 for attention (vector width); Hq % Hkv == 0;
+ * B a multiple of RINGSHM_KV_KEY_TILE (32), at most RINGSHM_KV_MAX_BLOCK.
  */
 #ifndef RINGSHM_KERNELS_H
 #define RINGSHM_KERNELS_H
@@ -29,19 +36,44 @@
 #define RINGSHM_ATTN_HEAD_DIM_MULTIPLE 16
 /* Most segments of one ragged attention call (its per-call offsets table lives on the stack). */
 #define RINGSHM_ATTN_MAX_SEGMENTS 4096
+/* Largest KV block (positions). */
+#define RINGSHM_KV_MAX_BLOCK 128
+/* Keys per online-softmax step of the attention, whatever the block size: a block is a whole number of key
+ * tiles, so a row's sums run in the same order (and give the same bits) at every block size. */
+#define RINGSHM_KV_KEY_TILE 32
 
 /* CDEF BEGIN */
 /* Status codes of the kernels; distinct from the ring's (-1 .. -7) so one table can map both. */
 enum ringshm_kernel_status {
     RINGSHM_KERNEL_OK = 0,
     RINGSHM_KERNEL_ERR_SHAPE = -16, /* a dimension is <= 0, D odd or too large, Hq % Hkv != 0 */
-    RINGSHM_KERNEL_ERR_RANGE = -17  /* start + n past S_max or past the RoPE table, or a row index out of range */
+    RINGSHM_KERNEL_ERR_RANGE = -17  /* positions past the RoPE table, a block id outside the pool, a table too
+                                       short for its positions, or KV read before it was written */
+};
+
+/* Element types of a KV pool. */
+enum ringshm_kv_type { RINGSHM_KV_F32 = 0, RINGSHM_KV_F16 = 1, RINGSHM_KV_BF16 = 2 };
+
+/* One layer's paged KV: keys and values [n_blocks, Hkv, B, D] each, elements of type kv_type. */
+struct ringshm_kv_pool {
+    void *k, *v;
+    int n_blocks, block_size, n_kv_heads, head_dim, kv_type;
 };
 
 /* Largest head_dim (D) the attention kernel accepts (RINGSHM_ATTN_MAX_HEAD_DIM). */
 int ringshm_attn_max_head_dim(void);
 /* Most segments of one ringshm_attn_forward_segments / ringshm_layer_forward call (RINGSHM_ATTN_MAX_SEGMENTS). */
 int ringshm_attn_max_segments(void);
+/* Largest KV block size in positions (RINGSHM_KV_MAX_BLOCK). */
+int ringshm_kv_max_block(void);
+/* The attention's key tile (RINGSHM_KV_KEY_TILE): block sizes are multiples of it. */
+int ringshm_kv_key_tile(void);
+
+/* ringshm_kv_widen: n KV elements of kv_type at src, as fp32 into out, through the given ISA's path
+ * (enum ringshm_isa, matmul.h): exactly what that path's attention reads. Every path must give the exact value
+ * of each element (fp16 and bf16 widen without rounding); the tests hold them to it over all 65536 patterns.
+ * Returns RINGSHM_KERNEL_ERR_SHAPE for n < 0 or not a multiple of 16, an unknown type, or an ISA this CPU lacks. */
+int ringshm_kv_widen(float *out, const void *src, int64_t n, int kv_type, int isa);
 
 /* ringshm_rope_apply: rotate n x H vectors by RoPE at positions start .. start + n - 1.
  *
@@ -54,26 +86,24 @@ int ringshm_attn_max_segments(void);
 int ringshm_rope_apply(float *out, const float *x, const float *cos, const float *sin,
                        int n, int n_heads, int head_dim, int start, int n_pos);
 
-/* ringshm_kv_append: rotate the chunk's keys by RoPE and write keys and values into one cache row.
+/* ringshm_kv_append: rotate a chunk's keys by RoPE and write keys and values into its stream's blocks.
  *
- *     k_cache, v_cache  [Hkv, S_max, D]   one row of the layer's cache; written in place
- *     k, v              [n, Hkv, D]       the chunk's new keys (unrotated) and values
- *     cos, sin          [n_pos, D/2]      RoPE tables
+ *     pool         the layer's KV; written in place at the chunk's positions only
+ *     table        [n_table] block ids of the stream, n_table >= ceil((start + n) / B)
+ *     k, v         [n, Hkv, D] the chunk's new keys (unrotated) and values;  cos, sin [n_pos, D/2]
  *
- * For 0 <= j < n, 0 <= h < Hkv:
- *     k_cache[h, start + j] = rope(k[j, h], start + j)
- *     v_cache[h, start + j] = v[j, h]
- * Positions outside [start, start + n) are not touched. Writing at start < the row's length overwrites
- * (speculative rollback). Returns RINGSHM_KERNEL_ERR_RANGE if start + n > S_max or > n_pos.
- */
-int ringshm_kv_append(float *k_cache, float *v_cache, const float *k, const float *v,
-                      const float *cos, const float *sin,
-                      int n, int n_kv_heads, int max_seq_len, int head_dim, int start, int n_pos);
+ * For 0 <= j < n, 0 <= h < Hkv, p = start + j:  K[table[p / B], h, p % B] = rope(k[j, h], p),  V[...] = v[j, h]
+ * (each rounded to the pool's KV type, to nearest even: fp16 overflows to inf and has subnormals, NaN stays NaN).
+ * Writing at positions a stream wrote before overwrites them (speculative rollback). Returns
+ * RINGSHM_KERNEL_ERR_RANGE if start + n > n_pos, the table is too short or names a block outside the pool. */
+int ringshm_kv_append(const struct ringshm_kv_pool *pool, const int32_t *table, int n_table, const float *k,
+                      const float *v, const float *cos, const float *sin, int n, int start, int n_pos);
 
-/* ringshm_attn_forward: causal GQA attention of a chunk of n queries against one cache row.
+/* ringshm_attn_forward: causal GQA attention of a chunk of n queries against its stream's paged KV.
  *
- *     q, out            [n, Hq, D]        q already rotated; out is written, must not overlap q
- *     k_cache, v_cache  [Hkv, S_max, D]   positions [0, start + n) are read (the chunk's own keys included)
+ *     q, out   [n, Hq, D]   q already rotated; out is written, must not overlap q
+ *     pool     the layer's KV;  table [n_table], n_table >= ceil((start + n) / B): positions [0, start + n) are
+ *              read (the chunk's own keys included)
  *
  * Mask: causal, aligned bottom-right: query j (absolute position p = start + j) sees keys lo(p) .. p, where
  * lo(p) = 0, or with a sliding window of W > 0 keys, max(0, p - W + 1) (transformers' sliding-window mask:
@@ -83,35 +113,48 @@ int ringshm_kv_append(float *k_cache, float *v_cache, const float *k, const floa
  *     out[j, h] = sum_t softmax_t(q[j, h] . k[h', t] * scale) v[h', t],  lo(p) <= t <= p,  h' = h / (Hq / Hkv)
  *
  * scale: the factor on q . k (1 / sqrt(D) for Llama; Gemma's query_pre_attn_scalar^-1/2).
- * Accumulation in fp32 with an online (flash-style, max-subtracted) softmax over blocks of keys that start at
- * absolute multiples of the block size; a row visits the blocks from the one holding lo(p), and keys before
- * lo(p) in it weigh exactly 0. Each output row depends only on its own query, its position and the cache: it
- * is bitwise the same whatever n, the other rows in the chunk or the batch (decode of position p == verify row
- * at p). Returns RINGSHM_KERNEL_ERR_SHAPE for a bad D, Hq % Hkv != 0, window < 0 or scale not finite > 0,
- * RINGSHM_KERNEL_ERR_RANGE if start + n > S_max.
- */
-int ringshm_attn_forward(float *out, const float *q, const float *k_cache, const float *v_cache,
-                         int n, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim, int start, int window,
-                         float scale);
+ * Keys and values are widened to fp32 as they are read; accumulation in fp32 with an online (flash-style,
+ * max-subtracted) softmax over key tiles of RINGSHM_KV_KEY_TILE positions in position order, from the tile
+ * holding lo(p); keys before lo(p) in it weigh exactly 0. Each output row depends only on its own query, its
+ * position and the keys: it is bitwise the same whatever n, the other rows in the chunk, the batch, B, or where
+ * the table's blocks sit in the pool (decode of position p == verify row at p). Returns
+ * RINGSHM_KERNEL_ERR_SHAPE for a bad D, B or KV type, Hq % Hkv != 0, window < 0 or scale not finite > 0,
+ * RINGSHM_KERNEL_ERR_RANGE for a table too short or naming a block outside the pool. */
+int ringshm_attn_forward(float *out, const float *q, const struct ringshm_kv_pool *pool, const int32_t *table,
+                         int n_table, int n, int n_q_heads, int start, int window, float scale);
 
-/* ringshm_attn_forward_segments: ringshm_attn_forward for a ragged batch of segments, each on its own cache row.
+/* ringshm_attn_forward_segments: ringshm_attn_forward for a ragged batch of segments, each on its own table.
  *
- *     q, out            [T, Hq, D]            segment i's lens[i] queries follow segment i-1's (T = sum of lens)
- *     k_cache, v_cache  [R, Hkv, S_max, D]    the layer's whole cache
- *     rows, starts, lens [n_seg] int64        segment i reads cache row rows[i]; its queries sit at starts[i] ..
+ *     q, out       [T, Hq, D]            segment i's lens[i] queries follow segment i-1's (T = sum of lens)
+ *     tables       int32, segment i's table at tables[table_offs[i] .. table_offs[i + 1])
+ *     table_offs   [n_seg + 1] int64;  starts, lens [n_seg] int64
  *
- * out[segment i] = attn_forward(q[segment i], k_cache[rows[i]], v_cache[rows[i]], starts[i], window, scale). The
- * work items are (segment, kv head) pairs spread over up to n_threads OpenMP threads, each run in the caller's
- * FP mode; an item is computed exactly as attn_forward computes it, so the bits do not depend on n_threads or on
- * the other segments (batch invariance). Rows may repeat (reads only). Everything is checked before anything is
- * written: RINGSHM_KERNEL_ERR_SHAPE for a bad shape, window or scale, lens[i] < 1 or > S_max, or n_seg >
- * RINGSHM_ATTN_MAX_SEGMENTS; RINGSHM_KERNEL_ERR_RANGE for a row outside [0, R) or starts[i] < 0 or starts[i] +
- * lens[i] > S_max.
- */
-int ringshm_attn_forward_segments(float *out, const float *q, const float *k_cache, const float *v_cache,
-                                  const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
-                                  int n_cache_rows, int n_q_heads, int n_kv_heads, int max_seq_len, int head_dim,
-                                  int window, float scale, int n_threads);
+ * out[segment i] = attn_forward(q[segment i], pool, its table, lens[i], starts[i], window, scale). The work items
+ * are (segment, kv head) pairs spread over up to n_threads OpenMP threads, each run in the caller's FP mode; an
+ * item is computed exactly as attn_forward computes it, so the bits do not depend on n_threads or on the other
+ * segments (batch invariance). Tables may share blocks (reads only). Everything is checked before anything is
+ * written: RINGSHM_KERNEL_ERR_SHAPE for a bad shape, window or scale, lens[i] < 1, or n_seg >
+ * RINGSHM_ATTN_MAX_SEGMENTS; RINGSHM_KERNEL_ERR_RANGE for starts[i] < 0, a table too short or naming a block
+ * outside the pool. */
+int ringshm_attn_forward_segments(float *out, const float *q, const struct ringshm_kv_pool *pool,
+                                  const int32_t *tables, const int64_t *table_offs, const int64_t *starts,
+                                  const int64_t *lens, int n_seg, int n_q_heads, int window, float scale,
+                                  int n_threads);
+
+/* ringshm_kv_check: may a step op's segments read and write the KV their tables name? Positions a block holds
+ * are tracked in fill [n_blocks] (written by ringshm_kv_mark): segment i (start s, n tokens, its table T) needs
+ * len(T) >= ceil((s + n) / B), every id of T in the pool, fill[T[j]] == B for j < s / B and
+ * fill[T[s / B]] >= s % B (it reads every position before s and writes from s). Returns 0, or
+ * RINGSHM_KERNEL_ERR_RANGE with *bad_segment = the first segment that fails (nothing is changed). */
+int ringshm_kv_check(const int32_t *fill, int n_blocks, int block_size, const int32_t *tables,
+                     const int64_t *table_offs, const int64_t *starts, const int64_t *lens, int n_seg,
+                     int *bad_segment);
+
+/* ringshm_kv_mark: record the positions a checked op wrote: for each segment, the blocks holding [s, s + n)
+ * get fill = min(B, s + n - j B) (a block written from the middle keeps what came before; a write below a
+ * block's fill cuts it back, as a rolled-back draft does). */
+void ringshm_kv_mark(int32_t *fill, int block_size, const int32_t *tables, const int64_t *table_offs,
+                     const int64_t *starts, const int64_t *lens, int n_seg);
 /* ringshm_rms_norm: RMSNorm of each row (Zhang & Sennrich 2019; Hugging Face LlamaRMSNorm's order of ops).
  *
  *     x, out  [m, k] fp32 (out may be x: each row is read before it is written)     w  [k]

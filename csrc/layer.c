@@ -18,7 +18,7 @@ struct layout {
 
 static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layout *l) {
     if (!s || t <= 0 || s->hidden <= 0 || s->hidden % 16 || s->inter <= 0 || s->inter % 8 || s->n_heads <= 0 ||
-        s->n_kv_heads <= 0 || s->head_dim <= 0 || s->max_rows <= 0 || s->max_seq_len <= 0 || s->n_pos <= 0 ||
+        s->n_kv_heads <= 0 || s->head_dim <= 0 || s->n_pos <= 0 ||
         s->n_heads % s->n_kv_heads || s->head_dim % RINGSHM_ATTN_HEAD_DIM_MULTIPLE ||
         s->head_dim > RINGSHM_ATTN_MAX_HEAD_DIM || (s->act != RINGSHM_ACT_SILU && s->act != RINGSHM_ACT_GELU_TANH) ||
         !(s->attn_scale > 0.0f))
@@ -50,25 +50,24 @@ static void add_rows(float *x, const float *a, const float *b, int64_t n) {
 }
 
 int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
-                          int64_t t, const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
-                          float *work, int64_t work_floats, int n_threads, int isa) {
+                          int64_t t, const int64_t *starts, const int64_t *lens, const int32_t *tables,
+                          const int64_t *table_offs, int n_seg, float *work, int64_t work_floats, int n_threads,
+                          int isa) {
     struct layout l;
     if (!w || !layout_of(s, t, &l) || work_floats < l.total || n_seg <= 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS ||
         w->window < 0 || !w->cos || !w->sin || (!w->q_norm) != (!w->k_norm) ||
-        (!w->post_attn_norm) != (!w->post_ffn_norm))
+        (!w->post_attn_norm) != (!w->post_ffn_norm) || w->kv.n_kv_heads != s->n_kv_heads ||
+        w->kv.head_dim != s->head_dim)
         return RINGSHM_KERNEL_ERR_SHAPE;
     int64_t sum = 0;
     for (int i = 0; i < n_seg; i++) {
         if (lens[i] <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
-        if (rows[i] < 0 || rows[i] >= s->max_rows || starts[i] < 0 || starts[i] + lens[i] > s->max_seq_len ||
-            starts[i] + lens[i] > s->n_pos)
-            return RINGSHM_KERNEL_ERR_RANGE;
+        if (starts[i] < 0 || starts[i] + lens[i] > s->n_pos) return RINGSHM_KERNEL_ERR_RANGE;
         sum += lens[i];
     }
     if (sum != t) return RINGSHM_KERNEL_ERR_SHAPE;
     const int hid = s->hidden, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
     const int64_t qd = (int64_t)hq * d, kvd = (int64_t)hkv * d;
-    const int64_t cache_row = (int64_t)hkv * s->max_seq_len * d;
     const int post = w->post_attn_norm != NULL;
     float *h = work + l.h, *qkv = work + l.qkv, *q = work + l.q, *k = work + l.k, *v = work + l.v;
     float *attn = work + l.attn, *x2 = work + l.x2, *gu = work + l.gu, *act = work + l.act;
@@ -98,18 +97,19 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         if ((st = ringshm_rms_norm(k, k, w->k_norm, t * hkv, d, s->rms_eps))) return st;
     }
     int64_t off = 0;
-    for (int i = 0; i < n_seg; off += lens[i], i++) { /* RoPE and KV-append per segment, on its own row */
+    for (int i = 0; i < n_seg; off += lens[i], i++) { /* RoPE and KV-append per segment, into its blocks */
         const int n = (int)lens[i], start = (int)starts[i];
-        float *kc = w->k_cache + rows[i] * cache_row, *vc = w->v_cache + rows[i] * cache_row;
-        if ((st = ringshm_kv_append(kc, vc, k + off * kvd, v + off * kvd, w->cos, w->sin, n, hkv, s->max_seq_len, d,
-                                    start, s->n_pos)))
+        const int32_t *table = tables + table_offs[i];
+        const int n_table = (int)(table_offs[i + 1] - table_offs[i]);
+        if ((st = ringshm_kv_append(&w->kv, table, n_table, k + off * kvd, v + off * kvd, w->cos, w->sin, n, start,
+                                    s->n_pos)))
             return st;
         if ((st = ringshm_rope_apply(q + off * qd, q + off * qd, w->cos, w->sin, n, hq, d, start, s->n_pos)))
             return st;
     }
     /* then every segment's attention at once: (segment, kv head) items over the threads */
-    if ((st = ringshm_attn_forward_segments(attn, q, w->k_cache, w->v_cache, rows, starts, lens, n_seg, s->max_rows,
-                                            hq, hkv, s->max_seq_len, d, w->window, s->attn_scale, n_threads)))
+    if ((st = ringshm_attn_forward_segments(attn, q, &w->kv, tables, table_offs, starts, lens, n_seg, hq, w->window,
+                                            s->attn_scale, n_threads)))
         return st;
     if (post) { /* x2 = x + norm(attn . Wo^T + bo) */
         if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, NULL, 0,

@@ -10,22 +10,23 @@
  *     qkv  = h . Wqkv^T (+ bqkv)                                        [T, q_dim + 2 kv_dim]
  *            (one matmul, or three when Q, K, V are in different encodings: the same bits either way)
  *     q, k = rms_norm per head (q_norm, k_norm: [D]; Qwen 3, Gemma 3)
- *     per segment s (row r, start p, n tokens, its tokens at offset o of the op):
- *         kv_append(cache[r], rope(k), v) at positions p .. p + n - 1;  q[o .. o + n) = rope(q)   (this
+ *     per segment s (start p, n tokens, its block table, its tokens at offset o of the op):
+ *         kv_append(pool, its table, rope(k), v) at positions p .. p + n - 1;  q[o .. o + n) = rope(q)   (this
  *         layer's cos / sin: Gemma 3's sliding layers have their own base)
- *     attn = attention of every segment on its row, this layer's window (0: causal over every earlier key) and
- *            the shape's attn_scale (ringshm_attn_forward_segments: threads over (segment, kv head) items)
+ *     attn = attention of every segment through its table, this layer's window (0: causal over every earlier
+ *            key) and the shape's attn_scale (ringshm_attn_forward_segments: threads over (segment, kv head))
  *     o    = attn . Wo^T (+ bo)
  *     x2   = x + o,  or with post norms  x2 = x + rms_norm(o, post_attn_norm)                [T, hidden]
  *     gu   = rms_norm(x2, ffn_norm) . Wgate_up^T (+ bgate_up)          [T, 2 I]  rows [gate | up]
  *     m    = act(gate) * up . Wdown^T (+ bdown)      act: silu (SwiGLU) or gelu_tanh (GeGLU)
  *     x    = x2 + m,  or with post norms  x = x2 + rms_norm(m, post_ffn_norm)                written over x
  *
- * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: rows, starts, lens [n_seg]
- * int64, at most RINGSHM_ATTN_MAX_SEGMENTS. The caller guarantees that a row appears in one segment only (every
- * segment's KV is appended before any attention runs, so a repeated row would not see the order of a serial
- * run) and that each segment satisfies the KV rules of ringshm.model; the kernels re-check what would go out of
- * bounds. Caches: [max_rows, Hkv, S_max, D] fp32. cos, sin: [n_pos, D / 2]. work: at least
+ * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: starts, lens [n_seg] int64, at
+ * most RINGSHM_ATTN_MAX_SEGMENTS; segment i's block table is tables[table_offs[i] .. table_offs[i + 1]) (int32,
+ * kernels.h). The caller guarantees that no block is written by two segments of an op (every segment's KV is
+ * appended before any attention runs, so a shared written block would not see the order of a serial run) and
+ * that each segment reads only KV already written (ringshm_kv_check); the kernels re-check what would go out of
+ * bounds. KV: this layer's pool [n_blocks, Hkv, B, D] fp32. cos, sin: [n_pos, D / 2]. work: at least
  * ringshm_layer_work_floats(shape, T) floats of scratch. Every step is batch-invariant (each row reduced in a
  * fixed order), so the result for a segment does not depend on the other segments of the op, and the matmuls
  * split output rows over n_threads. Limits: hidden % 16 == 0 and inter % 8 == 0 (rows of the intermediates are
@@ -36,13 +37,15 @@
 
 #include <stdint.h>
 
+#include "kernels.h"
+
 /* CDEF BEGIN */
 /* The MLP's gate (ringshm.config.ACTIVATIONS). */
 enum ringshm_act { RINGSHM_ACT_SILU = 0, RINGSHM_ACT_GELU_TANH = 1 };
 
 struct ringshm_layer_shape {
     int hidden, n_heads, n_kv_heads, head_dim, inter;
-    int max_rows, max_seq_len, n_pos; /* cache rows, positions per row, RoPE table rows */
+    int n_pos;        /* RoPE table rows: the most positions a stream may have */
     float rms_eps;
     int act;          /* enum ringshm_act */
     float attn_scale; /* the factor on q . k */
@@ -66,7 +69,7 @@ struct ringshm_layer_weights {
     const float *post_attn_norm, *post_ffn_norm;                /* [hidden] or NULL: no post norms */
     const float *cos, *sin;                                     /* [n_pos, D / 2]: this layer's RoPE */
     int window;                                                 /* sliding-window keys, 0: none */
-    float *k_cache, *v_cache;                                   /* [max_rows, Hkv, S_max, D] */
+    struct ringshm_kv_pool kv;                                  /* this layer's blocks (kernels.h) */
 };
 
 /* Scratch floats ringshm_layer_forward needs for an op of t tokens (< 0 on a bad shape). */
@@ -75,8 +78,9 @@ int64_t ringshm_layer_work_floats(const struct ringshm_layer_shape *s, int64_t t
 /* Returns 0, a RINGSHM_MATMUL_ERR_* / RINGSHM_KERNEL_ERR_* status from the step that refused (before that
  * step wrote anything), or RINGSHM_KERNEL_ERR_SHAPE for a bad shape or segment table (before anything). */
 int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
-                          int64_t t, const int64_t *rows, const int64_t *starts, const int64_t *lens, int n_seg,
-                          float *work, int64_t work_floats, int n_threads, int isa);
+                          int64_t t, const int64_t *starts, const int64_t *lens, const int32_t *tables,
+                          const int64_t *table_offs, int n_seg, float *work, int64_t work_floats, int n_threads,
+                          int isa);
 /* CDEF END */
 
 #endif /* RINGSHM_LAYER_H */

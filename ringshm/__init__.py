@@ -50,7 +50,8 @@ _LAZY = {
     "run_worker": "ringshm.runtime.worker",
 }
 
-__all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "EdgeError", "EngineClosed", "EngineOwned", "InvalidParameter", "KVCacheOverflow", "PeerDied",
+__all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "EdgeError", "EngineClosed", "EngineOwned",
+           "InvalidParameter", "KVCacheOverflow", "PeerDied",
            "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage", "RingshmError",
            "RingTimeout", "StageDied", "StageError", "StageStalled", "StageStartupError"]
 

@@ -23,6 +23,7 @@ import signal
 import sys
 from contextlib import contextmanager
 
+from ringshm.config import DEFAULT_BLOCK_SIZE
 from ringshm.errors import ClusterRefused, ResourceShortage, StageStartupError
 
 
@@ -54,8 +55,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="token budget of one step op for prefill chunks (default: --prefill-chunk)")
     p.add_argument("--max-seq-len", type=int, default=2048,
-                   help="KV positions per row, prompt + output (capped at the model's context length)")
-    p.add_argument("--max-rows", type=int, default=8, help="KV rows per stage: streams live at once")
+                   help="the most positions one request may reach, prompt + output (capped at the model's context "
+                        "length)")
+    p.add_argument("--max-rows", type=int, default=8,
+                   help="streams live at once (reserves no memory: KV lives in blocks, see --kv-cache-memory)")
+    p.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="GiB of KV blocks over all stages (default: enough for --max-rows streams of --max-seq-len)")
+    p.add_argument("--kv-cache-dtype", default="float16", choices=("float32", "float16", "bfloat16"),
+                   help="what the KV blocks store: 16-bit halves the bytes per token (attention still sums in fp32)")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=(32, 64, 128),
+                   help="KV positions per block: the granule of the KV cache and of prefix-cache hits")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false", default=argparse.SUPPRESS,
+                   help="compute every prompt in full (by default the prefix cache is on; it is bit-exact, so "
+                        "this only changes the speed)")
     p.add_argument("--op-timeout", type=float, default=120.0,
                    help="seconds one op may take before the engine gives up on it (serve: the stage holding it "
                         "is reported unhealthy)")
@@ -110,7 +122,10 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     return dict(model=a.model, stages=a.stages, layer_split=split, device=a.device, dtype=a.dtype,
                 prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, depth=a.depth,
                 max_step_tokens=a.max_step_tokens, max_seq_len=a.max_seq_len,
-                max_rows=a.max_rows, op_timeout_s=a.op_timeout, link_latency_ms=a.link_latency_ms,
+                max_rows=a.max_rows, kv_cache_memory=a.kv_cache_memory, block_size=a.block_size,
+                kv_cache_dtype=a.kv_cache_dtype,
+                prefix_cache=getattr(a, "prefix_cache", True), op_timeout_s=a.op_timeout,
+                link_latency_ms=a.link_latency_ms,
                 startup_timeout_s=a.startup_timeout, nnodes=a.nnodes, node_stages=node_stages,
                 edge_timeout_s=a.edge_timeout,
                 edge_latency_ms=a.edge_latency_ms, **_rendezvous_kwargs(a))
@@ -161,9 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--host", default="127.0.0.1", help="address to bind")
     srv.add_argument("--port", type=int, default=8000, help="port to bind")
     srv.add_argument("--max-waiting", type=int, default=64,
-                     help="requests that may wait for a KV row beyond --max-rows; more get 429")
+                     help="requests that may wait for a row and its KV blocks beyond --max-rows; more get 429")
     srv.add_argument("--max-queue-wait", type=float, default=60.0,
-                     help="seconds a request may wait for a KV row; then it gets 503 with Retry-After")
+                     help="seconds a request may wait for a row and its KV blocks; then it gets 503 with Retry-After")
     srv.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                      help="largest request body accepted; a larger one gets 413")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
@@ -326,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     # torch.distributed's C++ side logs every socket wait it retries and a stack trace for each failed try (the
-    # rendezvous waits for its peer): our own message says what failed, unless the caller asked for more. Set before torch is imported; children inherit it.
+    # rendezvous waits for its peer): our own message says what failed, unless the caller asked for more. Set before
+    # torch is imported; children inherit it.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
     args = build_parser().parse_args(argv)
     try:

@@ -163,11 +163,13 @@ class ResourceShortage(RingshmError, RuntimeError):
 
 # ------------------------------------------------------------------------------------------ serving errors
 class QueueFull(RingshmError, RuntimeError):
-    """``max_rows`` requests run and ``max_waiting`` more wait for a KV row: try again later (HTTP 429)."""
+    """``max_rows`` requests run and ``max_waiting`` more wait for a row and its KV blocks: try again later (HTTP
+    429)."""
 
 
 class QueueTimeout(RingshmError, TimeoutError):
-    """A request waited longer than ``max_queue_wait_s`` for a KV row and was dropped unstarted (HTTP 503)."""
+    """A request waited longer than ``max_queue_wait_s`` for a row and its KV blocks and was dropped unstarted (HTTP
+    503)."""
 
 
 class StageStalled(RingshmError, TimeoutError):

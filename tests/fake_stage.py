@@ -1,10 +1,12 @@
 """A fake-ring harness: the real rings, protocol, stage loop (``ringshm.runtime.stage.serve``) and coordinator, with a
 model that answers like an oracle, so losslessness is an exact equality and a run takes milliseconds.
 
-``OracleModel`` holds scripted sequences T (keyed by their first token). A row's KV "content" is the tokens
-written to it; the answer at position p is T[p + 1] when the row's tokens 0..p equal T's, else ``WRONG``.
-So any segment applied to the wrong row, out of order, or over positions never written shows up as a wrong
-token. Reading past what a row holds raises ``KVRangeError`` (an ERROR reply), exactly as ``StageModel`` does.
+``OracleModel`` holds scripted sequences T (keyed by their first token). Its KV is paged as the real stage's: a
+block holds the tokens written at its offsets, and a segment's context at position p is what the blocks its
+table names hold at positions 0..p; the answer is T[p + 1] when that context equals T[:p + 1], else ``WRONG``.
+So any segment applied to the wrong blocks, out of order, over positions never written, or with a cached block
+attached one position off shows up as a wrong token. Reading what no op wrote raises ``KVRangeError`` (an ERROR
+reply), exactly as ``StageModel`` does.
 Every position the head runs at has fake logits ``[vocab]``: 10 at the oracle's answer, 9 at the id after it, 0
 elsewhere (so its argmax is the answer, and banning the answer picks the next id); ``WANT_LOGITS`` returns them
 and the logprob bits are answered from them by ``ringshm.model.head``, as the real last stage does.
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ringshm.engine.coordinator import Link, Stream
+from ringshm.engine.kv_blocks import KVBlocks
 from ringshm.engine.sampling import Sampler, TextStream
 from ringshm.errors import KVRangeError, PeerDied
 from ringshm.model.head import head_outputs, plan_head
@@ -28,66 +31,104 @@ from ringshm.transport import messages as m
 from ringshm.transport.ring import Ring
 
 WRONG = 0  # the token an oracle gives for a context that is not a prefix of its script
+BLOCK = 16  # the fake stages' KV block size (small: short scripts still span several blocks)
 EOS = 2
 
 
 class OracleModel:
-    """Single-stage fake of ``StageModel`` (first and last): see the module docstring."""
+    """Single-stage fake of ``StageModel`` (first and last) over paged KV: see the module docstring."""
 
-    def __init__(self, scripts: list[list[int]], max_rows: int, max_seq_len: int = 4096, vocab: int = 1024):
+    def __init__(self, scripts: list[list[int]], max_rows: int, max_seq_len: int = 4096, vocab: int = 1024,
+                 block_size: int = BLOCK, n_blocks: int | None = None):
         self.scripts = {t[0]: t for t in scripts}
         assert len(self.scripts) == len(scripts), "scripts need distinct first tokens"
         self.max_rows, self.max_seq_len, self.vocab = max_rows, max_seq_len, vocab
-        self.content: list[list[int]] = [[] for _ in range(max_rows)]
+        self.block_size = block_size
+        self.n_blocks = n_blocks if n_blocks is not None else max_rows * -(-max_seq_len // block_size)
+        self.tokens: list[list[int]] = [[0] * block_size for _ in range(self.n_blocks)]  # per block, per offset
+        self.fill = [0] * self.n_blocks  # positions each block holds (as StageModel.fill)
+        self.version = [0] * self.n_blocks  # bumped by every write: memoised block matches go stale
+        self._matches: dict[tuple, bool] = {}
         self.frames: list[tuple] = []
         self.device = torch.device("cpu")
         self.is_first = self.is_last = True
 
-    def _answer(self, ctx: list[int]) -> int:
-        t = self.scripts.get(ctx[0])
-        if t is not None and len(ctx) < len(t) and t[: len(ctx)] == ctx:
-            return t[len(ctx)]
-        return WRONG
+    def _is(self, block: int, script: list[int], j: int) -> bool:
+        """Block ``block`` holds the script's block ``j`` (its B tokens), memoised per version of the block."""
+        key = (block, self.version[block], script[0], j)
+        if key not in self._matches:
+            bs = self.block_size
+            self._matches[key] = self.tokens[block] == script[j * bs:(j + 1) * bs]
+        return self._matches[key]
 
-    def reset(self, rows) -> None:
-        for r in rows:
-            self.content[r] = []
+    def _answer(self, table: list[int], pos: int) -> int:
+        """The script's token after positions 0 .. pos as the blocks of ``table`` hold them, or WRONG."""
+        bs = self.block_size
+        first = self.tokens[table[0]][0]
+        t = self.scripts.get(first)
+        if t is None or pos + 1 >= len(t):
+            return WRONG
+        last = pos // bs
+        if not all(self._is(table[j], t, j) for j in range(last)):
+            return WRONG
+        held = self.tokens[table[last]][:pos % bs + 1]
+        return t[pos + 1] if held == t[last * bs:pos + 1] else WRONG
 
-    def step(self, x, segments, targets=None):
+    def row_table(self, row: int) -> list[int]:
+        per_row = -(-self.max_seq_len // self.block_size)
+        return list(range(row * per_row, (row + 1) * per_row))
+
+    def step(self, x, segments, targets=None, tables=None):
         """``StageModel.step`` over scripts: the same table checks (all before anything is written), the same
-        outputs per ``want``."""
+        outputs per ``want``; KV content lives in the blocks each segment's table names."""
         ids = [int(t) for t in x.reshape(-1)]
+        bs = self.block_size
         if sum(g[2] for g in segments) != len(ids) or not segments:
             raise ValueError(f"the segments hold {sum(g[2] for g in segments)} tokens, the op carries {len(ids)}")
         rows = [g[0] for g in segments]
         if len(set(rows)) != len(rows):
             raise ValueError(f"a row may appear once per op, got rows {rows}")
+        flat = [int(b) for b in tables.tolist()] if tables is not None else None
+        seg_tables, o = [], 0
         for i, (row, start, n, _) in enumerate(segments):
+            need = -(-(start + n) // bs)
+            table = flat[o:o + need] if flat is not None else self.row_table(row)[:need]
+            o += need
             if not 0 <= row < self.max_rows:
                 raise KVRangeError(f"segment {i}: row {row} outside [0, {self.max_rows})")
-            if start > len(self.content[row]):
-                raise KVRangeError(f"segment {i}: row {row}: start {start} reads KV positions never written "
-                                   f"({len(self.content[row])} held)")
             if start + n > self.max_seq_len:
                 raise KVRangeError(f"segment {i}: row {row}: positions past max_seq_len {self.max_seq_len}")
+            if len(table) < need or any(not 0 <= b < self.n_blocks for b in table):
+                raise KVRangeError(f"segment {i}: its table {table} does not name {need} blocks of the pool")
+            if any(self.fill[b] != bs for b in table[:start // bs]) or self.fill[table[start // bs]] < start % bs:
+                raise KVRangeError(f"segment {i}: row {row}: start {start} reads KV positions never written")
+            seg_tables.append(table)
+        if flat is not None and o != len(flat):
+            raise ValueError(f"the op's tables hold {len(flat)} ids, its segments need {o}")
         plan = plan_head(segments, [] if targets is None else targets.tolist())
-        where, o = [], 0  # op offset -> (row, position)
-        for row, start, n, _ in segments:
-            self.content[row] = self.content[row][:start] + ids[o: o + n]
-            where += [(row, start + i) for i in range(n)]
+        where, o = [], 0  # op offset -> (its table, position)
+        for (row, start, n, _), table in zip(segments, seg_tables):
+            for j in range(n):
+                p = start + j
+                b = table[p // bs]
+                self.tokens[b][p % bs] = ids[o + j]
+                self.version[b] += 1
+            for jb in range(start // bs, -(-(start + n) // bs)):  # as ringshm_kv_mark
+                self.fill[table[jb]] = min(bs, start + n - jb * bs)
+            where += [(table, start + j) for j in range(n)]
             o += n
         logits = torch.zeros(len(plan.positions), self.vocab)  # [n_pos, vocab]
         for i, p in enumerate(plan.positions):
-            row, pos = where[p]
-            answer = self._answer(self.content[row][: pos + 1])
+            table, pos = where[p]
+            answer = self._answer(table, pos)
             logits[i, answer], logits[i, (answer + 1) % self.vocab] = 10.0, 9.0
         return head_outputs(logits, plan)
 
 
 class RecordingModel(OracleModel):
-    def step(self, x, segments, targets=None):
+    def step(self, x, segments, targets=None, tables=None):
         self.frames.append(tuple((g[0], g[1], g[2]) for g in segments))
-        return super().step(x, segments, targets)
+        return super().step(x, segments, targets, tables)
 
 
 class GatedModel(OracleModel):
@@ -155,7 +196,7 @@ class RelayModel:
     def reset(self, rows) -> None:
         pass
 
-    def step(self, x, segments, targets=None):
+    def step(self, x, segments, targets=None, tables=None):
         time.sleep(self.op_s)
         return x
 
@@ -219,3 +260,8 @@ def start_fake_ring(model: OracleModel, swap_at: int | None = None, tamper_at: i
 
 def make_stream(index: int, script: list[int], prompt_len: int, max_new_tokens: int, row: int = -1) -> Stream:
     return Stream(index, row, script[:prompt_len], max_new_tokens, Sampler(), TextStream(None), frozenset({EOS}))
+
+
+def fake_kv(model: OracleModel) -> KVBlocks:
+    """The coordinator's KV blocks for a fake stage: as many blocks of its block size as its pool."""
+    return KVBlocks(model.n_blocks, model.block_size, b"fake")

@@ -22,7 +22,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from fake_stage import GatedModel, RelayModel, make_stream, start_fake_ring
+from fake_stage import GatedModel, RelayModel, fake_kv, make_stream, start_fake_ring
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.engine.scheduler import Scheduler
 from ringshm.errors import ClusterRefused, QueueTimeout, StageStalled
@@ -144,10 +144,11 @@ def test_a_request_after_idling_past_max_queue_wait_waits_only_its_own_time(watc
 def test_the_link_times_out_a_reply_from_when_it_waits_not_from_its_last_reply():
     ts = scripts(1)
     ring = start_fake_ring(GatedModel(ts, max_rows=1))
+    kv = fake_kv(ring.model)
     ring.link.op_timeout_s = OP_TIMEOUT_S
     try:
         def generate():
-            run = Scheduler(ring.link, [make_stream(0, ts[0], 6, 8, row=-1)], 1, 4, 4, 1, 4)
+            run = Scheduler(ring.link, [make_stream(0, ts[0], 6, 8, row=-1)], 1, 4, 4, 1, 4, kv=kv)
             return [ev.token_id for ev in run]
 
         assert generate() == ts[0][6:14]

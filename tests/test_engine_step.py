@@ -98,7 +98,7 @@ def serve(engine: Engine, workload, seed: int, depth: int, max_rows: int, prefil
         streams.append(s)
     engine._job += 1
     run = Scheduler(engine._link, [], max_rows, engine.config.prefill_chunk, prefill_depth, depth, max_step_tokens,
-                    engine._job)
+                    engine._job, kv=engine.kv)
     pending = sorted(range(len(streams)), key=lambda i: arrive[i])
     replies = 0
     try:

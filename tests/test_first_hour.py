@@ -75,7 +75,7 @@ def test_a_bad_depth_is_refused_before_anything_starts(capsys):
 # ---------------------------------------------------------------------------- resources before startup
 def test_rings_for_five_stages_fit_a_containers_default_64_mib_of_shm(model_path):
     mc = read_config(str(model_path))
-    caps = ring_capacities(EngineConfig(stages=5), mc.hidden, mc.vocab)
+    caps = ring_capacities(EngineConfig(stages=5), mc.hidden, mc.vocab, 2048)
     assert len(caps) == 6 and sum(caps) < 48 * 2**20, [c / 2**20 for c in caps]
     assert caps[0] < caps[1], "ring 0 carries token ids only"
 
@@ -105,12 +105,12 @@ def test_a_segment_dev_shm_cannot_back_fails_with_enospc_not_a_later_sigbus(monk
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_any_stage_starts(model_path, monkeypatch):
-    monkeypatch.setattr("ringshm.runtime.resources.available_memory_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr("ringshm.runtime.resources.available_memory_bytes", lambda: 8 * 2**30)
     t0 = time.monotonic()
     with pytest.raises(ResourceShortage) as info:
         Engine(model_path, stages=3, max_rows=64, max_seq_len=8192, progress=False)
-    msg = str(info.value)
-    assert "KV cache 22.50 GiB" in msg and "16.0 GiB is available" in msg and "--max-rows" in msg, msg
+    msg = str(info.value)  # 64 x 8192 positions of fp16 KV, 23 KiB each
+    assert "KV cache 11.25 GiB" in msg and "8.0 GiB is available" in msg and "--kv-cache-memory" in msg, msg
     assert time.monotonic() - t0 < 5
 
 

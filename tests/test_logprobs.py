@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fake_stage import EOS, OracleModel, start_fake_ring
+from fake_stage import EOS, OracleModel, fake_kv, start_fake_ring
 from ringshm.config import GenerationParams
 from ringshm.engine.engine import new_stream
 from ringshm.engine.scheduler import Scheduler
@@ -95,13 +95,13 @@ def test_logprob_rows_of_one_row_equal_its_bits_among_many():
 def test_a_bad_logprob_want_is_refused_before_anything_is_written(full_stage, prompts, want):
     with pytest.raises(ValueError, match="LOGPROBS"):
         full_stage.step(prompts[0][:4], [(0, 0, 4, want)])
-    assert full_stage.length[0] == 0
+    assert full_stage.row_length(0) == 0
 
 
 def test_targets_that_do_not_match_the_table_are_refused(full_stage, prompts):
     with pytest.raises(ValueError, match="target ids"):
         full_stage.step(prompts[0][:4], [(0, 0, 4, m.WANT_PROMPT_LOGPROBS)], prompts[0][1:4].clone()[:2])
-    assert full_stage.length[0] == 0
+    assert full_stage.row_length(0) == 0
 
 
 # ----------------------------------------------------------------------------------- on the fake ring
@@ -111,7 +111,7 @@ SCRIPT = [100] + [10 + (7 * i) % 900 for i in range(199)]
 def _run(streams, chunk=4, max_rows=4):
     ring = start_fake_ring(OracleModel([SCRIPT, [101] + SCRIPT[1:]], max_rows=max_rows))
     try:
-        events = list(Scheduler(ring.link, streams, max_rows, chunk, 8, 1, chunk))
+        events = list(Scheduler(ring.link, streams, max_rows, chunk, 8, 1, chunk, kv=fake_kv(ring.model)))
     finally:
         ring.close()
     return events

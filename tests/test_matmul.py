@@ -368,5 +368,5 @@ def test_a_q4_1_weight_too_wide_for_the_kernel_is_dequantized_at_load_with_a_rea
 
 def test_the_c_layer_refuses_a_shape_it_cannot_attend_before_writing_the_cache():
     shape = ffi.new("struct ringshm_layer_shape *", dict(hidden=16, n_heads=3, n_kv_heads=2, head_dim=16, inter=8,
-                                                         max_rows=1, max_seq_len=4, n_pos=4, rms_eps=1e-5))
+                                                         n_pos=4, rms_eps=1e-5))
     assert lib.ringshm_layer_work_floats(shape, 1) == lib.RINGSHM_KERNEL_ERR_SHAPE  # 3 heads over 2 KV heads

@@ -81,13 +81,13 @@ def small(checkpoint, full_weights):
 
 
 def _snapshot(stage):
-    return [k.clone() for k in stage.k_cache] + [v.clone() for v in stage.v_cache], list(stage.length)
+    return [t.clone() for kv in stage.kv for t in (kv.k, kv.v)], stage.fill.clone()
 
 
 def _same(stage, snap) -> bool:
-    tensors, length = snap
-    now = stage.k_cache + stage.v_cache
-    return length == stage.length and all(torch.equal(a, b) for a, b in zip(tensors, now))
+    tensors, fill = snap
+    now = [t for kv in stage.kv for t in (kv.k, kv.v)]
+    return torch.equal(fill, stage.fill) and all(torch.equal(a, b) for a, b in zip(tensors, now))
 
 
 @torch.inference_mode()
@@ -96,12 +96,12 @@ def test_writing_below_the_length_overwrites_and_truncates_the_row(small):
     small.forward(a[:5], 0, 0)
     ref = small.forward(b, 0, 5, all_positions=True, return_logits=True)  # row 0: a[:5] + b
     small.forward(a, 1, 0)  # row 1: 10 positions of a, then roll back to 5 and write b
-    assert small.length[1] == 10
+    assert small.row_length(1) == 10
     out = small.forward(b, 1, 5, all_positions=True, return_logits=True)
-    assert small.length[1] == 8
+    assert small.row_length(1) == 8
     assert torch.equal(out.token_ids, ref.token_ids)
     assert (out.logits - ref.logits).abs().max().item() < 1e-4
-    with pytest.raises(KVRangeError, match="past the 8 positions"):
+    with pytest.raises(KVRangeError, match="do not hold the 9 positions"):
         small.forward(a[:1], 1, 9)
 
 
@@ -109,13 +109,13 @@ def test_writing_below_the_length_overwrites_and_truncates_the_row(small):
 def test_reading_past_what_was_written_raises_and_changes_nothing(small):
     small.forward(torch.arange(4), 0, 0)
     snap = _snapshot(small)
-    with pytest.raises(KVRangeError, match="row 0: start 5"):
+    with pytest.raises(KVRangeError, match="row 0, start 5"):
         small.forward(torch.arange(2), 0, 5)
     with pytest.raises(KVRangeError):
         small.forward(torch.arange(1), 2, 1)  # a fresh row has nothing to read
     assert _same(small, snap)
     small.forward(torch.arange(2), 0, 4)  # exactly at the length is a plain append
-    assert small.length[0] == 6
+    assert small.row_length(0) == 6
 
 
 @torch.inference_mode()
@@ -128,7 +128,7 @@ def test_writing_past_max_seq_len_raises_and_changes_nothing(small):
         small.step(torch.zeros(14, dtype=torch.int64), [(1, 0, 7, 0), (0, 10, 7, 1)])
     assert _same(small, snap)
     small.forward(torch.arange(6), 0, 10)  # up to the last position is fine
-    assert small.length[0] == 16
+    assert small.row_length(0) == 16
 
 
 @torch.inference_mode()
@@ -143,7 +143,7 @@ def test_a_bad_segment_table_is_refused_naming_the_segment(small):
         small.step(torch.zeros(1, dtype=torch.int64), [(0, 0, 1, 4)])  # logits without an argmax position
     with pytest.raises(ValueError, match="at least one segment"):
         small.step(torch.zeros(1, dtype=torch.int64), [])
-    assert small.length == [0, 0, 0]
+    assert [small.row_length(r) for r in range(3)] == [0, 0, 0]
 
 
 @torch.inference_mode()
@@ -151,11 +151,11 @@ def test_reset_forgets_a_row_and_keeps_the_others(small):
     small.forward(torch.arange(4), 0, 0)
     small.forward(torch.arange(3), 1, 0)
     small.reset([0])
-    assert small.length[:2] == [0, 3]
+    assert [small.row_length(r) for r in range(2)] == [0, 3]
     with pytest.raises(KVRangeError):
         small.forward(torch.arange(1), 0, 4)
     small.reset()
-    assert small.length == [0, 0, 0]
+    assert [small.row_length(r) for r in range(3)] == [0, 0, 0]
 
 
 @torch.inference_mode()
@@ -192,7 +192,7 @@ def test_a_ragged_step_equals_each_segment_run_alone(full_stage, prompts):
     assert torch.equal(out.token_ids, torch.cat([alone[0].token_ids, alone[1].token_ids]))
     assert torch.equal(out.logits, alone[0].logits)  # byte for byte
     assert alone[2].token_ids.numel() == 0 and alone[2].logits is None
-    assert [full_stage.length[r] for r in rows] == [s + n for s, n in zip(starts, lens)]
+    assert [full_stage.row_length(r) for r in rows] == [s + n for s, n in zip(starts, lens)]
 
 
 @torch.inference_mode()
@@ -217,7 +217,7 @@ def test_a_ragged_step_through_split_stages_equals_one_stage(full_stage, full_we
 def test_a_bf16_stage_agrees_with_fp32_on_the_next_token(checkpoint, prompts, full_stage):
     bf = StageModel.from_path(checkpoint.path, max_rows=1, max_seq_len=128, dtype=torch.bfloat16,
                               checkpoint=checkpoint)
-    assert bf.layers[0].wqkv.dtype == torch.bfloat16 and bf.k_cache[0].dtype == torch.float32
+    assert bf.layers[0].wqkv.dtype == torch.bfloat16 and bf.kv[0].k.dtype == torch.float32
     ref = full_stage.forward(prompts[0], 0, 0, return_logits=True)
     out = bf.forward(prompts[0], 0, 0, return_logits=True)
     assert out.logits.dtype == torch.float32

@@ -60,3 +60,19 @@ def test_the_oracle_tie_rule_can_fail(oracle_greedy, prompts, assert_greedy_matc
     except AssertionError:
         return
     raise AssertionError("a wrong token at a decided step passed the tie-aware check")
+
+
+@torch.inference_mode()
+def test_fp16_kv_greedy_equals_transformers_greedy_up_to_float_ties(checkpoint, full_weights, oracle_greedy,
+                                                                     prompts, assert_greedy_matches):
+    """The engine's default KV dtype (EngineConfig.kv_cache_dtype): stored rounded to fp16, read exactly,
+    attention in fp32. It stays on the fp32 oracle's greedy path up to float ties."""
+    from ringshm.model.stage_model import StageModel
+
+    cfg = checkpoint.config
+    stage = StageModel(cfg, (0, cfg.n_layers), True, True, 1, 512, weights=full_weights, kv_dtype=torch.float16)
+    assert stage.kv[0].k.dtype == torch.float16
+    for i, prompt in enumerate(prompts):
+        stage.reset()
+        ours = greedy_generate([stage], prompt, N_GREEDY)
+        assert assert_greedy_matches(ours, oracle_greedy(prompt, N_GREEDY), f"fp16 KV, prompt {i}") > 0

@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fake_stage import EOS, OracleModel, RecordingModel, make_stream, start_fake_ring
+from fake_stage import EOS, OracleModel, RecordingModel, fake_kv, make_stream, start_fake_ring
 from ringshm.engine.scheduler import Scheduler
 from ringshm.engine.spec import NGramDrafter
 from ringshm.engine.spec_decode import SpecDecoder
@@ -41,7 +41,8 @@ def fake():
 
 
 def sched(ring, streams, max_rows=8, prefill_depth=8, depth=3, max_step_tokens=CHUNK, chunk=CHUNK):
-    return Scheduler(ring.link, streams, max_rows, chunk, prefill_depth, depth, max_step_tokens)
+    return Scheduler(ring.link, streams, max_rows, chunk, prefill_depth, depth, max_step_tokens,
+                     kv=fake_kv(ring.model))
 
 
 def per_row(frames):
@@ -244,11 +245,22 @@ def test_a_reply_carrying_another_segment_table_raises_reply_mismatch(fake):
         list(sched(ring, streams, depth=1))
 
 
+def row_tables(model: OracleModel, segments) -> torch.Tensor:
+    """The op's tables tensor when every segment's stream owns its row's fixed blocks (``OracleModel.row_table``)."""
+    ids = [b for g in segments for b in model.row_table(max(g.row, 0))[:-(-(g.start + g.n_tokens) // model.block_size)]]
+    return torch.tensor(ids, dtype=torch.int32)
+
+
+def step_op(model: OracleModel, segments, ids) -> m.Message:
+    return m.Message(m.STEP, segments=segments, tensors=[torch.tensor(ids), row_tables(model, segments)])
+
+
 def test_an_op_reading_kv_never_written_comes_back_as_a_stage_error_naming_the_segment(fake):
     (t,) = scripts(1, seed=11)
-    ring = fake(OracleModel([t], max_rows=2))
-    ring.link.send(m.Message(m.STEP, segments=[m.Segment(1, 0, 2, m.WANT_LAST), m.Segment(0, 3, 2, m.WANT_LAST)],
-                             tensors=[torch.tensor(t[0:2] + t[3:5])]))
+    model = OracleModel([t], max_rows=2)
+    ring = fake(model)
+    ring.link.send(step_op(model, [m.Segment(1, 0, 2, m.WANT_LAST), m.Segment(0, 3, 2, m.WANT_LAST)],
+                           t[0:2] + t[3:5]))
     with pytest.raises(StageError, match="segment 1.*never written"):
         ring.link.recv()
     s = make_stream(0, t, 5, 3)
@@ -263,16 +275,18 @@ def test_an_op_reading_kv_never_written_comes_back_as_a_stage_error_naming_the_s
 ])
 def test_a_bad_segment_table_is_refused_by_the_stage(fake, segments, n_ids, match):
     (t,) = scripts(1, seed=13)
-    ring = fake(OracleModel([t], max_rows=2))
-    ring.link.send(m.Message(m.STEP, segments=segments, tensors=[torch.tensor(t[:n_ids])]))
+    model = OracleModel([t], max_rows=2)
+    ring = fake(model)
+    ring.link.send(step_op(model, segments, t[:n_ids]))
     with pytest.raises(StageError, match=match):
         ring.link.recv()
 
 
 def test_a_step_op_over_the_op_budget_is_refused_and_the_ring_stays_usable(fake):
     (t,) = scripts(1, seed=14)
-    ring = fake(OracleModel([t], max_rows=1), max_op_tokens=8)
-    ring.link.send(m.Message(m.STEP, segments=[m.Segment(0, 0, 9, m.WANT_LAST)], tensors=[torch.tensor(t[:9])]))
+    model = OracleModel([t], max_rows=1)
+    ring = fake(model, max_op_tokens=8)
+    ring.link.send(step_op(model, [m.Segment(0, 0, 9, m.WANT_LAST)], t[:9]))
     with pytest.raises(StageError, match="9 tokens is over the op budget of 8"):
         ring.link.recv()
     s = make_stream(0, t, 9, 3)
@@ -280,15 +294,14 @@ def test_a_step_op_over_the_op_budget_is_refused_and_the_ring_stays_usable(fake)
     assert s.tokens == t[9:12]
 
 
-def test_reset_clears_a_row_so_an_op_continuing_it_reads_kv_never_written(fake):
+def test_a_segment_whose_table_names_blocks_that_hold_nothing_reads_kv_never_written(fake):
     (t,) = scripts(1, seed=12)
-    ring = fake(OracleModel([t], max_rows=2))
+    model = OracleModel([t], max_rows=2)
+    ring = fake(model)
     s = make_stream(0, t, 6, 2)
     list(sched(ring, [s]))
-    ring.link.send(m.Message(m.RESET, segments=[m.Segment(0, 0, 0)]))
-    reply, _ = ring.link.recv()
-    assert reply.op == m.RESET and reply.is_reply
-    ring.link.send(m.Message(m.STEP, segments=[m.Segment(0, 6, 1, m.WANT_LAST)], tensors=[torch.tensor(t[6:7])]))
+    fresh = torch.tensor([model.n_blocks - 1], dtype=torch.int32)  # a block no op wrote
+    ring.link.send(m.Message(m.STEP, segments=[m.Segment(0, 6, 1, m.WANT_LAST)], tensors=[torch.tensor(t[6:7]), fresh]))
     with pytest.raises(StageError, match="never written"):
         ring.link.recv()
 
@@ -320,7 +333,7 @@ def test_random_arrivals_cancels_and_speculation_keep_every_stream_exact(fake, p
         if d:
             s.spec = SpecDecoder(s, NGramDrafter(k=3), d)
     run = Scheduler(ring.link, [], plan["max_rows"], plan["chunk"], plan["prefill_depth"], plan["depth"],
-                    plan["budget"])
+                    plan["budget"], kv=fake_kv(ring.model))
     pending = sorted(range(n), key=lambda i: plan["arrive"][i])
     replies = 0
     while pending or ring.link.in_flight:

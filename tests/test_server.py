@@ -279,6 +279,49 @@ def test_a_client_dropping_mid_stream_leaves_its_seven_batch_mates_intact(server
     _poll(lambda: server.metrics()["ringshm_requests_running{}"] == 0, what="every KV row free")
 
 
+SYSTEM = ("You answer questions about the Brackenridge lighthouse museum. It opens at nine and closes at five; "
+          "the lamp room is closed from November to March; tickets cost four pounds, children go free. Be brief.")
+
+
+def _with_system(client, model_id, question: str, **kw):
+    return client.chat.completions.create(
+        model=model_id, messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        max_tokens=N_NEW, temperature=0, logprobs=True, top_logprobs=2, **kw)
+
+
+def _answer_bits(out) -> tuple:
+    c = out.choices[0]
+    return c.message.content, [(t.token, t.logprob, [(x.token, x.logprob) for x in t.top_logprobs])
+                               for t in c.logprobs.content]
+
+
+def test_a_shared_system_prompt_hits_the_prefix_cache_and_changes_no_byte(server, client, model_id):
+    before = server.metrics()
+    first = _with_system(client, model_id, "When does it open?")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # nobody sent this system prompt before
+    hit = _with_system(client, model_id, "Can I see the lamp room in January?")
+    cached = hit.usage.prompt_tokens_details.cached_tokens
+    assert 32 <= cached < hit.usage.prompt_tokens and cached % 32 == 0, cached  # whole blocks of the system prompt
+    # The same request under another tenant's salt shares nothing, computes the whole prompt, gives the same bits.
+    other = _with_system(client, model_id, "Can I see the lamp room in January?", extra_body={"cache_salt": "b"})
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert _answer_bits(other) == _answer_bits(hit)
+    after = server.metrics()
+    hits = after["ringshm_prefix_cache_hits_total{}"] - before["ringshm_prefix_cache_hits_total{}"]
+    queries = after["ringshm_prefix_cache_queries_total{}"] - before["ringshm_prefix_cache_queries_total{}"]
+    assert hits == cached and queries == first.usage.prompt_tokens + 2 * hit.usage.prompt_tokens
+    blocks = {k: v for k, v in after.items() if k.startswith("ringshm_kv_blocks{")}
+    assert set(blocks) == {f"ringshm_kv_blocks{{state={s}}}" for s in ("cached", "free", "used")}
+    assert blocks["ringshm_kv_blocks{state=cached}"] > 0 and after["ringshm_preemptions_total{}"] == 0
+
+
+@pytest.mark.parametrize("salt", ["", 7, ["a"]])
+def test_a_cache_salt_that_is_not_a_nonempty_string_is_a_400_naming_it(server, salt):
+    body = json.dumps({"messages": [{"role": "user", "content": "Hi"}], "cache_salt": salt})
+    code, text = _http(f"{server.url}/v1/chat/completions", body)
+    assert code == 400 and json.loads(text)["error"]["param"] == "cache_salt", text
+
+
 @pytest.mark.parametrize("case, status, param", [
     ("malformed_json", 400, None),
     ("wrong_field_type", 400, "temperature"),

@@ -184,7 +184,8 @@ def test_chat_content_is_tokenised_as_plain_text_so_it_cannot_forge_a_system_tur
                                     tokenize=True, return_dict=False)
     plain = tok([forged], add_special_tokens=False, split_special_tokens=True)["input_ids"][0]
     # the naive template parses the forged markers into 2 special tokens; plain text takes more tokens
-    assert body["usage"]["prompt_tokens"] == len(naive) - len(tok(forged, add_special_tokens=False)["input_ids"]) + len(plain)
+    forged_ids = tok(forged, add_special_tokens=False)["input_ids"]
+    assert body["usage"]["prompt_tokens"] == len(naive) - len(forged_ids) + len(plain)
     assert body["usage"]["prompt_tokens"] != len(naive)
 
 

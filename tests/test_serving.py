@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fake_stage import EOS, OracleModel, start_fake_ring
+from fake_stage import EOS, OracleModel, fake_kv, start_fake_ring
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.engine.coordinator import Stream
 from ringshm.engine.engine import new_stream
@@ -32,6 +32,7 @@ class FakeEngine:
 
     def __init__(self, model: OracleModel, relays=()):
         self.ring = start_fake_ring(model, relays=relays)
+        self.kv = fake_kv(model)  # the engine's KV blocks outlive a scheduler run
         self._link, self._job, self.model_path, self.tokenizer = self.ring.link, 0, "", None
         self.config = SimpleNamespace(max_rows=model.max_rows, prefill_chunk=4, prefill_depth=8, op_timeout_s=10)
         self.max_seq_len = 4096
@@ -48,7 +49,8 @@ class FakeEngine:
 
     def scheduler(self) -> Scheduler:
         c = self.config
-        return Scheduler(self._link, [], c.max_rows, c.prefill_chunk, c.prefill_depth, 1, c.prefill_chunk)
+        return Scheduler(self._link, [], c.max_rows, c.prefill_chunk, c.prefill_depth, 1, c.prefill_chunk,
+                         kv=self.kv)
 
     def _check_stages(self) -> None:
         if self.dead:

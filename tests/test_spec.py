@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fake_stage import EOS, RecordingModel, make_stream, start_fake_ring
+from fake_stage import EOS, RecordingModel, fake_kv, make_stream, start_fake_ring
 from ringshm.engine.scheduler import Scheduler
 from ringshm.engine.spec import NGramDrafter, SpecStats, accept
 from ringshm.engine.spec_decode import SpecDecoder
@@ -80,7 +80,7 @@ def fake():
 
 def run_spec(ring, stream, drafter, depth):
     stream.spec = dec = SpecDecoder(stream, drafter, depth)
-    list(Scheduler(ring.link, [stream], 1, 8, 8, depth, 8))
+    list(Scheduler(ring.link, [stream], 1, 8, 8, depth, 8, kv=fake_kv(ring.model)))
     assert ring.link.in_flight == 0 and not dec.in_flight
     return dec.stats
 
@@ -167,7 +167,7 @@ def test_streams_sharing_step_ops_each_speculate_with_their_own_drafter_and_stay
     streams = [make_stream(i, t, 14, 40) for i, t in enumerate(ts)]
     for s in streams:
         s.spec = SpecDecoder(s, NGramDrafter(k=4), depth=2)
-    run = Scheduler(ring.link, streams, 2, 8, 8, 2, 8)
+    run = Scheduler(ring.link, streams, 2, 8, 8, 2, 8, kv=fake_kv(ring.model))
     list(run)
     assert run.stats.multi_segment_ops > 0
     assert [s.tokens for s in streams] == [t[14:54] for t in ts]

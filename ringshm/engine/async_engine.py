@@ -5,7 +5,8 @@
 
 The ring calls block, so one background thread owns the ring exclusively and runs one ``Scheduler``
 (``ringshm.engine.scheduler``) for the engine's whole life: between replies it admits submitted requests (they take a
-free KV row, or wait for one: continuous batching up to ``max_rows``) and applies cancellations; while
+free row and the KV blocks of their prompt, or wait for them: continuous batching up to ``max_rows``) and
+applies cancellations; while
 something is in flight it takes one reply per ``step``, otherwise it sleeps on the inbox. Every step op
 carries every ready request. Each committed token goes to its request's ``asyncio.Queue`` on the loop that
 made the request, so any number of tasks (on any number of loops) may call ``stream`` / ``complete`` at once.
@@ -14,7 +15,8 @@ Every stream gets exactly the tokens ``Engine.generate`` gives it alone, whateve
 Failures: bad input raises ``ValueError`` in the caller, before anything is queued. More than ``max_rows +
 max_waiting`` open requests raise ``QueueFull``; a request that waits longer than ``max_queue_wait_s`` for a
 row fails with ``QueueTimeout``. A stage that holds an op past ``op_timeout_s`` fails the open requests with
-``StageStalled`` (new ones are refused with it) until it answers again. A dead stage fails every open request with ``StageDied``, and
+``StageStalled`` (new ones are refused with it) until it answers again. A dead stage fails every open request with
+``StageDied``, and
 every later request fails at the call with it. A stage error (or a reply mismatch) fails the open requests
 with ``RequestFailed`` and the dispatcher starts a fresh run; the engine stays usable.
 
@@ -57,10 +59,11 @@ class AsyncEngine:
 
     Args:
         engine: a started ``Engine``; the ``AsyncEngine`` owns its ring from now on and closes it.
-        max_waiting: requests that may wait for a KV row beyond the ``max_rows`` running ones.
+        max_waiting: requests that may wait for a row and its KV blocks beyond the ``max_rows`` running ones.
         on_step: called from the dispatcher thread after every reply with the number of running requests and
             the number of segments the answered step op carried (a metrics hook; keep it cheap).
-        max_queue_wait_s: the longest a request may wait for a KV row; then it fails with ``QueueTimeout``
+        max_queue_wait_s: the longest a request may wait for a row and its KV blocks; then it fails with
+        ``QueueTimeout``
             (None: no limit).
 
     A stage that holds an op longer than the engine's ``op_timeout_s`` (stopped, stuck) is ``stalled``: the
@@ -98,7 +101,7 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._n_open = 0  # submitted and not yet finished (caller increments, dispatcher decrements)
-        self._n_running = 0  # holding a KV row (dispatcher writes)
+        self._n_running = 0  # holding a row (dispatcher writes)
         self._closing = False
         self._dead: StageDied | None = None
         self._active: dict[int, Request] = {}  # dispatcher thread only
@@ -109,12 +112,12 @@ class AsyncEngine:
     # --------------------------------------------------------------------------------------- public API
     @property
     def n_running(self) -> int:
-        """Requests holding a KV row."""
+        """Requests holding a row."""
         return self._n_running
 
     @property
     def n_waiting(self) -> int:
-        """Requests accepted and waiting for a KV row."""
+        """Requests accepted and waiting for a row and its KV blocks."""
         return max(0, self._n_open - self._n_running)
 
     @property
@@ -129,7 +132,7 @@ class AsyncEngine:
 
     @property
     def max_seq_len(self) -> int:
-        """Positions per KV row: prompt + output tokens of one request."""
+        """Positions one request may reach: prompt + output tokens."""
         return self.engine.max_seq_len
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> RequestStream:
@@ -251,6 +254,7 @@ class AsyncEngine:
             except Exception as exc:  # a stage error, a reply mismatch: fail what is open, start afresh
                 self._fail_all(run, exc)
                 link.drain()
+                run.release_all()  # nothing of it is in flight now: its KV blocks serve the next run
                 run = self._new_run()
         self._fail_all(run, EngineClosed("the engine shut down before this request finished"))
         if self._stalled is None:
@@ -301,17 +305,21 @@ class AsyncEngine:
         self._fail_all(run, self._stalled)
 
     def _expire_waiting(self, run: Scheduler) -> None:
-        """Fail with ``QueueTimeout`` every request that has waited for a KV row past ``max_queue_wait_s``."""
+        """Fail with ``QueueTimeout`` every request that has waited for a row and its KV blocks past
+        ``max_queue_wait_s``."""
         if self.max_queue_wait_s is None:
             return
         now = time.monotonic()
         for req in list(self._active.values()):
-            if req.stream.row < 0 and now - req.t_submit > self.max_queue_wait_s:
+            s = req.stream  # a preempted stream (resume_ids set) has started: it waits at the head, unexpired
+            if s.row < 0 and s.resume_ids is None and now - req.t_submit > self.max_queue_wait_s:
                 run.cancel(req.id)
                 run.streams.pop(req.id, None)  # never started: nothing of it is in flight
+                kv = self.engine.kv
                 self._finish(run, req, [QueueTimeout(
-                    f"no KV row came free within max_queue_wait_s={self.max_queue_wait_s:g} "
-                    f"({self.engine.config.max_rows} rows busy): retry later")])
+                    f"no row or KV blocks came free within max_queue_wait_s={self.max_queue_wait_s:g} "
+                    f"({self._n_running} of max_rows {self.engine.config.max_rows} running, {kv.n_available} of "
+                    f"{kv.n_blocks} KV blocks free): retry later")])
 
     def _count_running(self) -> None:
         self._n_running = sum(1 for r in self._active.values() if r.stream.row >= 0)

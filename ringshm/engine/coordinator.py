@@ -162,11 +162,16 @@ def _remote_error(reply: m.Message) -> StageError:
 
 @dataclass(eq=False)
 class Stream:
-    """One request as the coordinator drives it: its KV row, prompt, sampler, stop rules and timings.
+    """One request as the coordinator drives it: its row, prompt, sampler, stop rules and timings.
 
-    ``row``: its KV row while admitted (-1 while it waits). ``n_prefilled``: prompt tokens already sent in
-    prefill chunks. ``n_in_flight``: step ops in flight that carry a segment of it (its row is freed only at
-    0). ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
+    ``row``: its slot while admitted (-1 while it waits); its KV lives in the blocks the scheduler's
+    ``KVBlocks`` table names. ``n_prefilled``: tokens of ``prefill_ids`` already sent in prefill chunks (a
+    prefix-cache hit starts it past 0), ``n_prefill_done`` those answered. ``n_in_flight``: step ops in flight
+    that carry a segment of it (its slot and blocks are freed only at 0). A preempted stream comes back with
+    ``resume_ids`` = its prompt and the tokens generated so far, prefilled again (exactly: recompute gives the
+    same bits), the last of them asking for the next token. ``cached_tokens``: prompt tokens whose KV came from
+    the prefix cache at its first admission; ``cache_salt``: the tenant key of its prefix-cache chain.
+    ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
     (max_new_tokens) or "cancelled". ``ignore_eos``: EOS does not end it. ``logprobs`` / ``prompt_logprobs``:
     None, or the top-k count of each generated token's / prompt token's logprobs (``GenerationParams``), which
     collect in ``token_logprobs`` (one ``TokenLogprob`` per token) and ``prompt_token_logprobs`` (None for the
@@ -192,10 +197,20 @@ class Stream:
     prompt_logprobs: int | None = None
     token_logprobs: list = field(default_factory=list)
     prompt_token_logprobs: list = field(default_factory=list)
+    n_prefill_done: int = 0
+    resume_ids: list[int] | None = None
+    cached_tokens: int = 0
+    cache_salt: str | None = None
+    n_preemptions: int = 0
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        """What its prefill feeds: the prompt, or after a preemption the prompt and the tokens generated then."""
+        return self.prompt if self.resume_ids is None else self.resume_ids
 
     @property
     def position(self) -> int:
@@ -204,8 +219,8 @@ class Stream:
 
     @property
     def decoding(self) -> bool:
-        """Past its prefill: the whole prompt answered and the first token committed."""
-        return bool(self.tokens) and not self.done
+        """Past its prefill: every prefill chunk answered and a token committed since."""
+        return bool(self.tokens) and not self.done and self.n_prefill_done >= len(self.prefill_ids)
 
     def cancel(self) -> None:
         """End the stream now (the scheduler stops sending its segments)."""

@@ -1,6 +1,7 @@
 """``Engine``: the public API. It starts a ``StageGroup`` (the stage processes and their rings,
 ``ringshm.runtime.launcher``) and serves requests over it through the one ``Scheduler``
-(``ringshm.engine.scheduler``): one request alone, many at once (continuous batching over ``max_rows`` KV rows), speculative decoding.
+(``ringshm.engine.scheduler``): one request alone, many at once (continuous batching over ``max_rows`` rows),
+speculative decoding.
 
 ``close()`` (idempotent, also run by the context manager and, failing both, when the engine is
 garbage-collected or the interpreter exits) stops the stages, reaps them and unlinks every segment.
@@ -15,6 +16,7 @@ from collections.abc import Callable, Iterator
 
 from ringshm.config import EngineConfig, GenerationParams, check_logit_bias
 from ringshm.engine.coordinator import Link, Stream, TokenEvent
+from ringshm.engine.kv_blocks import KVBlocks
 from ringshm.engine.results import BatchResult, GenerationResult, result_of
 from ringshm.engine.sampling import Sampler, TextStream
 from ringshm.engine.scheduler import Scheduler, StepStats
@@ -85,8 +87,16 @@ class Engine:
             plan = NodePlan(0, node_ranges, cfg.stages, master_addr, master_port, self._head.session,
                             rdv.local_addr(), cfg.edge_timeout_s, connect_timeout_s(cfg), cfg.edge_latency_ms,
                             tuple(self._head.hosts))
+        self.n_blocks = cfg.kv_blocks(self.model_config, self.max_seq_len)
+        self.kv = KVBlocks(self.n_blocks, cfg.block_size, self._fingerprint())
+        if progress:
+            tokens, per_block = self.kv.tokens_capacity(), cfg.kv_block_bytes(self.model_config)
+            print(f"ringshm: KV cache: {self.n_blocks} blocks of {cfg.block_size} positions = {tokens} tokens "
+                  f"({self.n_blocks * per_block / 2**30:.2f} GiB of {cfg.kv_cache_dtype} over {cfg.stages} stages); "
+                  f"prefix cache "
+                  f"{'on' if cfg.prefix_cache else 'off'}", file=sys.stderr, flush=True)
         self._group = StageGroup(cfg, self.model_path, self.layer_ranges, self.max_seq_len,
-                                 self.model_config.hidden, self.model_config.vocab, plan)
+                                 self.model_config.hidden, self.model_config.vocab, plan, n_blocks=self.n_blocks)
         self._closed = False
         try:
             self._link = Link(self._group.rings[0], self._group.rings[-1], self._group.check, cfg.op_timeout_s,
@@ -95,6 +105,15 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _fingerprint(self) -> bytes:
+        """What the prefix cache's chains start from: what makes a block's KV bits what they are (the model's
+        path and config, the activation and KV dtypes, the block size), so a chain never names other KV."""
+        import hashlib
+
+        cfg = self.config
+        key = f"{self.model_path}|{self.model_config}|{cfg.dtype}|{cfg.kv_cache_dtype}|{cfg.block_size}"
+        return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
     # ----------------------------------------------------------------------------------------- lifecycle
     def _check_stages(self) -> None:
@@ -188,7 +207,8 @@ class Engine:
         if not isinstance(prompt, (list, tuple)) or any(
                 isinstance(t, bool) or not isinstance(t, int) for t in prompt):
             raise ValueError(f"prompt must be a string or a list of int token ids, got "
-                             f"{type(prompt).__name__}{' with non-int items' if isinstance(prompt, (list, tuple)) else ''}")
+                             f"{type(prompt).__name__}"
+                             f"{' with non-int items' if isinstance(prompt, (list, tuple)) else ''}")
         ids = [int(t) for t in prompt]
         if not ids:
             raise ValueError("prompt is empty: give at least one token id")
@@ -206,7 +226,14 @@ class Engine:
                              f"{len(ids) + p.max_new_tokens} exceeds max_seq_len {self.max_seq_len}: shorten the "
                              f"prompt, lower max_new_tokens, or start the engine with a larger max_seq_len "
                              f"(--max-seq-len)")
-        return new_stream(index, row, ids, p, self._text_tokenizer(p), self.eos_ids, self.model_config.vocab)
+        if self.kv.blocks_for(len(ids) + p.max_new_tokens) > self.n_blocks:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) need "
+                             f"{self.kv.blocks_for(len(ids) + p.max_new_tokens)} KV blocks of {self.config.block_size}"
+                             f" positions, but the KV cache holds {self.n_blocks} ({self.kv.tokens_capacity()} "
+                             f"tokens): shorten the request or start the engine with more --kv-cache-memory")
+        s = new_stream(index, row, ids, p, self._text_tokenizer(p), self.eos_ids, self.model_config.vocab)
+        s.cache_salt = p.cache_salt
+        return s
 
     def _decode_depth(self, p: GenerationParams) -> int:
         """Decode ops in flight for a request: the engine's ``depth``, raised to ``spec_depth`` when it
@@ -225,7 +252,8 @@ class Engine:
         self._job += 1
         return Scheduler(self._link, list(streams), cfg.max_rows, cfg.prefill_chunk,
                          cfg.prefill_depth if prefill_depth is None else prefill_depth,
-                         self.depth if depth is None else depth, cfg.step_tokens, self._job)
+                         self.depth if depth is None else depth, cfg.step_tokens, self._job, kv=self.kv,
+                         prefix_cache=cfg.prefix_cache)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> Iterator[TokenEvent]:
         """Generate, yielding a ``TokenEvent`` (token id and text delta) per committed token.
@@ -247,10 +275,12 @@ class Engine:
 
     def _run_solo(self, s: Stream, prefill_depth: int, depth: int) -> Iterator[TokenEvent]:
         self._check_usable()
+        run = self.scheduler([s], prefill_depth, depth)
         try:
-            yield from self.scheduler([s], prefill_depth, depth)
+            yield from run
         finally:
             self._link.drain()
+            run.release_all()
 
     def generate(self, prompt: str | list[int], max_new_tokens: int = 128, *,
                  on_token: Callable[[TokenEvent], None] | None = None, **params) -> GenerationResult:
@@ -315,7 +345,7 @@ class Engine:
         """Generate for every prompt over the same stages; one result per prompt, in input order.
 
         Every step op carries every stream that is ready (``ringshm.engine.scheduler``); prompts beyond ``max_rows``
-        wait for a free KV row. Each stream gets exactly the tokens ``generate`` gives it alone.
+        wait for a free row. Each stream gets exactly the tokens ``generate`` gives it alone.
 
         Args:
             prompts: strings or token-id lists (as ``generate``).
@@ -379,6 +409,8 @@ class BatchStream:
             yield from self._run
         finally:
             eng._link.drain()
+            if self._run is not None:
+                self._run.release_all()
             self._t1, self._busy1 = time.perf_counter(), eng._busy()
 
     def cancel(self, index: int) -> None:

@@ -26,6 +26,9 @@ class GenerationResult:
     the three add up to the wall time.
     ``logprobs``: one ``ringshm.engine.logprobs.TokenLogprob`` per generated token, and ``prompt_logprobs``: None for
     the first prompt token then one per prompt token, when the request asked for them (else None).
+    ``n_cached_tokens``: prompt tokens whose KV came from the prefix cache (their prefill was skipped; a whole
+    number of KV blocks; OpenAI's ``usage.prompt_tokens_details.cached_tokens``). ``n_preemptions``: times the
+    stream gave its KV blocks back for want of them and was computed again (the same bytes either way).
     """
 
     token_ids: list[int]
@@ -45,6 +48,8 @@ class GenerationResult:
     mean_accepted_length: float = 0.0
     logprobs: list | None = None
     prompt_logprobs: list | None = None
+    n_cached_tokens: int = 0
+    n_preemptions: int = 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -58,7 +63,7 @@ class BatchResult:
     (the aggregate throughput); ``stage_busy_s``: each stage's busy seconds over the whole batch (per-stream
     results leave theirs empty: a step op serves several streams at once); ``spec``: the speculation
     counters summed over the streams; ``steps``: the scheduler's op counters (ops, segments, tokens, ops
-    with more than one segment).
+    with more than one segment, preemptions).
     """
 
     results: list[GenerationResult]
@@ -102,4 +107,5 @@ def result_of(s: Stream, busy0: list[float] | None = None, busy_first: list[floa
         accepted_tokens=spec.accepted_tokens, acceptance_rate=spec.acceptance_rate,
         mean_accepted_length=spec.mean_accepted_length,
         logprobs=list(s.token_logprobs) if s.logprobs is not None else None,
-        prompt_logprobs=list(s.prompt_token_logprobs) if s.prompt_logprobs is not None else None)
+        prompt_logprobs=list(s.prompt_token_logprobs) if s.prompt_logprobs is not None else None,
+        n_cached_tokens=s.cached_tokens, n_preemptions=s.n_preemptions)

@@ -10,12 +10,20 @@ admitted stream that has work and nothing blocking it:
     2. then prefill chunks of admitted streams, in admission order, one chunk per stream, each at most
        ``prefill_chunk`` tokens, until the op holds ``max_step_tokens`` tokens.
 
-A row appears at most once per op. Prefill chunks do not depend on replies, so one stream's chunks may fill
+A row appears at most once per op. KV lives in blocks (``ringshm.engine.kv_blocks``): admission attaches the
+longest cached chain of the prompt's full blocks (the prefill starts after it: a hit computes nothing and
+changes no byte) and takes fresh blocks for the rest; a decode or verify that crosses into a new block takes
+one first, and every segment carries its stream's table. A reply makes the positions it wrote final, and full
+blocks of final positions enter the prefix cache. When a block is needed and none can be had (free, or cached
+and evicted least recently used first), the most recently admitted decoding stream with nothing in flight is
+preempted: its blocks are released and it waits again with its tokens appended to its prompt, to be prefilled
+again (exact, as recompute gives the same bits) before it decodes on.
+Prefill chunks do not depend on replies, so one stream's chunks may fill
 several ops in flight (the seed's pipelined prefill); a decode's input is the previous reply's output, so a
 plain stream never has two ops in flight. Two windows bound what is in flight: at most ``depth`` ops that
 carry decode/verify segments (the pipeline's micro-batches) and at most ``prefill_depth`` ops that carry
 prefill chunks; an op with both counts against both, and a kind whose window is full waits for the next op.
-Waiting requests take free KV rows (``max_rows``) in arrival order; a finished or cancelled stream frees its
+Waiting requests take free rows (``max_rows``) in arrival order; a finished or cancelled stream frees its
 row once no op of it is in flight.
 
 Every stage applies ops in arrival order, every row has its own KV, and the kernels compute each token's
@@ -32,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ringshm.engine.coordinator import Link, Stream, TokenEvent
+from ringshm.engine.kv_blocks import KVBlocks
 from ringshm.engine.logprobs import cut, sampled_logprob, split_reply
 from ringshm.engine.spec_decode import VerifyTag
 from ringshm.errors import RingTimeout
@@ -68,13 +77,16 @@ class StepTag:
 
 @dataclass
 class StepStats:
-    """Counters over a scheduler's life: step ops sent, segments and tokens they carried, and ops that
-    carried more than one segment (batched steps)."""
+    """Counters over a scheduler's life: step ops sent, segments and tokens they carried, ops that carried
+    more than one segment (batched steps), streams preempted for want of KV blocks, and the most streams that held
+    a row at once (``peak_rows``)."""
 
     ops: int = 0
     segments: int = 0
     tokens: int = 0
     multi_segment_ops: int = 0
+    preemptions: int = 0
+    peak_rows: int = 0
 
 
 class Scheduler:
@@ -84,7 +96,7 @@ class Scheduler:
     Args:
         link: the coordinator's ``Link`` (the scheduler owns it while it runs).
         streams: requests to start with (``row`` is assigned here).
-        max_rows: KV rows of the stages (streams live at once).
+        max_rows: stream slots (streams live at once; they reserve no KV).
         prefill_chunk: most prompt tokens per prefill segment. prefill_depth: ops with prefill chunks in
             flight. depth: ops with decode/verify segments in flight. max_step_tokens: token budget of one
             op for prefill chunks (decode and verify segments always go in). job: the job id on the wire.
@@ -94,12 +106,12 @@ class Scheduler:
     """
 
     def __init__(self, link: Link, streams: list[Stream], max_rows: int, prefill_chunk: int, prefill_depth: int,
-                 depth: int, max_step_tokens: int, job: int = 0):
+                 depth: int, max_step_tokens: int, job: int = 0, *, kv: KVBlocks, prefix_cache: bool = True):
         for name, v in (("max_rows", max_rows), ("prefill_chunk", prefill_chunk), ("prefill_depth", prefill_depth),
                         ("depth", depth), ("max_step_tokens", max_step_tokens)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        self.link, self.job = link, job
+        self.link, self.job, self.kv, self.prefix_cache = link, job, kv, prefix_cache
         self.chunk, self.prefill_depth, self.depth, self.max_step_tokens = (prefill_chunk, prefill_depth, depth,
                                                                             max_step_tokens)
         self.waiting: deque[Stream] = deque()
@@ -109,6 +121,7 @@ class Scheduler:
         self.n_decode_ops = self.n_prefill_ops = 0  # ops in flight counting against each window
         self.stats = StepStats()
         self.last_segments = 0  # segments of the op the last reply answered
+        self._building: list[Stream] = []  # the streams of the op being built
         for s in streams:
             self.submit(s, send=False)
 
@@ -174,13 +187,54 @@ class Scheduler:
 
     # ----------------------------------------------------------------------------------------- private
     def _admit(self) -> None:
+        """Waiting streams take a free row and the KV blocks of their prompt, in arrival order; one that cannot
+        get its blocks waits (head of the line) until a stream ends or is preempted."""
         while self.waiting and self.free_rows:
-            s = self.waiting.popleft()
+            s = self.waiting[0]
             if s.done:  # cancelled before it got a row: nothing to run
+                self.waiting.popleft()
                 self.streams.pop(s.index, None)
                 continue
+            lookup = self.prefix_cache and s.prompt_logprobs is None  # prompt logprobs score every position
+            cached = self.kv.admit(s, s.prefill_ids, s.cache_salt, lookup=lookup)
+            if cached is None:  # not now: running streams are not preempted for a newcomer (it fits alone)
+                return
+            self.waiting.popleft()
             s.row = self.free_rows.pop(0)
+            s.n_prefilled = s.n_prefill_done = cached
+            if s.resume_ids is None:
+                s.cached_tokens = cached
             self.active.append(s)
+            self.stats.peak_rows = max(self.stats.peak_rows, len(self.active))
+
+    def _preempt(self) -> bool:
+        """Free KV blocks by preempting the most recently admitted decoding stream with no op in flight and no
+        segment in the op being built (vLLM's recompute preemption): its blocks go back, it waits at the head of
+        the queue with the tokens it generated appended to what it prefills. Returns False when no stream can be
+        preempted now."""
+        victims = [s for s in self.active if s.decoding and not s.n_in_flight and s not in self._building]
+        if not victims:
+            return False
+        s = victims[-1]
+        self.active.remove(s)
+        self.kv.release(s)
+        self.free_rows.append(s.row)
+        s.row, s.n_prefilled, s.n_prefill_done = -1, 0, 0
+        s.resume_ids = s.prompt + s.tokens
+        s.n_preemptions += 1
+        self.stats.preemptions += 1
+        self.waiting.appendleft(s)
+        return True
+
+    def _blocks_for(self, s: Stream, end: int) -> bool:
+        """Make the stream's table cover positions [0, end), preempting others if need be; False when it cannot
+        (the segment waits for the next op)."""
+        while not self.kv.ensure(s, end):
+            if not self._preempt():
+                return False
+            if s.row < 0:  # it was the victim itself
+                return False
+        return True
 
     def _fill(self) -> None:
         """Send step ops while a window has room and some stream has work (module docstring)."""
@@ -189,6 +243,7 @@ class Scheduler:
             ids: list[int] = []
             targets: list[int] = []
             tag = StepTag()
+            self._building = tag.streams  # not preempted while this op is built (_preempt)
             if self.n_decode_ops < self.depth:
                 self._add_decodes(segs, ids, tag)
             if self.n_prefill_ops < self.prefill_depth:
@@ -199,6 +254,10 @@ class Scheduler:
                 tensors = [torch.tensor(ids, dtype=torch.int64)]
                 if targets:  # the ids prompt logprobs score, forwarded by every stage to the last
                     tensors.append(torch.tensor(targets, dtype=torch.int64))
+                tables: list[int] = []
+                for st, seg in zip(tag.streams, segs):  # each segment's table, exactly its positions' blocks
+                    tables += self.kv.table(st)[:self.kv.blocks_for(seg.start + seg.n_tokens)]
+                tensors.append(torch.tensor(tables, dtype=torch.int32))
                 self.link.send(m.Message(m.STEP, job=self.job, segments=segs, tensors=tensors), tag=tag)
             except BaseException:  # not sent (RingTimeout, StageDied): undo what building it claimed
                 for s, kind, v, seg in zip(tag.streams, tag.kinds, tag.verifies, segs):
@@ -218,15 +277,18 @@ class Scheduler:
     def _add_decodes(self, segs: list[m.Segment], ids: list[int], tag: StepTag) -> None:
         """A decode segment of each plain stream with its last token and nothing in flight, and the next
         verify segment of each speculative stream that has one (``SpecDecoder.next_segment``)."""
-        for s in self.active:
-            if not s.decoding:
+        for s in list(self.active):
+            if not s.decoding or s.row < 0:
                 continue
             if s.spec is None:
-                if not s.n_in_flight:
+                if not s.n_in_flight and self._blocks_for(s, s.position + 1):
                     segs.append(m.Segment(s.row, s.position, 1, _want(s)))
                     ids.append(s.tokens[-1])
                     tag.add(s, DECODE)
             elif (v := s.spec.next_segment()) is not None:
+                if not self._blocks_for(s, v.start + len(v.inputs)):
+                    s.spec.in_flight.remove(v)  # not sent: the chain is built again next time
+                    continue
                 segs.append(m.Segment(s.row, v.start, len(v.inputs), m.WANT_ALL))
                 ids.extend(v.inputs)
                 tag.add(s, VERIFY, v)
@@ -239,17 +301,18 @@ class Scheduler:
         for s in self.active:
             if budget <= 0:
                 return
-            left = len(s.prompt) - s.n_prefilled
+            feed = s.prefill_ids
+            left = len(feed) - s.n_prefilled
             if left <= 0 or s.done:
                 continue
             n = min(self.chunk, left, budget)
             want = _want(s) if n == left else m.WANT_NONE
-            if s.prompt_logprobs is not None:
+            if s.prompt_logprobs is not None and s.resume_ids is None:
                 k = max(s.prompt_logprobs, m.Segment(0, 0, 1, want).k)  # the last chunk may carry both kinds
                 want = (want & ~(0xFF << m.WANT_K_SHIFT)) | m.WANT_PROMPT_LOGPROBS | m.want_k(k)
                 targets.extend(s.prompt[s.n_prefilled + 1: s.n_prefilled + n + 1])
             segs.append(m.Segment(s.row, s.n_prefilled, n, want))
-            ids.extend(s.prompt[s.n_prefilled: s.n_prefilled + n])
+            ids.extend(feed[s.n_prefilled: s.n_prefilled + n])
             s.n_prefilled += n
             budget -= n
             tag.add(s, PREFILL)
@@ -263,6 +326,8 @@ class Scheduler:
             s.n_in_flight -= 1
         events: list[TokenEvent] = []
         for seg, s, kind, v, part in zip(reply.segments, tag.streams, tag.kinds, tag.verifies, split_reply(reply)):
+            if kind == PREFILL:
+                s.n_prefill_done += seg.n_tokens
             lps = part.logprobs
             if seg.n_targets():  # a prompt chunk's scores of the prompt's next ids
                 s.prompt_token_logprobs += [cut(lp, s.prompt[seg.start + i + 1], s.prompt_logprobs)
@@ -277,17 +342,56 @@ class Scheduler:
                     lp = cut(lps[-1], token, s.logprobs) if lps else sampled_logprob(part.logits, token, s.logprobs)
                     s.token_logprobs.append(lp)
                 events.append(TokenEvent(s.index, token, s.commit(token), lp))
+            self._commit_kv(s, seg)
             if s.done:
                 self._maybe_free(s)
         return events
 
+    def _commit_kv(self, s: Stream, seg: m.Segment) -> None:
+        """The positions an answered segment wrote from final tokens are final: the prompt's, a decode's input, a
+        verify's input and accepted drafts (at most one short of the stream's tokens: the newest is fed next).
+        Full blocks of final positions enter the prefix cache."""
+        if s not in self.kv:
+            return
+        final = min(seg.start + seg.n_tokens, len(s.prompt) + len(s.tokens) - 1 if s.tokens else len(s.prompt))
+        if final > self.kv.kv_valid(s) and self.prefix_cache:
+            self.kv.commit(s, _Tokens(s.prompt, s.tokens), final)
+
     def _maybe_free(self, s: Stream) -> None:
-        """Free the row of a finished stream once no op of it is in flight."""
+        """Free the row and KV blocks of a finished stream once no op of it is in flight."""
         if s.n_in_flight or s.row < 0 or s not in self.active:
             return
         self.active.remove(s)
+        self.kv.release(s)
         self.free_rows.append(s.row)
         self.streams.pop(s.index, None)  # a long-running scheduler (a server) must not keep every past request
+
+    def release_all(self) -> None:
+        """Give back the KV blocks of every stream this run still holds (after a failure, once nothing of it is
+        in flight: ``Link.drain``), so the engine's pool serves the next run whole."""
+        for s in self.active:
+            if s in self.kv:
+                self.kv.release(s)
+        self.active.clear()
+
+
+class _Tokens:
+    """A stream's prompt followed by its generated tokens, sliced without building the concatenation (the
+    prefix cache reads one block of it per commit)."""
+
+    def __init__(self, prompt: list[int], tokens: list[int]):
+        self.prompt, self.tokens = prompt, tokens
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+    def __getitem__(self, sl: slice) -> list[int]:
+        n = len(self.prompt)
+        if sl.stop <= n:
+            return self.prompt[sl]
+        if sl.start >= n:
+            return self.tokens[sl.start - n:sl.stop - n]
+        return self.prompt[sl.start:] + self.tokens[:sl.stop - n]
 
 
 def _want(s: Stream) -> int:

@@ -1,7 +1,8 @@
 """Weights in their checkpoint encoding and the batch-invariant matmul over them (csrc/matmul.h).
 
 ``RawWeight`` is a ``[N, K]`` weight as the checkpoint stores it: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks,
-the K-quants Q4_K / Q5_K / Q6_K, F16, BF16 or F32, one row of bytes per output row (for a GGUF file, a view of its memory map: no copy). ``PackedWeight`` is
+the K-quants Q4_K / Q5_K / Q6_K, F16, BF16 or F32, one row of bytes per output row (for a GGUF file, a view of its
+memory map: no copy). ``PackedWeight`` is
 the same weight rearranged once at load into 16-row panels for ``ringshm_qmat_matmul``, which computes
 ``out = x · Wᵀ (+ bias) (+ residual)`` in fp32 with every output element reduced in one fixed order, whatever
 the number of rows in ``x`` and the thread count (batch invariance; the order is drawn in csrc/matmul.h).

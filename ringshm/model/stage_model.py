@@ -13,16 +13,19 @@ Two paths, fixed at construction:
 - **CUDA, or a bf16 compute dtype:** weights are dequantized at load to ``dtype`` on the device and the
   matmuls are ``torch.nn.functional.linear``. Batch invariance is not promised there.
 
-KV cache: per layer ``k_cache[l]``, ``v_cache[l]`` of ``[max_rows, n_kv_heads, max_seq_len, head_dim]`` fp32
-(the kernels' dtype, whatever the weights' dtype), allocated once. Each row has a written length ``length[r]``:
+KV cache: per layer a ``KVPool`` (``ringshm.model.attention``) of ``n_blocks`` blocks of ``block_size`` positions,
+``[n_blocks, n_kv_heads, block_size, head_dim]`` fp32 keys and values. A segment of a step op names its stream's
+blocks in position order (its table, from the coordinator: ``ringshm.engine.kv_blocks``); rows are the
+coordinator's stream slots. Without tables (an in-process caller) each row owns a fixed run of blocks (``row_table``).
+Which positions each block holds is ``fill`` ``[n_blocks]``:
 
-    op at (row r, start s, n tokens)      condition                      effect
-    ------------------------------------  -----------------------------  -------------------------------
-    append / continue                     s == length[r]                 writes [s, s+n), length = s+n
-    overwrite (speculative rollback)      s <  length[r]                 writes [s, s+n), length = s+n
-    read past what was written            s >  length[r]                 KVRangeError, nothing changed
-    write past the cache                  s + n > max_seq_len            KVRangeError, nothing changed
-    reset(rows)                                                          length = 0 (no memory is cleared)
+    segment (start s, n tokens, table T)  condition                           effect
+    ------------------------------------  ----------------------------------  ---------------------------------------
+    append / continue / overwrite          blocks before s hold every position  writes [s, s+n) into T's blocks, and
+                                           (fill B), T[s // B] holds s % B       the blocks of [s, s+n) hold up to s+n
+    read KV never written                  a block before s holds fewer         KVRangeError, nothing changed
+    positions past the stage's context     s + n > max_seq_len                  KVRangeError, nothing changed
+    reset(rows)                                                                 the rows' own blocks hold nothing
 
 Layer math (Llama; Qwen2 adds q/k/v biases), per layer on the residual stream ``x [T, hidden]``:
     x += Wo · attention(rope(Wq · norm(x)), kv_append(rope(Wk · norm(x)), Wv · norm(x)))
@@ -32,16 +35,28 @@ Q, K and V are one fused matmul (``wqkv``), gate and up another (``w_gate_up``):
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ringshm._C import ffi, lib
-from ringshm.config import ModelConfig
+from ringshm.config import DEFAULT_BLOCK_SIZE, ModelConfig
 from ringshm.errors import KVRangeError
 from ringshm.model import kernels
+from ringshm.model.attention import (
+    MAX_HEAD_DIM,
+    MAX_SEGMENTS,
+    KVPool,
+    attention,
+    kv_append,
+    kv_check,
+    kv_mark,
+    table_len,
+)
 from ringshm.model.head import StageOutput, head_outputs, plan_head
 from ringshm.model.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
 from ringshm.model.qmatmul import BEST_ISA, PackedWeight, RawWeight, concat_rows, embed_rows
@@ -57,6 +72,19 @@ from ringshm.transport.messages import (
     WANT_PROMPT_LOGPROBS,
     Segment,
 )
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A checked step op: its segment table as int tuples, starts / lens int64 ``[n_seg]``, the block tables
+    int32 ``[Σ n_table]`` and their offsets int64 ``[n_seg + 1]`` (segment i's table is
+    ``tables[table_offs[i]:table_offs[i + 1]]``)."""
+
+    table: list[tuple[int, int, int, int]]
+    starts: torch.Tensor
+    lens: torch.Tensor
+    tables: torch.Tensor
+    table_offs: torch.Tensor
 
 
 class _Layer:
@@ -102,9 +130,9 @@ class _Layer:
         self.w_gate_up, self.b_gate_up = dense(w_gate_up), dense(b_gate_up)
         self.w_down, self.b_down = dense(w.w_down), dense(w.b_down)
 
-    def bind(self, k_cache: torch.Tensor, v_cache: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, window: int):
+    def bind(self, kv: KVPool, cos: torch.Tensor, sin: torch.Tensor, window: int):
         """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights, this
-        layer's caches, RoPE tables and window; the tensors stay owned here and by the model."""
+        layer's KV pool, RoPE tables and window; the tensors stay owned here and by the model."""
         c = ffi.new("struct ringshm_layer_weights *")
         split = self.wk is not None
         parts = (("qkv", self.wqkv), ("o", self.wo), ("gate_up", self.w_gate_up), ("down", self.w_down))
@@ -123,7 +151,7 @@ class _Layer:
         c.q_norm, c.k_norm = fp(self.q_norm), fp(self.k_norm)
         c.post_attn_norm, c.post_ffn_norm = fp(self.post_attn_norm), fp(self.post_ffn_norm)
         c.cos, c.sin, c.window = fp(cos), fp(sin), window
-        c.k_cache, c.v_cache = fp(k_cache), fp(v_cache)
+        c.kv = kv.c[0]
         return c
 
 
@@ -134,19 +162,27 @@ class StageModel:
         config: the whole model's shape.
         layer_range: ``range(start, stop)`` or ``(start, stop)`` inside ``[0, config.n_layers)``.
         is_first, is_last: whether this stage embeds token ids / applies final norm and LM head.
-        max_rows: KV cache rows (concurrent sequences). max_seq_len: positions per row (≤ config's).
-        dtype: activations (and dequantized weights on the torch path): fp32 default, bf16 option (torch path);
-            the KV cache is always fp32.
+        max_rows: stream slots (a row appears at most once per op). max_seq_len: positions a stream may reach
+            (≤ config's; the RoPE tables' length).
+        dtype: activations (and dequantized weights on the torch path): fp32 default, bf16 option (torch path).
+        kv_dtype: what the KV pools store: fp32 (default), fp16 or bf16 (``attention.KV_DTYPES``; rounded on
+            append, read back exactly).
         weights: the stage's weights from ``ringshm.model.loader``; ``from_path`` loads them for you.
+        block_size: positions per KV block (a multiple of ``attention.KEY_TILE``, at most ``attention.MAX_BLOCK``).
+        n_blocks: blocks in this stage's pools; default: enough for every row to reach ``max_seq_len``
+            (``row_table``'s fixed layout).
 
     Raises:
         LayerRangeError: the range is empty or outside the model.
-        ValueError: ``max_rows``/``max_seq_len`` not positive, or weights for a different range.
+        ValueError: ``max_rows``/``max_seq_len``/``n_blocks`` not positive, a bad block size, or weights for a
+            different range.
     """
 
     def __init__(self, config: ModelConfig, layer_range: range | tuple[int, int], is_first: bool,
                  is_last: bool, max_rows: int, max_seq_len: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu", weights: StageWeights | None = None) -> None:
+                 device: str | torch.device = "cpu", weights: StageWeights | None = None,
+                 block_size: int = DEFAULT_BLOCK_SIZE, n_blocks: int | None = None,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         self.config = config
         self.layer_range = check_layer_range(layer_range, config.n_layers)
         if max_rows <= 0 or max_seq_len <= 0:
@@ -159,11 +195,16 @@ class StageModel:
             raise ValueError("weights lack the embedding (first stage) or final norm / LM head (last stage)")
         self.is_first, self.is_last = is_first, is_last
         self.max_rows, self.max_seq_len = max_rows, max_seq_len
+        self.block_size = block_size
+        self.blocks_per_row = table_len(max_seq_len, block_size)
+        self.n_blocks = max_rows * self.blocks_per_row if n_blocks is None else n_blocks
+        if self.n_blocks <= 0:
+            raise ValueError(f"n_blocks must be positive, got {n_blocks}")
         self.dtype, self.device = dtype, torch.device(device)
         # the C path (module docstring); its kernels take whole 16-float vectors of these dims
         self.native = (self.device.type == "cpu" and dtype == torch.float32 and config.hidden % 16 == 0
                        and config.intermediate % 8 == 0 and config.head_dim % 16 == 0
-                       and config.head_dim <= kernels.MAX_HEAD_DIM)
+                       and config.head_dim <= MAX_HEAD_DIM)
         self.norm = self.lm_head = self.embed = None
         if is_first:  # native: the encoded rows (a view of the file's map); else a dense table
             self.embed = weights.embed if self.native else weights.embed.dequantize().to(self.device, dtype)
@@ -173,10 +214,8 @@ class StageModel:
                             else weights.lm_head.dequantize().to(self.device, dtype))
         self.layers = [_Layer(w, self.native, dtype, self.device) for w in weights.layers]
         n_kv, d = config.n_kv_heads, config.head_dim
-        shape = (max_rows, n_kv, max_seq_len, d)  # [R, Hkv, S_max, D]
-        self.k_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=torch.float32, device=self.device) for _ in self.layers]
-        self.length = [0] * max_rows  # positions written per row
+        self.kv = [KVPool(self.n_blocks, n_kv, block_size, d, self.device, kv_dtype) for _ in self.layers]
+        self.fill = torch.zeros(self.n_blocks, dtype=torch.int32)  # positions each block holds
         # one RoPE table per distinct (base, scaling) among the stage's layers (Gemma 3: local and global)
         tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self.rope = []  # per layer of the stage: (cos, sin) [max_seq_len, D/2] fp32
@@ -188,12 +227,12 @@ class StageModel:
             self.rope.append(tables[key])
         self.windows = [config.window(i) for i in self.layer_range]
         if self.native:
-            self._c_layers = [layer.bind(k, v, cos, sin, window) for layer, k, v, (cos, sin), window in
-                              zip(self.layers, self.k_cache, self.v_cache, self.rope, self.windows)]
+            self._c_layers = [layer.bind(kv, cos, sin, window) for layer, kv, (cos, sin), window in
+                              zip(self.layers, self.kv, self.rope, self.windows)]
             self._c_shape = ffi.new("struct ringshm_layer_shape *", dict(
                 hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=n_kv, head_dim=d,
-                inter=config.intermediate, max_rows=max_rows, max_seq_len=max_seq_len, n_pos=max_seq_len,
-                rms_eps=config.rms_eps, attn_scale=config.attention_scale,
+                inter=config.intermediate, n_pos=max_seq_len, rms_eps=config.rms_eps,
+                attn_scale=config.attention_scale,
                 act=lib.RINGSHM_ACT_GELU_TANH if config.activation == "gelu_tanh" else lib.RINGSHM_ACT_SILU))
             self._work = torch.empty(0, dtype=torch.float32)  # the layers' scratch, grown to the largest op
 
@@ -201,7 +240,9 @@ class StageModel:
     def from_path(cls, path: str | Path, layer_range: range | tuple[int, int] | None = None,
                   is_first: bool | None = None, is_last: bool | None = None, max_rows: int = 1,
                   max_seq_len: int = 2048, dtype: torch.dtype = torch.float32,
-                  device: str | torch.device = "cpu", checkpoint: Checkpoint | None = None) -> StageModel:
+                  device: str | torch.device = "cpu", checkpoint: Checkpoint | None = None,
+                  block_size: int = DEFAULT_BLOCK_SIZE, n_blocks: int | None = None,
+                  kv_dtype: torch.dtype = torch.float32) -> StageModel:
         """Load a stage from a ``.gguf`` file or HF directory, reading only its own tensors.
 
         ``layer_range`` defaults to all layers; ``is_first``/``is_last`` default to whether the range
@@ -217,48 +258,64 @@ class StageModel:
         first = r.start == 0 if is_first is None else is_first
         last = r.stop == cfg.n_layers if is_last is None else is_last
         weights = ckpt.load_stage(r, first, last)
-        return cls(cfg, r, first, last, max_rows, min(max_seq_len, cfg.max_seq_len), dtype, device, weights)
+        return cls(cfg, r, first, last, max_rows, min(max_seq_len, cfg.max_seq_len), dtype, device, weights,
+                   block_size, n_blocks, kv_dtype)
 
-    # ---- KV rows ---------------------------------------------------------------------------------
+    # ---- rows without tables (in-process use)
+    # ------------------------------------------------------------------------------
+
+    def row_table(self, row: int) -> torch.Tensor:
+        """The fixed table of ``row`` for callers that send none (in-process use): blocks
+        ``[row * blocks_per_row, (row + 1) * blocks_per_row)``, int32.
+
+        Raises:
+            KVRangeError: a row outside ``[0, max_rows)``, or a pool too small for the fixed layout."""
+        self._check_row(row)
+        if (row + 1) * self.blocks_per_row > self.n_blocks:
+            raise KVRangeError(f"row {row}: the pool's {self.n_blocks} blocks do not hold a fixed run of "
+                               f"{self.blocks_per_row} per row; send block tables")
+        return torch.arange(row * self.blocks_per_row, (row + 1) * self.blocks_per_row, dtype=torch.int32)
+
+    def row_length(self, row: int) -> int:
+        """Positions ``row``'s fixed blocks (``row_table``) hold from position 0 on."""
+        total = 0
+        for f in self.fill[self.row_table(row).long()].tolist():
+            total += f
+            if f < self.block_size:
+                break
+        return total
 
     def reset(self, rows: int | Sequence[int] | None = None) -> None:
-        """Forget what rows ``rows`` (all when None) hold: their length becomes 0. Memory is not cleared."""
+        """Forget what rows ``rows`` (all when None) hold in their fixed blocks (``row_table``): those blocks
+        hold nothing any more. Memory is not cleared."""
         for r in range(self.max_rows) if rows is None else ([rows] if isinstance(rows, int) else rows):
-            self._check_row(r)
-            self.length[r] = 0
+            self.fill[self.row_table(r).long()] = 0
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_rows:
-            raise KVRangeError(f"row {row} outside the KV cache's rows [0, {self.max_rows})")
-
-    def _check_op(self, row: int, start: int, n: int) -> None:
-        self._check_row(row)
-        if start < 0 or start > self.length[row]:
-            raise KVRangeError(f"row {row}: start {start} is past the {self.length[row]} positions written "
-                               f"(an op may start at most at the row's length)")
-        if start + n > self.max_seq_len:
-            raise KVRangeError(f"row {row}: positions [{start}, {start + n}) run past max_seq_len "
-                               f"{self.max_seq_len}")
+            raise KVRangeError(f"row {row} outside the stage's rows [0, {self.max_rows})")
 
     # ---- forward ---------------------------------------------------------------------------------
 
-    def check_segments(self, segments: Sequence[Sequence[int]], n_tokens: int) -> list[tuple[int, int, int, int]]:
-        """Validate a segment table against this stage's KV cache before anything is written.
+    def check_segments(self, segments: Sequence[Sequence[int]], n_tokens: int,
+                       tables: torch.Tensor | None = None) -> StepPlan:
+        """Validate a step op against this stage's KV before anything is written.
 
-        ``segments``: ``(row, start, n_tokens, want)`` entries (``ringshm.transport.messages.Segment``);
-        ``n_tokens``: the op's token count T. Returns the table as plain int tuples.
+        ``segments``: ``(row, start, n_tokens, want)`` entries (``ringshm.transport.messages.Segment``); ``n_tokens``:
+        the op's token count T; ``tables``: int32 ``[Σ ceil((start + n) / block_size)]``, each segment's block
+        table in table order (None: each row's fixed table, ``row_table``). Returns the op as a ``StepPlan``.
 
         Raises:
-            KVRangeError: a segment's row outside the cache, its start past the row's written length, or its
-                positions past ``max_seq_len`` (the message names the segment).
-            ValueError: an empty table or one of more than ``kernels.MAX_SEGMENTS``, a segment of < 1 token, a
-                row in two segments, a ``want`` with unknown bits, or segment tokens that do not add up to T.
+            KVRangeError: a row outside the stage's rows, positions past ``max_seq_len``, or a segment whose table
+                is short, names a block outside the pool, or reads KV its blocks do not hold (the message names it).
+            ValueError: an empty table or one of more than ``attention.MAX_SEGMENTS``, a segment of < 1 token, a
+                row in two segments, a ``want`` with unknown bits, segment tokens that do not add up to T, or a
+                tables tensor of the wrong dtype or length.
         """
         if not segments:
             raise ValueError("a step op needs at least one segment")
-        if len(segments) > kernels.MAX_SEGMENTS:
-            raise ValueError(f"a step op of {len(segments)} segments is over the {kernels.MAX_SEGMENTS} one op "
-                             f"may hold")
+        if len(segments) > MAX_SEGMENTS:
+            raise ValueError(f"a step op of {len(segments)} segments is over the {MAX_SEGMENTS} one op may hold")
         table = [tuple(int(v) for v in seg) for seg in segments]
         seen: dict[int, int] = {}
         for i, (row, start, n, want) in enumerate(table):
@@ -275,50 +332,64 @@ class StageModel:
             if row in seen:
                 raise ValueError(f"{where}: row {row} is already segment {seen[row]}; a row may appear once per op")
             seen[row] = i
-            try:
-                self._check_op(row, start, n)
-            except KVRangeError as exc:
-                raise KVRangeError(f"{where}: {exc}") from None
+            if not 0 <= row < self.max_rows:
+                raise KVRangeError(f"{where}: row {row} outside the stage's rows [0, {self.max_rows})")
+            if start < 0 or start + n > self.max_seq_len:
+                raise KVRangeError(f"{where}: positions [{start}, {start + n}) run past max_seq_len {self.max_seq_len}")
         if sum(n for _, _, n, _ in table) != n_tokens:
             raise ValueError(f"the segments hold {sum(n for _, _, n, _ in table)} tokens, the op carries {n_tokens}")
-        return table
+        starts = torch.tensor([s for _, s, _, _ in table], dtype=torch.int64)
+        lens = torch.tensor([n for _, _, n, _ in table], dtype=torch.int64)
+        need = [table_len(s + n, self.block_size) for _, s, n, _ in table]
+        offs = torch.tensor([0, *itertools.accumulate(need)], dtype=torch.int64)  # [n_seg + 1]
+        if tables is None:
+            tables = torch.cat([self.row_table(r)[:k] for (r, _, _, _), k in zip(table, need)])
+        elif tables.dtype != torch.int32 or tables.dim() != 1 or tables.numel() != int(offs[-1]):
+            raise ValueError(f"the op's block tables must be int32 [{int(offs[-1])}] (ceil((start + n) / "
+                             f"{self.block_size}) per segment), got {tables.dtype} {tuple(tables.shape)}")
+        tables = tables.contiguous()
+        bad = kv_check(self.fill, self.block_size, tables, offs, starts, lens)
+        if bad >= 0:
+            row, start, n, _ = table[bad]
+            blocks = tables[int(offs[bad]):int(offs[bad + 1])]
+            raise KVRangeError(f"segment {bad} (row {row}, start {start}, {n} tokens): its blocks "
+                               f"{blocks.tolist()[:8]}{'...' if blocks.numel() > 8 else ''} do not hold the "
+                               f"{start} positions before it (or name blocks outside the pool of {self.n_blocks})")
+        return StepPlan(table, starts, lens, tables, offs)
 
-    def step(self, x: torch.Tensor, segments: Sequence[Sequence[int]],
-             targets: torch.Tensor | None = None) -> torch.Tensor | StageOutput:
-        """Run one step op: a ragged batch of segments, each ``n ≥ 1`` positions of its own KV row.
+    def step(self, x: torch.Tensor, segments: Sequence[Sequence[int]], targets: torch.Tensor | None = None,
+             tables: torch.Tensor | None = None) -> torch.Tensor | StageOutput:
+        """Run one step op: a ragged batch of segments, each ``n ≥ 1`` positions of a stream in the blocks its
+        table names.
 
         ``x``: int64 token ids ``[T]`` on the first stage, else hidden states ``[T, hidden]`` (``dtype``), the
         segments' tokens one after another in table order. ``segments``: ``(row, start, n_tokens, want)``
-        (``ringshm.transport.messages.Segment``; ``want`` of ``WANT_*``). Matmuls, norms and the FFN run over all T
-        tokens at once; RoPE, KV-append and attention per segment on its row. Each segment writes KV at
-        ``[start, start+n)`` of its row and sets the row's length to ``start + n``.
+        (``ringshm.transport.messages.Segment``; ``want`` of ``WANT_*``). ``tables``: as ``check_segments``.
+        Matmuls, norms and the FFN run over all T tokens at once; RoPE, KV-append and attention per segment
+        through its table. Each segment writes KV at ``[start, start+n)`` of its stream.
 
         Returns hidden states ``[T, hidden]``, or on the last stage a ``StageOutput``: ``token_ids`` int64
         ``[Σ outputs]`` (per segment in table order: none for ``WANT_NONE``, the last position's argmax for
         ``WANT_LAST``, every position's for ``WANT_ALL``), ``logits`` fp32 ``[n, vocab]`` of the last
         position of the n segments with ``WANT_LOGITS`` (None when none asks), and the logprobs of the
         positions with ``WANT_LOGPROBS`` / ``WANT_PROMPT_LOGPROBS`` (``ringshm.model.head``; the layout is
-        ``ringshm.transport.messages``'). ``targets``: int64 ``[Σ n_targets]``, the id after each prompt position that
-        ``WANT_PROMPT_LOGPROBS`` scores (only the last stage reads it). On the native path a segment's bytes
-        do not depend on the other segments (batch invariance, module docstring).
+        ``ringshm.transport.messages``'). ``targets``: int64 ``[Σ n_targets]``, the id after each prompt position
+        that ``WANT_PROMPT_LOGPROBS`` scores (only the last stage reads it). On the native path a segment's bytes
+        do not depend on the other segments nor on where its blocks sit in the pool (batch invariance).
 
         Raises:
             KVRangeError / ValueError: as ``check_segments`` (nothing is written), ``x`` of the wrong shape
                 or dtype for this stage, or (last stage) ``targets`` not one id per target position.
         """
         h = self._input(x)  # [T, hidden]
-        table = self.check_segments(segments, h.shape[0])
-        plan = plan_head(table, [] if targets is None else targets.tolist()) if self.is_last else None
-        rows = [r for r, _, _, _ in table]
-        starts = [s for _, s, _, _ in table]
-        lens = [n for _, _, n, _ in table]
+        op = self.check_segments(segments, h.shape[0], tables)
+        plan = plan_head(op.table, [] if targets is None else targets.tolist()) if self.is_last else None
         if self.native:
-            h = self._native_layers(h, rows, starts, lens)
+            h = self._native_layers(h, op)
         else:
             for li, layer in enumerate(self.layers):
-                h = self._layer(layer, li, h, lambda q, k, v, li=li: self._attend_segments(li, q, k, v, table))
-        for r, s, n in zip(rows, starts, lens):
-            self.length[r] = s + n
+                h = self._layer(layer, li, h, lambda q, k, v, li=li: self._attend_segments(li, q, k, v, op))
+        kv_mark(self.fill, self.block_size, op.tables, op.table_offs, op.starts, op.lens)
         if not self.is_last:
             return h
         return self._head(h, plan)
@@ -355,24 +426,22 @@ class StageModel:
             raise ValueError(f"stage takes hidden states of [T, {hidden}], T ≥ 1; got {tuple(x.shape)}")
         return x.to(device=self.device, dtype=self.dtype)
 
-    def _native_layers(self, h: torch.Tensor, rows: Sequence[int], starts: Sequence[int],
-                       lens: Sequence[int]) -> torch.Tensor:
-        """Every layer on ``h [T, hidden]`` (segment i: ``lens[i]`` tokens on ``rows[i]`` from ``starts[i]``),
-        one ``ringshm_layer_forward`` call per layer. Returns a new ``[T, hidden]`` tensor."""
+    def _native_layers(self, h: torch.Tensor, op: StepPlan) -> torch.Tensor:
+        """Every layer on ``h [T, hidden]`` for a checked op, one ``ringshm_layer_forward`` call per layer.
+        Returns a new ``[T, hidden]`` tensor."""
         if not self.is_first:  # written in place: a later stage's input may be a read-only ring record
             h = h.clone(memory_format=torch.contiguous_format)
         t = h.shape[0]
         need = lib.ringshm_layer_work_floats(self._c_shape, t)
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
-        n_seg = len(rows)
-        seg = torch.tensor([list(rows), list(starts), list(lens)], dtype=torch.int64)  # [3, n_seg]
-        sp = ffi.cast("int64_t *", seg.data_ptr())
-        args = (ffi.cast("float *", h.data_ptr()), t, sp, sp + n_seg, sp + 2 * n_seg, n_seg,
+        i64 = lambda v: ffi.cast("int64_t *", v.data_ptr())  # noqa: E731
+        args = (ffi.cast("float *", h.data_ptr()), t, i64(op.starts), i64(op.lens),
+                ffi.cast("int32_t *", op.tables.data_ptr()), i64(op.table_offs), len(op.table),
                 ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
         for li, c in enumerate(self._c_layers):
             status = lib.ringshm_layer_forward(self._c_shape, c, *args)
-            if status:  # the Python checks ran first: a refusal here is a bug or a corrupted cache table
+            if status:  # the Python checks ran first: a refusal here is a bug or a corrupted table
                 why = kernels.STATUS_TEXT.get(status) or qmatmul_status_text(status)
                 raise (KVRangeError if status == lib.RINGSHM_KERNEL_ERR_RANGE else ValueError)(
                     f"layer {self.layer_range.start + li}: the C layer refused the op: {why}")
@@ -407,19 +476,16 @@ class StageModel:
         m = F.linear(kernels.act_mul_reference(gate_up, cfg.activation), layer.w_down, layer.b_down)
         return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m)
 
-    def _attend_row(self, li: int, q, k, v, row: int, start: int) -> torch.Tensor:
-        kc, vc = self.k_cache[li][row], self.v_cache[li][row]  # [Hkv, S_max, D]
+    def _attend_segments(self, li: int, q, k, v, op: StepPlan) -> torch.Tensor:
+        """RoPE, KV-append and attention of every segment through its table (torch path): ``q [T, Hq, D]``,
+        ``k, v [T, Hkv, D]`` → ``[T, Hq, D]``."""
         cos, sin = self.rope[li]
-        kernels.kv_append(kc, vc, k.contiguous(), v.contiguous(), start, cos, sin)
-        q = kernels.apply_rope(q.contiguous(), start, cos, sin)
-        return kernels.attention(q, kc, vc, start, self.windows[li], self.config.attention_scale)  # [n, Hq, D]
-
-    def _attend_segments(self, li: int, q, k, v, table) -> torch.Tensor:
-        """Attention of every segment on its own row (torch path): ``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` →
-        ``[T, Hq, D]``."""
         out, o = [], 0
-        for row, start, n, _ in table:
-            out.append(self._attend_row(li, q[o:o + n], k[o:o + n], v[o:o + n], row, start))
+        for i, (_, start, n, _) in enumerate(op.table):
+            blocks = op.tables[int(op.table_offs[i]):int(op.table_offs[i + 1])]
+            kv_append(self.kv[li], blocks, k[o:o + n].contiguous(), v[o:o + n].contiguous(), start, cos, sin)
+            qi = kernels.apply_rope(q[o:o + n].contiguous(), start, cos, sin)
+            out.append(attention(qi, self.kv[li], blocks, start, self.windows[li], self.config.attention_scale))
             o += n
         return torch.cat(out) if len(out) > 1 else out[0]
 

@@ -10,7 +10,8 @@ single stream's decode, which visits the stages one at a time, uses every core, 
 which keeps them all busy, does not oversubscribe.
 
 Several hosts (``ringshm.transport.cluster``): a group holds one node's share, its stages and their rings, plus
-one bridge process per edge to another host (``ringshm.transport.bridge``); GPUs are numbered per node; ``busy()`` / ``ops()`` of
+one bridge process per edge to another host (``ringshm.transport.bridge``); GPUs are numbered per node; ``busy()`` /
+``ops()`` of
 other nodes' stages read 0.
 
 Cleanup: ``close()`` is idempotent and also runs when the group is garbage-collected or the interpreter
@@ -165,7 +166,7 @@ class StageGroup:
     """
 
     def __init__(self, cfg: EngineConfig, model_path: str, layer_ranges: list[range], max_seq_len: int,
-                 hidden: int, vocab: int, plan: NodePlan | None = None):
+                 hidden: int, vocab: int, plan: NodePlan | None = None, n_blocks: int | None = None):
         self.cfg, self.layer_ranges = cfg, layer_ranges
         self.plan = plan = plan or NodePlan(0, (range(cfg.stages),), cfg.stages)
         self.closed = False
@@ -179,7 +180,7 @@ class StageGroup:
             n_gpus = torch.cuda.device_count()
             if n_gpus == 0:
                 raise ValueError("device='cuda' but torch sees no GPU: use device='cpu'")
-        capacities = ring_capacities(cfg, hidden, vocab)
+        capacities = ring_capacities(cfg, hidden, vocab, max_seq_len)
         # Ring i is stage i's input (ring n: the replies). This node's: its stages' inputs and its last stage's
         # output; node 0 of several also the coordinator's reply ring, which the return edge feeds.
         ring_ids = list(range(local.start, local.stop + 1)) + ([n] if plan.node == 0 and plan.nnodes > 1 else [])
@@ -204,7 +205,8 @@ class StageGroup:
                                  dtype=cfg.dtype, device=cfg.device, in_ring=ring_of[i].name,
                                  out_ring=ring_of[i + 1].name, cores=cores,
                                  ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms,
-                                 max_op_tokens=cfg.max_op_tokens, node=plan.node)
+                                 max_op_tokens=cfg.max_op_tokens, node=plan.node, block_size=cfg.block_size,
+                                 n_blocks=n_blocks, kv_dtype=cfg.kv_cache_dtype)
                 with _child_env((i - local.start) % n_gpus if n_gpus else None):
                     p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors), daemon=True,
                                     name=f"ringshm-stage-{i}")

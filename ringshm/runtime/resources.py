@@ -19,12 +19,15 @@ def _pow2(n: int) -> int:
     return 1 << max(MIN_RING_BYTES, n - 1).bit_length()
 
 
-def ring_capacities(cfg: EngineConfig, hidden: int, vocab: int) -> list[int]:
+def ring_capacities(cfg: EngineConfig, hidden: int, vocab: int, max_seq_len: int) -> list[int]:
     """Data bytes of each ring (``stages + 1``), sized from what its records can be, as powers of two.
 
     A step op carries at most ``cfg.max_op_tokens`` tokens: ring 0 their ids (int64) and as many prompt
     target ids (int64, prompt logprobs), the rings between stages their hidden states (``[T, hidden]``, 4
-    bytes each) and the targets, the last ring the replies (ids, plus fp32 logits ``[n, vocab]`` of the
+    bytes each) and the targets; every op into a stage also carries its segment table (16 bytes per segment)
+    and its KV block tables (int32, at most ``ceil(max_seq_len / block_size)`` per segment, at most
+    ``max_rows`` segments: 64 streams at 8k positions in blocks of 32 add 64 KiB to an op), the last ring the replies
+    (ids, plus fp32 logits ``[n, vocab]`` of the
     segments that sample, plus logprobs: 4 + ``MAX_TOP_LOGPROBS`` x 12 bytes per scored position). Up to
     ``prefill_depth + depth`` ops are in flight. The last ring must hold every reply in flight: the
     coordinator drains it only between sends, so a full one would block the stages while the coordinator
@@ -36,9 +39,10 @@ def ring_capacities(cfg: EngineConfig, hidden: int, vocab: int) -> list[int]:
     """
     tokens = cfg.max_op_tokens
     in_flight = cfg.prefill_depth + (cfg.stages if cfg.depth is None else cfg.depth) + 1
+    tables = cfg.max_rows * (16 + 4 * -(-max_seq_len // cfg.block_size))
     ids = tokens * 8 + RECORD_OVERHEAD
-    first = _pow2(in_flight * (ids + tokens * 8) + ids)
-    hidden_rec = tokens * (hidden * 4 + 8) + RECORD_OVERHEAD
+    first = _pow2(in_flight * (ids + tokens * 8 + tables) + ids + tables)
+    hidden_rec = tokens * (hidden * 4 + 8) + tables + RECORD_OVERHEAD
     middle = _pow2(3 * hidden_rec)  # one being read, one being written, one waiting
     logits = cfg.max_rows * vocab * 4
     per_position = 4 + MAX_TOP_LOGPROBS * 12  # lp_chosen fp32, top-k ids int64 + logprobs fp32
@@ -73,9 +77,10 @@ def check_shm(capacities: list[int]) -> None:
 STAGE_BASE_BYTES = 400 * 2**20
 
 
-def stage_kv_bytes(mc: ModelConfig, layers: range, max_rows: int, max_seq_len: int) -> int:
-    """KV cache bytes of one stage: fp32 ``[max_rows, max_seq_len, 2 * kv_dim]`` per layer."""
-    return len(layers) * max_rows * max_seq_len * 2 * mc.kv_dim * 4
+def stage_kv_bytes(cfg: EngineConfig, mc: ModelConfig, layers: range, n_blocks: int) -> int:
+    """KV cache bytes of one stage: per layer, keys and values of ``n_blocks`` blocks
+    (``[n_blocks, n_kv_heads, block_size, head_dim]`` of ``kv_cache_dtype`` each)."""
+    return n_blocks * cfg.kv_block_bytes(mc, len(layers))
 
 
 def available_memory_bytes() -> int:
@@ -110,6 +115,9 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
     from ringshm.model.loader import Checkpoint
 
     gib = 2 ** 30
+    n_blocks = cfg.kv_blocks(mc, max_seq_len)
+    sized_by = (f"kv_cache_memory={cfg.kv_cache_memory:g} GiB" if cfg.kv_cache_memory is not None
+                else f"max_rows={cfg.max_rows} x max_seq_len={max_seq_len}")
     native = cfg.device == "cpu" and cfg.dtype == "float32"
     width = 2.0 if cfg.dtype == "bfloat16" else 4.0
     ckpt = Checkpoint.open(model_path)
@@ -121,7 +129,7 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
         if grown:
             held += max(ckpt.source.held_bytes(n, native, width)[0] for n in grown)  # the packing's second copy
         expanded += grown
-        parts.append((held, stage_kv_bytes(mc, layer_ranges[i], cfg.max_rows, max_seq_len)))
+        parts.append((held, stage_kv_bytes(cfg, mc, layer_ranges[i], n_blocks)))
     weights, kv = sum(w for w, _ in parts), sum(k for _, k in parts)
     base = STAGE_BASE_BYTES * len(parts)
     need = base + (weights + kv if cfg.device == "cpu" else 0)
@@ -132,7 +140,8 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
                  f"at load (e.g. {expanded[0]})" if expanded and native else "")
         raise ResourceShortage(
             f"the engine needs ~{need / gib:.1f} GiB of memory (weights {weights / gib:.2f} GiB + KV cache "
-            f"{kv / gib:.2f} GiB for max_rows={cfg.max_rows} x max_seq_len={max_seq_len} + "
+            f"{kv / gib:.2f} GiB: {n_blocks} blocks of {cfg.block_size} positions of {cfg.kv_cache_dtype} for "
+            f"{sized_by} + "
             f"{base / gib:.2f} GiB for {len(parts)} stage processes; per stage: {per_stage} GiB{grown}) but "
-            f"{avail / gib:.1f} GiB is available: lower --max-rows or --max-seq-len (the KV cache is fp32 whatever "
-            f"the dtype), or run more stages on more hosts")
+            f"{avail / gib:.1f} GiB is available: lower --kv-cache-memory (or --max-rows / --max-seq-len, which "
+            f"size it when it is not given; --kv-cache-dtype float16 halves it), or run more stages on more hosts")

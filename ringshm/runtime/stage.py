@@ -42,6 +42,9 @@ class StageSpec:
     ring_timeout_s: float
     link_latency_ms: float = 0.0
     max_op_tokens: int = 1 << 20  # the op budget (EngineConfig.max_op_tokens): larger step ops are refused
+    block_size: int = 32  # KV positions per block (EngineConfig.block_size)
+    n_blocks: int | None = None  # KV blocks in each layer's pool (the engine's KV budget); None: max_rows full rows
+    kv_dtype: str = "float32"  # what the KV blocks store (EngineConfig.kv_cache_dtype)
     node: int = 0  # the host it runs on (ringshm.transport.cluster): set explicitly, never inferred from shared memory
 
 
@@ -110,6 +113,7 @@ def _load(spec: StageSpec):
     return StageModel.from_path(
         spec.model_path, (spec.layer_start, spec.layer_stop), is_first=spec.index == 0,
         is_last=spec.index == spec.n_stages - 1, max_rows=spec.max_rows, max_seq_len=spec.max_seq_len,
+        block_size=spec.block_size, n_blocks=spec.n_blocks, kv_dtype=getattr(torch, spec.kv_dtype),
         dtype=getattr(torch, spec.dtype), device=device)
 
 
@@ -190,25 +194,23 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20):
 
     from ringshm.transport import messages as m
 
-    if msg.op == m.RESET:
-        model.reset([seg.row for seg in msg.segments])
-        return msg.reply([]) if is_last else msg
     if msg.op != m.STEP:
         raise ValueError(f"unknown op code {msg.op}")
     n_targets = sum(seg.n_targets() for seg in msg.segments)
-    if len(msg.tensors) != 1 + bool(n_targets):
-        raise ValueError(f"a step op carries its tokens{' and its target ids' if n_targets else ''}: "
-                         f"{1 + bool(n_targets)} tensors, got {len(msg.tensors)}")
+    n_tensors = 2 + bool(n_targets)
+    if len(msg.tensors) != n_tensors:
+        raise ValueError(f"a step op carries its tokens{', its target ids' if n_targets else ''} and its block "
+                         f"tables: {n_tensors} tensors, got {len(msg.tensors)}")
     if msg.n_tokens > max_op_tokens:
         raise ValueError(f"a step op of {msg.n_tokens} tokens is over the op budget of {max_op_tokens}")
-    x = msg.tensors[0]
+    x, tables = msg.tensors[0], msg.tensors[-1]
     targets = msg.tensors[1] if n_targets else None
     if targets is not None and (targets.dtype != torch.int64 or targets.shape != (n_targets,)):
         raise ValueError(f"the op's targets must be int64 [{n_targets}], got {targets.dtype} {tuple(targets.shape)}")
     if model.device.type != "cpu":
         x = x.to(model.device)  # the one copy to the stage's device
-    out = model.step(x, msg.segments, targets)
-    if not is_last:  # the targets travel on unchanged to the last stage
+    out = model.step(x, msg.segments, targets, tables)
+    if not is_last:  # the targets and tables travel on unchanged to the last stage
         hidden = (out if out.device.type == "cpu" else out.cpu()).contiguous()
-        return msg.forward([hidden] + ([targets] if targets is not None else []))
+        return msg.forward([hidden] + ([targets] if targets is not None else []) + [tables])
     return msg.reply(out.tensors())

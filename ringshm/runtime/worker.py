@@ -85,7 +85,8 @@ def run_worker(nnodes: int, node_rank: int, master_addr: str = "127.0.0.1", mast
     stages = plan.stages
     log(f"joined: stages {stages.start}-{stages.stop - 1} of {cfg.stages} (layers {ranges[stages.start].start}-"
         f"{ranges[stages.stop - 1].stop - 1}) from {path}")
-    group = StageGroup(cfg, path, ranges, int(hello["max_seq_len"]), mc.hidden, mc.vocab, plan)
+    group = StageGroup(cfg, path, ranges, int(hello["max_seq_len"]), mc.hidden, mc.vocab, plan,
+                       n_blocks=cfg.kv_blocks(mc, int(hello["max_seq_len"])))
     try:
         return watch(group, cfg.edge_timeout_s, log)
     finally:

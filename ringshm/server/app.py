@@ -32,8 +32,9 @@ chunk of its last choice to finish; with ``stream_options: {"include_usage": tru
 ``choices`` and the usage follows it, as OpenAI sends it.
 
 Errors are OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``, never a stack trace: malformed
-JSON or fields (``n`` over 16, ``top_logprobs`` over 20, ...), prompt + max_tokens over the context: 400; unknown model: 404; queue full: 429; a
-stage died: 503. An error after a stream has started is sent as one ``data: {"error": ...}`` event.
+JSON or fields (``n`` over 16, ``top_logprobs`` over 20, ...), prompt + max_tokens over the context or the KV
+pool: 400; unknown model: 404; queue full: 429; a stage died: 503. An error after a stream has started is sent as
+one ``data: {"error": ...}`` event.
 
 A client that disconnects mid-stream cancels its own request only (Starlette cancels the response's body
 iterator, and cancelling the iterator cancels the request's row in the dispatcher). SIGTERM / Ctrl-C: uvicorn
@@ -210,7 +211,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         room = aengine.engine.config.max_rows + aengine.max_waiting
         if len(prompts) * per_prompt > room:
             raise bad_request(f"{len(prompts)} prompt(s) x n={body.n} sampled choices need {len(prompts) * per_prompt} "
-                              f"KV rows; this server runs and queues at most {room} at once", "n")
+                              f"rows; this server runs and queues at most {room} at once", "n")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
         controls = body.logit_controls()
         base = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stop, **controls)
@@ -218,6 +219,8 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             base["logprobs"] = logprobs
         if prompt_logprobs is not None:
             base["prompt_logprobs"] = prompt_logprobs
+        if body.cache_salt is not None:
+            base["cache_salt"] = body.cache_salt
         processes_logits = any(k != "ignore_eos" for k in controls)
         if spec is not None and greedy and not processes_logits and logprobs is None and prompt_logprobs is None:
             base.update(spec=spec, spec_k=spec_k, spec_depth=spec_depth)  # spec verifies the plain argmax

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from fastapi import HTTPException
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.engine.request_stream import Chunk
@@ -47,21 +48,22 @@ class Metrics:
                                         "(of generated or prompt tokens)", registry=r)
         self.prompt_logprob_tokens = Counter("ringshm_prompt_logprob_tokens", "Prompt tokens scored for prompt "
                                              "logprobs (echo with logprobs)", registry=r)
-        self.step_running = Histogram("ringshm_step_running_requests", "Requests holding a KV row at each reply "
+        self.step_running = Histogram("ringshm_step_running_requests", "Requests holding a row at each reply "
                                       "the dispatcher takes (continuous batching)", registry=r,
                                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
         self.step_segments = Histogram("ringshm_step_segments", "Segments (requests) carried by each step op the "
                                        "dispatcher takes a reply to", registry=r,
                                        buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
-        Gauge("ringshm_requests_running", "Requests holding a KV row", registry=r).set_function(
+        Gauge("ringshm_requests_running", "Requests holding a row", registry=r).set_function(
             lambda: aengine.n_running)
-        Gauge("ringshm_requests_waiting", "Requests waiting for a KV row", registry=r).set_function(
+        Gauge("ringshm_requests_waiting", "Requests waiting for a row and its KV blocks", registry=r).set_function(
             lambda: aengine.n_waiting)
         self.spec = spec
         if spec:
             self.draft_tokens = Counter("ringshm_spec_draft_tokens", "Draft tokens sent for verification",
                                         registry=r)
             self.accepted_tokens = Counter("ringshm_spec_accepted_tokens", "Draft tokens accepted", registry=r)
+        r.register(_KVCollector(aengine))
         aengine.on_step = self.on_step
 
     def on_step(self, n_running: int, n_segments: int) -> None:
@@ -81,6 +83,30 @@ class Metrics:
             if self.spec:
                 self.draft_tokens.inc(chunk.result.draft_tokens)
                 self.accepted_tokens.inc(chunk.result.accepted_tokens)
+
+
+class _KVCollector:
+    """The KV pool and prefix cache as Prometheus metrics, read from the engine's ``KVBlocks`` at each scrape
+    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens; ``num_preemptions``)."""
+
+    def __init__(self, aengine: AsyncEngine):
+        self.aengine = aengine
+
+    def collect(self):
+        kv = self.aengine.engine.kv.stats()
+        yield CounterMetricFamily("ringshm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=kv.query_tokens)
+        yield CounterMetricFamily("ringshm_prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache "
+                                  "(their prefill skipped)", value=kv.hit_tokens)
+        yield CounterMetricFamily("ringshm_kv_cache_evictions", "Cached KV blocks evicted to serve an allocation",
+                                  value=kv.evictions)
+        yield CounterMetricFamily("ringshm_preemptions", "Streams preempted for want of KV blocks (recomputed on "
+                                  "resume, exactly)", value=self.aengine.step_stats.preemptions)
+        blocks = GaugeMetricFamily("ringshm_kv_blocks", "KV blocks by state: used (named by a live stream), cached "
+                                   "(unnamed prefix-cache blocks, evictable), free", labels=["state"])
+        for state, n in (("used", kv.n_used), ("cached", kv.n_cached), ("free", kv.n_free)):
+            blocks.add_metric([state], n)
+        yield blocks
 
 
 class CountRequests:

@@ -3,7 +3,7 @@ chunks merged, and the choices built as OpenAI's bodies or SSE events, logprobs 
 ``ringshm.server.app`` validates the fields and calls ``OpenAIRequest``.
 
 Choices: a request has ``len(prompts) x n`` choices, choice ``p * n + j`` being the j-th of prompt p (OpenAI's
-and vLLM's order). A sampled choice is its own stream with its own KV row and seed (``seed + index`` when the
+and vLLM's order). A sampled choice is its own stream with its own row and seed (``seed + index`` when the
 request has a seed, so the same request gets the same choices), prefilled once per choice: sharing the
 prompt's prefill between them is not implemented. A greedy request (``temperature`` 0) would answer n
 identical choices, so it runs one stream per prompt and copies its chunks to the n choices.
@@ -17,7 +17,9 @@ those token texts (as vLLM does). With ``echo`` a completion's text and logprobs
 its first token scored ``null``. ``max_tokens`` 0 (echo only) scores the prompt: one token is generated
 and not returned (``finish_reason`` "length", ``completion_tokens`` 0).
 
-Usage counts each prompt once and every choice's tokens. In a stream the last choice to finish carries the
+Usage counts each prompt once and every choice's tokens; ``prompt_tokens_details.cached_tokens`` counts, per
+prompt once, the tokens every stream of it took from the prefix cache (the least over its choices: a prompt
+that one choice had to compute is not free). In a stream the last choice to finish carries the
 request's usage on its ``finish_reason`` chunk (and ``include_usage`` adds OpenAI's extra chunk).
 """
 
@@ -77,6 +79,7 @@ class Job:
     indexes: list[int]
     prompt_index: int
     prompt_ids: list[int]
+    cached_tokens: int = 0  # prompt tokens its stream took from the prefix cache (known once it finishes)
 
 
 @dataclass
@@ -159,10 +162,15 @@ class OpenAIRequest:
 
     # ------------------------------------------------------------------------------------------- usage
     def usage(self) -> dict:
-        """OpenAI's usage: each prompt counted once, every choice's returned tokens."""
+        """OpenAI's usage: each prompt counted once, every choice's returned tokens, and the prompt tokens
+        served from the prefix cache (module docstring)."""
         prompt = sum(len(ids) for ids in {j.prompt_index: j.prompt_ids for j in self.jobs}.values())
+        cached: dict[int, int] = {}
+        for j in self.jobs:
+            cached[j.prompt_index] = min(cached.get(j.prompt_index, j.cached_tokens), j.cached_tokens)
         done = sum(c.completion_tokens for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done,
+                "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
     # ---------------------------------------------------------------------------------------- logprobs
     def _payload(self, c: _Choice, tokens: list[int], lps: list[TokenLogprob | None]) -> dict:
@@ -198,6 +206,8 @@ class OpenAIRequest:
         """Apply one job's chunk to its choices: ``(choice, text, logprobs or None, finish_reason)`` per
         choice, the echo (prompt text and logprobs) first on a choice's first chunk."""
         job = self.jobs[j]
+        if chunk.result is not None:
+            job.cached_tokens = chunk.result.n_cached_tokens
         self.metrics.on_chunk(chunk, self._prev_s.get(j), generated=not self.score_only)
         self._prev_s[j] = chunk.time_s
         if chunk.prompt_logprobs is not None:

@@ -42,7 +42,7 @@ Text = Annotated[str, Strict(), Field(min_length=1)]
 Bias = Annotated[float, BeforeValidator(_number), Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 TopK = Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenIds = Annotated[list[Int], Field(min_length=1)]
-MAX_N = 16  # choices per prompt (n): each sampled choice holds a KV row of its own
+MAX_N = 16  # choices per prompt (n): each sampled choice holds a row of its own
 
 # Fields OpenAI (or vLLM) define that ringshm does not implement: accepted only at their neutral value,
 # otherwise 400 naming the field (never silently ignored). field -> (neutral test, what to say)
@@ -95,6 +95,7 @@ class RequestBody(BaseModel):
     repetition_penalty: Number = Field(1.0, gt=0.0, allow_inf_nan=False)
     min_p: Number = Field(0.0, allow_inf_nan=False)
     return_tokens_as_token_ids: Bool = False  # vLLM's: logprob tokens read "token_id:<id>"
+    cache_salt: Text | None = None  # vLLM's: a tenant's own prefix-cache chain (never hits another salt's blocks)
 
     def logit_controls(self) -> dict:
         """``GenerationParams`` keyword arguments of the logit controls set in the body: ``logit_bias`` with

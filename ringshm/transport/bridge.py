@@ -108,7 +108,8 @@ def run_sender(ring, edge: Edge, timeout_s: float, upstream: str) -> None:
                 if kind == ABORT:
                     reason = torch.empty(nbytes, dtype=torch.uint8)
                     edge.recv(reason)
-                    raise EdgeError(f"{edge.where}: the far side gave up: {bytes(reason.numpy()).decode('utf-8', 'replace')}")
+                    text = bytes(reason.numpy()).decode("utf-8", "replace")
+                    raise EdgeError(f"{edge.where}: the far side gave up: {text}")
                 credits.add(n)
         except BaseException as exc:
             credits.fail(exc)

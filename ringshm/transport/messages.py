@@ -16,13 +16,20 @@ Record layout (little-endian, every section 8-byte aligned):
     | tensor bytes, each starting on a 64-byte boundary of the record                            |
     +--------------------------------------------------------------------------------------------+
 
-The one compute op is ``STEP``: a segment is ``n_tokens`` consecutive positions of one KV row from ``start``
-(a decode is a 1-token segment, a speculative verify k+1 tokens, a prefill chunk n tokens; one op may mix
-them, a row at most once). Its first tensor holds every segment's tokens in table order: int64 ids ``[T]``
-into stage 0, fp32 hidden states ``[T, hidden]`` between stages (``HIDDEN`` set). When a segment has
-``WANT_PROMPT_LOGPROBS``, a second tensor, int64 ``targets [Σ n_targets]``, holds the token that follows each
-of those positions (the prompt's next id), in table order; stage 0 gets it from the coordinator and every
-stage forwards it unchanged, so the last stage, which never sees ids, can score them.
+The one compute op is ``STEP``: a segment is ``n_tokens`` consecutive positions of one stream (its ``row``, a
+coordinator slot) from ``start`` (a decode is a 1-token segment, a speculative verify k+1 tokens, a prefill
+chunk n tokens; one op may mix them, a row at most once). Its tensors, in this order:
+
+    x        every segment's tokens in table order: int64 ids [T] into stage 0, fp32 hidden states
+             [T, hidden] between stages (HIDDEN set)
+    targets  only when a segment has WANT_PROMPT_LOGPROBS: int64 [Σ n_targets], the token that follows each of
+             those positions (the prompt's next id), in table order; every stage forwards it unchanged, so the
+             last stage, which never sees ids, can score them
+    tables   int32 [Σ ceil((start + n_tokens) / B)]: each segment's KV block table (its stream's blocks in
+             position order, B the engine's block size), in table order; every stage forwards it unchanged
+
+The coordinator owns the tables (ringshm.engine.kv_blocks); a table covers exactly the positions the segment
+reaches, so its length follows from the segment and needs no field of its own.
 
 ``want`` (u32) says what the last stage returns for the segment:
 
@@ -65,13 +72,12 @@ import torch
 from ringshm.config import MAX_TOP_LOGPROBS
 
 # ---------------------------------------------------------------------------------------------- op codes
-RESET = 1  # forget rows: segment table = the rows (n_tokens 0); no tensor; reply: empty
 STEP = 2  # the compute op: a segment table and one tensor (see the module docstring)
 SHUTDOWN = 5  # the stage forwards it and exits its loop
 PING = 6  # startup / liveness: every stage forwards it; reply carries nothing
 ERROR = 0x7F  # a stage failed an op: payload names the exception
 
-OP_NAMES = {RESET: "reset", STEP: "step", SHUTDOWN: "shutdown", PING: "ping", ERROR: "error"}
+OP_NAMES = {STEP: "step", SHUTDOWN: "shutdown", PING: "ping", ERROR: "error"}
 
 # ------------------------------------------------------------------------------------------------- flags
 REPLY = 1 << 0  # set by the last stage on what it sends back to the coordinator
@@ -95,7 +101,7 @@ def want_k(k: int) -> int:
     return k << WANT_K_SHIFT
 
 MAGIC = 0x5352  # "RS"
-VERSION = 3  # the record layout above; a record of another version is refused (ProtocolError)
+VERSION = 4  # the record layout above; a record of another version is refused (ProtocolError)
 HEADER = struct.Struct("<HBBHBxIiQqqQ")
 SEGMENT = struct.Struct("<iiiI")
 TENSOR_DESC = struct.Struct("<BBxx4iQ")
@@ -115,7 +121,7 @@ class ProtocolError(ValueError):
 
 
 class Segment(NamedTuple):
-    """One entry of a STEP op's segment table: ``n_tokens`` positions of KV row ``row`` from ``start``, and
+    """One entry of a STEP op's segment table: ``n_tokens`` positions of row ``row`` from ``start``, and
     what the last stage returns for it (``WANT_*``)."""
 
     row: int
@@ -150,7 +156,7 @@ def _align(n: int, a: int = 8) -> int:
 
 @dataclass
 class Message:
-    """One op or reply. ``segments``: the segment table (``Segment`` tuples); RESET lists its rows there.
+    """One op or reply. ``segments``: the segment table (``Segment`` tuples).
 
     ``tensors``: CPU tensors to send, or (decoded) zero-copy views over the ring record that are valid
     only until the record is released: copy what you keep.
