@@ -89,7 +89,8 @@ def ratio_table(rounds: int = 9, budget_s: float = 0.01, cpu_time: bool = False)
     clock = time.thread_time if cpu_time else time.perf_counter
     impls = ["ringshm", "sdpa-1thread"] if cpu_time else IMPLS
     lines = [
-        f"attention, fp32 CPU, Hq={HQ} Hkv={HKV} D={D}; ours single-threaded; torch default threads = {DEFAULT_THREADS};"
+        f"attention, fp32 CPU, Hq={HQ} Hkv={HKV} D={D}; ours single-threaded; "
+        f"torch default threads = {DEFAULT_THREADS};"
         f" {os.cpu_count()} CPUs, load average before the run {load}; clock: "
         + ("thread CPU time" if cpu_time else "wall (other work on the machine inflates the multi-thread column most)"),
         "",

@@ -67,7 +67,7 @@ def two_nodes(stages: int = 2, **options):
 
 def _run(engine, tokenizer) -> dict:
     """Greedy and seeded-sampling batches (4 streams sharing step ops), a speculative stream and a long prompt
-    alone: every token id."""
+    alone: every token id. With the prefix cache on, every request after the first batch hits it."""
     long = tokenizer.apply_chat_template([{"role": "user", "content": long_user_message()}],
                                          add_generation_prompt=True, tokenize=True, return_dict=False)
     prompts = ["The capital of France is", "Write a haiku about shared memory.", list(long),
@@ -80,7 +80,7 @@ def _run(engine, tokenizer) -> dict:
     }
 
 
-def test_two_nodes_equal_the_oracle_and_one_host_byte_for_byte(model_path, tokenizer, prompts, oracle_greedy,
+def test_two_nodes_with_cache_hits_equal_the_oracle_and_one_host_without_the_cache_byte_for_byte(model_path, tokenizer, prompts, oracle_greedy,
                                                                 assert_greedy_matches):
     port = free_port()
     worker = start_worker(port)  # before the head: it waits for it
@@ -91,6 +91,7 @@ def test_two_nodes_equal_the_oracle_and_one_host_byte_for_byte(model_path, token
             assert engine.segment_names and all(".n0-" in n for n in engine.segment_names)
             assert list_segments("n1"), "the worker's rings carry its own tag"
             two = _run(engine, tokenizer)
+            assert engine.kv.stats().hit_tokens > 500, "the repeated prompts hit the prefix cache across hosts"
             for i, prompt in enumerate(prompts[:2]):
                 result = engine.generate(prompt.tolist(), max_new_tokens=12)
                 assert_greedy_matches(torch.tensor(result.token_ids), oracle_greedy(prompt, 12), f"2 nodes, {i}")
@@ -99,7 +100,7 @@ def test_two_nodes_equal_the_oracle_and_one_host_byte_for_byte(model_path, token
         assert not list_segments("n1")
     finally:
         stop_tree(worker)
-    with Engine(model_path, stages=4, **ENGINE) as engine:
+    with Engine(model_path, stages=4, prefix_cache=False, **ENGINE) as engine:  # one host, every prompt computed
         one = _run(engine, tokenizer)
     assert two == one
 
