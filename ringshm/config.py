@@ -315,7 +315,9 @@ class EngineConfig:
         if n < 1:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory:g} GiB holds no KV block: one block of "
                              f"{self.block_size} positions takes {per_block / 2**20:.2f} MiB over the model's "
-                             f"{mc.n_layers} layers")
+                             f"{mc.n_layers} layers: give kv_cache_memory (--kv-cache-memory) of at least "
+                             f"{per_block / 2**30:.4f} GiB, "
+                             f"or far more (a request of n positions needs ceil(n / {self.block_size}) blocks)")
         return n
 
     def kv_block_bytes(self, mc: "ModelConfig", n_layers: int | None = None) -> int:

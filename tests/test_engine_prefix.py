@@ -107,3 +107,17 @@ def test_a_request_longer_than_the_pool_is_refused_up_front_saying_how_many_toke
 def test_a_cache_salt_that_is_not_a_string_is_refused(cached):
     with pytest.raises(ValueError, match="cache_salt"):
         cached.generate("Hi", 2, cache_salt=3)
+
+
+@pytest.mark.parametrize("kw, match", [(dict(kv_cache_memory=1e-6), "holds no KV block.*at least 0.0007 GiB"),
+                                       (dict(kv_cache_memory=0), "kv_cache_memory must be"),
+                                       (dict(block_size=16), "block_size must be 32, 64 or 128"),
+                                       (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of"),
+                                       (dict(prefix_cache="yes"), "prefix_cache must be")])
+def test_bad_kv_settings_are_refused_before_any_stage_starts(kw, match):
+    from ringshm.transport.segment import list_segments
+
+    before = set(list_segments())
+    with pytest.raises(ValueError, match=match):
+        Engine(stages=3, progress=False, **kw)
+    assert set(list_segments()) == before

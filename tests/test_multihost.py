@@ -80,8 +80,8 @@ def _run(engine, tokenizer) -> dict:
     }
 
 
-def test_two_nodes_with_cache_hits_equal_the_oracle_and_one_host_without_the_cache_byte_for_byte(model_path, tokenizer, prompts, oracle_greedy,
-                                                                assert_greedy_matches):
+def test_two_nodes_with_cache_hits_equal_the_oracle_and_one_host_without_the_cache_byte_for_byte(
+        model_path, tokenizer, prompts, oracle_greedy, assert_greedy_matches):
     port = free_port()
     worker = start_worker(port)  # before the head: it waits for it
     assert "waiting for the head" in worker.stderr.readline()
