@@ -33,20 +33,15 @@ bench/results/.
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
-import urllib.request
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 
 import openai
 import pytest
 
-from conftest import cpu_info, cpu_label
+from conftest import cpu_info, cpu_label, ringshm_server
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -65,32 +60,6 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
-@contextmanager
-def _ringshm_server():
-    """A ``ringshm serve`` subprocess on a free loopback port; yields its base URL, SIGTERMs it on exit."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "ringshm.cli", "serve", "--port", str(port), "--stages", "3",
-                             "--max-rows", str(MAX_ROWS), "--max-seq-len", "1024", "--prefill-chunk", "64",
-                             "--log-level", "warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(0.2)
-        yield f"{url}/v1"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-
-
 def pytest_generate_tests(metafunc):
     """One module-scoped ``target`` per server: the peer's levels (with ``--peer-url``) all run before ringshm's."""
     if "target" in metafunc.fixturenames:
@@ -103,7 +72,9 @@ def target(request):
     """``(name, base URL, model id)`` of the server under load; ringshm's lives only while its levels run."""
     name = request.param
     peer_url = request.config.getoption("--peer-url")
-    with (_ringshm_server() if name == "ringshm" else nullcontext(peer_url.rstrip("/"))) as url:
+    args = ("--stages", "3", "--max-rows", str(MAX_ROWS), "--max-seq-len", "1024", "--prefill-chunk", "64")
+    with (ringshm_server(*args) if name == "ringshm" else nullcontext()) as base:
+        url = f"{base}/v1" if name == "ringshm" else peer_url.rstrip("/")
         model = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=10).models.list().data[0]
         _TARGETS[name] = {"label": model.owned_by or name, "url": url, "model": model.id}
         yield name, url, model.id

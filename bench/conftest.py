@@ -13,7 +13,13 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
+import socket
+import subprocess
+import sys
 import time
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -87,6 +93,32 @@ def cpu_label(cpu: dict | None = None) -> str:
     return (f"{cpu['model_name']} ({cpu['machine']}, {cpu['cores']} cores; SIMD: "
             f"{', '.join(cpu['simd']) or 'none of avx2/avx512f/amx'})")
 
+
+
+@contextmanager
+def ringshm_server(*args: str, startup_s: float = 180.0):
+    """``ringshm serve`` in a subprocess on a free loopback port with ``args``; yields its base URL
+    (``http://127.0.0.1:PORT``) once ``/health`` answers 200, SIGTERMs it on exit."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "ringshm.cli", "serve", "--port", str(port), "--log-level",
+                             "warning", *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + startup_s
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 
 
 _FIGURES = Figures()

@@ -18,6 +18,7 @@ from gguf import quants
 from ringshm.model import qmatmul as qm
 from ringshm.model.loader import Checkpoint
 from ringshm.model.stage_model import StageModel
+from zoo_convert import add_llama_hparams
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -74,17 +75,7 @@ def q4_k_m(tmp_path_factory):
     rng = np.random.default_rng(0)
     path = tmp_path_factory.mktemp("kq") / "q4_k_m.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(SHAPE["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_llama_hparams(w, cfg, SHAPE["rope_theta"])
     hf = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
           "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
           "ffn_down": "mlp.down_proj"}

@@ -21,6 +21,7 @@ from ringshm.model.dequant import dequantize
 from ringshm.model.loader import Checkpoint, read_config
 from ringshm.model.reference import run_stages
 from ringshm.model.stage_model import StageModel
+from zoo_convert import add_llama_hparams
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -95,17 +96,7 @@ def _write_tiny_gguf(path, model, arch: str = "llama", drop: str | None = None,
     """Write ``model`` as a GGUF the way llama.cpp's converter does for Llama: Q/K rows reordered per head."""
     cfg = model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_freq_base(TINY["rope_theta"])
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    add_llama_hparams(w, cfg, TINY["rope_theta"])
 
     def reorder(t: torch.Tensor, n_head: int) -> torch.Tensor:
         # the converter's direction: per head, rows [2, D/2] (rotate-half) -> [D/2, 2] (adjacent pairs)

@@ -59,6 +59,22 @@ import numpy as np
 import torch
 
 
+def add_llama_hparams(w: gguf.GGUFWriter, cfg, rope_theta: float) -> None:
+    """The Llama hyperparameters a GGUF carries, from a transformers config (BOS 1, EOS 2): the header of the
+    small hand-written files some tests build without the zoo's converter."""
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
 def permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's converter reorder (``LlamaModel.permute``): per head, rows ``[2, D/2]`` → ``[D/2, 2]``.
     Shapes: ``[n_heads * D, ...]`` → same."""
