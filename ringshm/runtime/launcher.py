@@ -5,9 +5,9 @@ Topology: coordinator ──ring 0──▶ stage 0 ──ring 1──▶ … �
 Device binding: ``device="cuda"`` gives stage i GPU ``i % torch.cuda.device_count()`` by setting
 ``CUDA_VISIBLE_DEVICES`` for that child before it starts (spawn), so the process sees only its GPU before
 torch initialises CUDA. ``device="cpu"``: the stages share this process's CPU affinity (``cores``); before
-each op a stage takes ``cores // (stages computing right now)`` torch threads (``stage.pick_threads``), so a
+each op a stage takes ``cores // (stages computing right now)`` torch threads (``stage.ThreadPicker``), so a
 single stream's decode, which visits the stages one at a time, uses every core, and a pipelined prefill,
-which keeps them all busy, does not oversubscribe.
+which keeps them all busy, does not oversubscribe; while other processes hold the cores a stage runs on one.
 
 Several hosts (``ringshm.transport.cluster``): a group holds one node's share, its stages and their rings, plus
 one bridge process per edge to another host (``ringshm.transport.bridge``); GPUs are numbered per node; ``busy()`` /
