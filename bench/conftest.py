@@ -137,14 +137,18 @@ def figures() -> Figures:
 
 def pytest_sessionfinish(session, exitstatus):
     rows = _FIGURES.table()
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if not _FIGURES.medians:
+        if reporter is not None and _FIGURES.summary:  # a bench that only reports lines (e.g. latency p99)
+            reporter.write_sep("=", "figures from this run")
+            for line in _FIGURES.summary:
+                reporter.write_line(line)
         return
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = RESULTS_DIR / f"ratios-{stamp}.json"
     out.write_text(json.dumps({"medians_s": _FIGURES.medians, "extra": _FIGURES.extra, "ratios": rows}, indent=2))
     plots = [plot(_FIGURES, RESULTS_DIR, stamp) for plot in _FIGURES.plots]
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.write_sep("=", "ratios (medians from this run)")
         for r in rows:
