@@ -75,6 +75,18 @@ def test_one_request_after_another_hits_the_shared_prefix_and_gives_the_same_byt
         assert r.n_cached_tokens >= len(p) - cached.config.block_size
 
 
+def test_the_tokens_of_a_cached_block_after_another_prefix_are_not_attached(cached, reference):
+    """A block is named by its whole prefix: a prompt that begins with the tokens of another prompt's second
+    block gets none of its KV (computed after other tokens, at other positions), and its own bytes."""
+    bs = cached.config.block_size
+    first = cached.encode(SYSTEM * 2)[:3 * bs]
+    second = first[bs:2 * bs] + cached.encode(" And is there a cafe?")
+    cached.generate(first, 2, **GEN)  # caches first's blocks 0 and 1
+    r = cached.generate(second, N_NEW, **GEN, logprobs=2)
+    assert _bits(r) == _bits(reference.generate(second, N_NEW, **GEN, logprobs=2))
+    assert r.n_cached_tokens == 0
+
+
 def test_a_batch_sharing_a_prefix_gives_each_stream_its_solo_bytes(cached, want):
     prompts, greedy, _, _ = want
     out = cached.generate_batch(prompts, N_NEW, **GEN, logprobs=2)

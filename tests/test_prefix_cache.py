@@ -93,6 +93,23 @@ def test_a_salted_request_never_hits_another_salts_chain(ring):
         assert s.tokens == t[40:43] and s.cached_tokens == cached, salt
 
 
+def test_the_same_tokens_after_another_prefix_are_another_block(ring):
+    """A block is named by its whole prefix: a prompt whose first block holds the tokens of another prompt's
+    second block must not attach it (its KV was computed after other tokens, at other positions)."""
+    a = script(105)
+    b = a[B:2 * B] + script(a[B], length=200, seed=1)[1:]  # starts with a's second block
+    assert b[0] != a[0]
+    r = ring(scripts=[a, b])
+    kv = KVBlocks(r.model.n_blocks, B, b"fake")
+    first = make_stream(0, a, 40, 3)
+    run(r, kv, [first])
+    second = make_stream(1, b, 40, 5)
+    run(r, kv, [second])
+    assert first.tokens == a[40:43]
+    assert second.tokens == b[40:45]  # attached a's block: its context is wrong, so are its tokens
+    assert second.cached_tokens == 0
+
+
 def test_streams_sharing_a_prefix_arrive_while_the_first_is_still_filling_it(ring):
     """A newcomer hits only blocks whose KV a completed op wrote; a block another live stream is still filling
     is computed again, never shared while written."""
