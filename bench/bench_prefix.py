@@ -22,7 +22,6 @@ Nothing here asserts on time. The table names the CPU.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import cpu_info, cpu_label, ringshm_server
+from conftest import cpu_info, cpu_label, percentile, ringshm_server, run_together
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 MAX_TOKENS = 32
@@ -66,11 +65,6 @@ QUESTIONS = ["Can you find me a flight from Leeds to Lisbon next Friday?", "What
 TURNS = ["I am planning a week in Scotland in May.", "Which cities should I see first?",
          "How do I get from Edinburgh to Inverness?", "What is the weather like there in May?",
          "Can you suggest a day trip from Inverness?", "Summarise my plan in three lines."]
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 def pytest_generate_tests(metafunc):
@@ -123,19 +117,13 @@ def test_shared_prefix(benchmark, figures, target):
     walls = []
 
     def run():
-        threads = [threading.Thread(target=lambda q=q: together.append(
-            _ask(openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600), model, _shared(q))))
-            for q in QUESTIONS[:N_SHARED]]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        walls.append(time.perf_counter() - t0)
+        walls.append(run_together([lambda q=q: together.append(
+            _ask(openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=600), model, _shared(q)))
+            for q in QUESTIONS[:N_SHARED]]))
 
     benchmark.pedantic(run, rounds=1, warmup_rounds=0)
     assert len(together) == N_SHARED, "a request failed: see its traceback above"
-    ttft = _pct([r["ttft_s"] for r in sequential], 0.5)
+    ttft = percentile([r["ttft_s"] for r in sequential], 0.5)
     tok_s = sum(r["tokens"] for r in together) / walls[0]
     res = {"ttft_p50_s": ttft, "tok_s": tok_s, "prompt_tokens_mean": sum(r["prompt"] for r in sequential) / N_SHARED,
            "cached_tokens_mean": sum(r["cached"] for r in sequential) / N_SHARED,
@@ -172,17 +160,13 @@ def test_multi_turn_chat(benchmark, figures, target):
     turns: list[dict] = []
 
     def run():
-        threads = [threading.Thread(target=_chat_client, args=(url, model, i, turns)) for i in range(N_CLIENTS)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        run_together([lambda i=i: _chat_client(url, model, i, turns) for i in range(N_CLIENTS)])
 
     benchmark.pedantic(run, rounds=1, warmup_rounds=0)
     assert len(turns) == N_CLIENTS * N_TURNS, "a client failed: see its traceback above"
     prompt = sum(r["prompt"] for r in turns)
     computed = sum(r["prompt"] - r["cached"] for r in turns)
-    last = _pct([r["ttft_s"] for r in turns if r["turn"] == N_TURNS - 1], 0.5)
+    last = percentile([r["ttft_s"] for r in turns if r["turn"] == N_TURNS - 1], 0.5)
     res = {"prompt_tokens": prompt, "computed_prompt_tokens": computed, "ttft_p50_last_turn_s": last}
     _RESULTS.setdefault(name, {})["chat"] = res
     figures.record_value(f"prefix.chat.{name}.computed_tokens", float(computed))

@@ -33,7 +33,6 @@ bench/results/.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -41,7 +40,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from conftest import cpu_info, cpu_label, ringshm_server
+from conftest import cpu_info, cpu_label, percentile, ringshm_server, run_together
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
@@ -53,11 +52,6 @@ TOPICS = ["a lighthouse keeper", "a robot learning to paint", "the first city on
           "a lost library", "a river that flows uphill", "a clockmaker's apprentice", "a winter festival"]
 _LEVELS: dict[str, dict[int, dict]] = {}  # target ("peer", "ringshm") -> clients -> level
 _TARGETS: dict[str, dict] = {}  # target -> {"label", "url", "model"}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
 
 
 def pytest_generate_tests(metafunc):
@@ -106,21 +100,16 @@ def test_server_load(benchmark, figures, target, n_clients):
     walls = []
 
     def run():
-        threads = [threading.Thread(target=_client_loop, args=(url, model, i, requests)) for i in range(n_clients)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        walls.append(time.perf_counter() - t0)
+        walls.append(run_together([lambda i=i: _client_loop(url, model, i, requests) for i in range(n_clients)]))
 
     benchmark.pedantic(run, rounds=1, warmup_rounds=0)
     assert len(requests) == n_clients * REQUESTS_PER_CLIENT, "a client failed: see its traceback above"
     ttft = [r["ttft_s"] for r in requests]
     itl = [x for r in requests for x in r["itl_s"]]
     tok_s = sum(r["tokens"] for r in requests) / walls[0]
-    level = {"clients": n_clients, "requests": len(requests), "ttft_p50_s": _pct(ttft, 0.5),
-             "ttft_p95_s": _pct(ttft, 0.95), "itl_p50_s": _pct(itl, 0.5), "itl_p95_s": _pct(itl, 0.95),
+    level = {"clients": n_clients, "requests": len(requests), "ttft_p50_s": percentile(ttft, 0.5),
+             "ttft_p95_s": percentile(ttft, 0.95), "itl_p50_s": percentile(itl, 0.5),
+             "itl_p95_s": percentile(itl, 0.95),
              "output_tok_s": tok_s, "output_tokens": sum(r["tokens"] for r in requests),
              "prompt_tokens_mean": sum(r["prompt_tokens"] for r in requests) / len(requests)}
     _LEVELS.setdefault(name, {})[n_clients] = level

@@ -124,6 +124,26 @@ def ringshm_server(*args: str, startup_s: float = 180.0):
 _FIGURES = Figures()
 
 
+def percentile(xs: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0..1) of ``xs``; NaN when empty."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))] if xs else float("nan")
+
+
+def run_together(calls: list) -> float:
+    """Run every callable in ``calls`` on its own thread, all started before any is joined; returns the wall
+    seconds from the first start to the last join."""
+    import threading
+
+    threads = [threading.Thread(target=c) for c in calls]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
 def pytest_addoption(parser):
     parser.addoption("--peer-url", default=None, metavar="URL",
                      help="base URL of a running OpenAI-compatible server (e.g. http://127.0.0.1:8200/v1) that "
