@@ -13,9 +13,9 @@ import torch
 from ringshm.runtime.stage import N_SLOTS, SLOT_ACTIVE, StageSpec, ThreadPicker
 
 
-def spec(index=0, n_stages=2, cores=2) -> StageSpec:
+def spec(index=0, n_stages=2, cores=2, device="cpu") -> StageSpec:
     return StageSpec(index=index, n_stages=n_stages, model_path="", layer_start=0, layer_stop=1, max_rows=1,
-                     max_seq_len=8, dtype="float32", device="cpu", in_ring="", out_ring="", cores=cores,
+                     max_seq_len=8, dtype="float32", device=device, in_ring="", out_ring="", cores=cores,
                      ring_timeout_s=1.0)
 
 
@@ -105,3 +105,14 @@ def test_one_core_leaves_torch_alone():
     before = torch.get_num_threads()
     clocks.run(picker, 2e-3, 0.1)
     assert torch.get_num_threads() == before and picker.current == 0
+
+
+def test_a_gpu_stage_is_never_called_contended():
+    """Its ops wait on the device: little CPU time is no sign of a busy machine."""
+    picker, clocks = make(device="cuda")
+    before = torch.get_num_threads()
+    try:
+        assert all(clocks.run(picker, 2e-3, 0.1) == 2 for _ in range(50))
+        assert picker.contended_since is None
+    finally:
+        torch.set_num_threads(before)

@@ -182,7 +182,8 @@ class ThreadPicker:
       the cores came back. The thread count never changes a bit of the result (batch invariance: every output
       element is reduced in one fixed order whatever the threads).
 
-    ``cores <= 1`` leaves torch alone (e.g. a fake stage running in a test's thread).
+    ``cores <= 1`` leaves torch alone (e.g. a fake stage running in a test's thread). A GPU stage only splits:
+    its ops wait on the device, so their CPU time says nothing about the cores.
     """
 
     CONTENDED = 0.7  # efficiency below which the cores are taken by others
@@ -225,7 +226,7 @@ class ThreadPicker:
 
     def after_op(self) -> None:
         """Measure the op just run (``before_op`` started the clocks) and update the contention state."""
-        if self.spec.cores <= 1 or self.current < 2:
+        if self.spec.cores <= 1 or self.current < 2 or self.spec.device != "cpu":
             return
         wall = self.clock() - self._t0
         if wall < self.MIN_WALL_S:
