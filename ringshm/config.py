@@ -194,8 +194,9 @@ class EngineConfig:
             where every stage computes on its own (a GPU each, or 2+ cores per stage), else 1.
         max_step_tokens: token budget of one step op for prefill chunks (decode and verify segments always
             go in). None = ``prefill_chunk``.
-        max_seq_len: the most positions one stream may reach (prompt + generated); capped at the model's context
-            length. It reserves nothing: KV lives in blocks sized by ``kv_cache_memory``.
+        max_seq_len: the most positions one stream may reach (prompt + generated); the engine caps it at the
+            model's context length and at what the KV pool holds. It reserves nothing: KV lives in blocks sized by
+            ``kv_cache_memory``.
         max_rows: streams that can be live at once (at most ``MAX_ROWS``); it reserves nothing either.
         block_size: KV positions per block (32, 64 or 128; a multiple of the attention's 32-key tile, so the
             bits do not depend on it): the granule of the KV pool and of the
@@ -283,9 +284,9 @@ class EngineConfig:
         bs = self.block_size
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 32 or bs > 128 or bs & (bs - 1):
             raise ValueError(f"block_size must be 32, 64 or 128, got {bs!r}")
-        if self.kv_cache_memory is not None and not (isinstance(self.kv_cache_memory, (int, float))
-                                                     and 0 < self.kv_cache_memory <= 1 << 20):
-            raise ValueError(f"kv_cache_memory must be a number of GiB > 0, got {self.kv_cache_memory!r}")
+        kvm = self.kv_cache_memory
+        if kvm is not None and (isinstance(kvm, bool) or not isinstance(kvm, (int, float)) or not 0 < kvm <= 1 << 20):
+            raise ValueError(f"kv_cache_memory must be a number of GiB in (0, {1 << 20}], got {kvm!r}")
         if not isinstance(self.prefix_cache, bool):
             raise ValueError(f"prefix_cache must be True or False, got {self.prefix_cache!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -316,7 +317,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory:g} GiB holds no KV block: one block of "
                              f"{self.block_size} positions takes {per_block / 2**20:.2f} MiB over the model's "
                              f"{mc.n_layers} layers: give kv_cache_memory (--kv-cache-memory) of at least "
-                             f"{per_block / 2**30:.4f} GiB, "
+                             f"{math.ceil(per_block / 2**30 * 1e4) / 1e4:.4f} GiB, "
                              f"or far more (a request of n positions needs ceil(n / {self.block_size}) blocks)")
         return n
 

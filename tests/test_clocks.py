@@ -133,7 +133,7 @@ def test_a_request_after_idling_past_max_queue_wait_waits_only_its_own_time(watc
     async def starved():  # the clock still runs out for a request that really waits: 400 ops ahead of it
         hog = asyncio.create_task(aengine.complete(ts[0][:6], 390))  # ~40 s of ops
         await asyncio.sleep(0.1)
-        with pytest.raises(QueueTimeout):
+        with pytest.raises(QueueTimeout, match="not started within max_queue_wait_s=2: 1 of max_rows 1 running"):
             await _complete(aengine, ts[2])
         hog.cancel()
 

@@ -112,8 +112,14 @@ def test_speculative_streams_hit_the_cache_and_decode_the_same_tokens(cached, wa
 
 
 def test_a_request_longer_than_the_pool_is_refused_up_front_saying_how_many_tokens_it_holds(tiny):
-    with pytest.raises(ValueError, match="holds 8 .256 tokens"):
-        tiny.generate(list(range(10, 260)), 100)  # 350 positions: within max_seq_len 512, over the pool
+    """max_seq_len (512 asked) is lowered to what the pool holds, so the server's max_model_len and chat's default
+    max_tokens (the rest of the context) always fit."""
+    assert tiny.max_seq_len == 256
+    with pytest.raises(ValueError, match=r"exceeds max_seq_len 256, all the KV cache holds \(8 blocks of 32 "
+                                         r"positions\).*--kv-cache-memory"):
+        tiny.generate(list(range(10, 260)), 100)  # 350 positions: within the 512 asked, over the pool
+    r = tiny.generate(list(range(10, 250)), 16)  # 256 positions: the whole pool
+    assert len(r.token_ids) == 16
 
 
 def test_a_cache_salt_that_is_not_a_string_is_refused(cached):
@@ -122,7 +128,10 @@ def test_a_cache_salt_that_is_not_a_string_is_refused(cached):
 
 
 @pytest.mark.parametrize("kw, match", [(dict(kv_cache_memory=1e-6), "holds no KV block.*at least 0.0007 GiB"),
+                                       (dict(kv_cache_memory=0.0027, block_size=128), "at least 0.0028 GiB"),
                                        (dict(kv_cache_memory=0), "kv_cache_memory must be"),
+                                       (dict(kv_cache_memory=True), "kv_cache_memory must be"),
+                                       (dict(kv_cache_memory=1e308), r"in \(0, 1048576\], got 1e\+308"),
                                        (dict(block_size=16), "block_size must be 32, 64 or 128"),
                                        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of"),
                                        (dict(prefix_cache="yes"), "prefix_cache must be")])

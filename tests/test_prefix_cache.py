@@ -138,14 +138,18 @@ def test_a_tiny_pool_evicts_and_preempts_and_every_stream_stays_exact(ring):
     ts = [script(110 + i, length=300) for i in range(4)]
     r = ring(scripts=ts, max_rows=4, n_blocks=14)  # 224 positions for 4 streams of ~60-100
     kv = KVBlocks(14, B, b"fake")
-    preemptions = 0
+    preemptions = queried = cached = 0
     for first in (0, 2, 0):  # the second round evicts the first's cached blocks; the third hits what is left
         streams = [make_stream(i, ts[first + i % 2], 30 + 5 * i, 40) for i in range(4)]
         preemptions += run(r, kv, streams, depth=4).stats.preemptions
         for s in streams:
             n = len(s.prompt)
             assert s.tokens == ts[first + s.index % 2][n:n + 40], (first, s.index, s.n_preemptions)
+        queried += sum(len(s.prompt) for s in streams)
+        cached += sum(s.cached_tokens for s in streams)
     assert preemptions > 0 and kv.stats().evictions > 0
+    # The counters are what clients see: a preempted stream's return is not a second query.
+    assert (kv.stats().query_tokens, kv.stats().hit_tokens) == (queried, cached)
 
 
 def test_speculative_streams_share_prefixes_and_stay_exact(ring):

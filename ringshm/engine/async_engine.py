@@ -313,13 +313,18 @@ class AsyncEngine:
         for req in list(self._active.values()):
             s = req.stream  # a preempted stream (resume_ids set) has started: it waits at the head, unexpired
             if s.row < 0 and s.resume_ids is None and now - req.t_submit > self.max_queue_wait_s:
+                waiting = list(run.waiting)
+                ahead = waiting.index(s) if s in waiting else 0
+                why = (f"; {ahead} stream(s) wait ahead of it, the first "
+                       + ("a preempted one resuming" if waiting[0].resume_ids is not None else "a new one")
+                       + " (streams start in arrival order, each once its blocks are free)" if ahead else "")
                 run.cancel(req.id)
                 run.streams.pop(req.id, None)  # never started: nothing of it is in flight
                 kv = self.engine.kv
                 self._finish(run, req, [QueueTimeout(
-                    f"no row or KV blocks came free within max_queue_wait_s={self.max_queue_wait_s:g} "
-                    f"({self._n_running} of max_rows {self.engine.config.max_rows} running, {kv.n_available} of "
-                    f"{kv.n_blocks} KV blocks free): retry later")])
+                    f"not started within max_queue_wait_s={self.max_queue_wait_s:g}: {self._n_running} of max_rows "
+                    f"{self.engine.config.max_rows} running, {kv.n_available} of {kv.n_blocks} KV blocks free"
+                    f"{why}: retry later")])
 
     def _count_running(self) -> None:
         self._n_running = sum(1 for r in self._active.values() if r.stream.row >= 0)

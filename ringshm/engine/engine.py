@@ -66,6 +66,11 @@ class Engine:
         self.model_config = read_config(self.model_path)
         self.layer_ranges = cfg.layer_ranges(self.model_config.n_layers)
         self.max_seq_len = min(cfg.max_seq_len, self.model_config.max_seq_len)
+        self.n_blocks = cfg.kv_blocks(self.model_config, self.max_seq_len)
+        # A request longer than the pool could never run: max_seq_len (and so the server's max_model_len and
+        # chat's default max_tokens, the rest of the context) is at most what the pool holds.
+        capped = self.n_blocks * cfg.block_size < self.max_seq_len
+        self.max_seq_len = min(self.max_seq_len, self.n_blocks * cfg.block_size)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self.depth = cfg.depth if cfg.depth is not None else default_depth(cfg)  # decode micro-batches in flight
         self._tokenizer = None
@@ -87,14 +92,14 @@ class Engine:
             plan = NodePlan(0, node_ranges, cfg.stages, master_addr, master_port, self._head.session,
                             rdv.local_addr(), cfg.edge_timeout_s, connect_timeout_s(cfg), cfg.edge_latency_ms,
                             tuple(self._head.hosts))
-        self.n_blocks = cfg.kv_blocks(self.model_config, self.max_seq_len)
         self.kv = KVBlocks(self.n_blocks, cfg.block_size, self._fingerprint())
         if progress:
             tokens, per_block = self.kv.tokens_capacity(), cfg.kv_block_bytes(self.model_config)
             print(f"ringshm: KV cache: {self.n_blocks} blocks of {cfg.block_size} positions = {tokens} tokens "
                   f"({self.n_blocks * per_block / 2**30:.2f} GiB of {cfg.kv_cache_dtype} over {cfg.stages} stages); "
-                  f"prefix cache "
-                  f"{'on' if cfg.prefix_cache else 'off'}", file=sys.stderr, flush=True)
+                  f"prefix cache {'on' if cfg.prefix_cache else 'off'}"
+                  + (f"; max_seq_len lowered to {self.max_seq_len}, what it holds" if capped else ""),
+                  file=sys.stderr, flush=True)
         self._group = StageGroup(cfg, self.model_path, self.layer_ranges, self.max_seq_len,
                                  self.model_config.hidden, self.model_config.vocab, plan, n_blocks=self.n_blocks)
         self._closed = False
@@ -221,16 +226,15 @@ class Engine:
     # ---------------------------------------------------------------------------------------- requests
     def _make_stream(self, index: int, row: int, prompt, p: GenerationParams) -> Stream:
         ids = self.encode(prompt, p.chat)
-        if len(ids) + p.max_new_tokens > self.max_seq_len:
+        if len(ids) + p.max_new_tokens > self.max_seq_len:  # never more than the pool holds (__init__)
+            by_pool = self.max_seq_len == self.kv.tokens_capacity() < self.config.max_seq_len
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) = "
-                             f"{len(ids) + p.max_new_tokens} exceeds max_seq_len {self.max_seq_len}: shorten the "
-                             f"prompt, lower max_new_tokens, or start the engine with a larger max_seq_len "
-                             f"(--max-seq-len)")
-        if self.kv.blocks_for(len(ids) + p.max_new_tokens) > self.n_blocks:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) need "
-                             f"{self.kv.blocks_for(len(ids) + p.max_new_tokens)} KV blocks of {self.config.block_size}"
-                             f" positions, but the KV cache holds {self.n_blocks} ({self.kv.tokens_capacity()} "
-                             f"tokens): shorten the request or start the engine with more --kv-cache-memory")
+                             f"{len(ids) + p.max_new_tokens} exceeds max_seq_len {self.max_seq_len}"
+                             + (f", all the KV cache holds ({self.n_blocks} blocks of {self.config.block_size} "
+                                f"positions): shorten the request or start the engine with more kv_cache_memory "
+                                f"(--kv-cache-memory)" if by_pool else
+                                ": shorten the prompt, lower max_new_tokens, or start the engine with a larger "
+                                "max_seq_len (--max-seq-len)"))
         s = new_stream(index, row, ids, p, self._text_tokenizer(p), self.eos_ids, self.model_config.vocab)
         s.cache_salt = p.cache_salt
         return s

@@ -55,8 +55,8 @@ DIGEST_BYTES = 32  # BLAKE2b-256: collisions are out of reach, so a hash hit is 
 class KVBlockStats:
     """Prefix-cache and pool counters for metrics.
 
-    ``query_tokens``: prompt tokens of requests admitted with a lookup; ``hit_tokens``: of those, tokens whose
-    KV came from the cache (prefill skipped); ``evictions``: cached blocks taken back to serve an allocation.
+    ``query_tokens``: prompt tokens of requests admitted with a lookup (a preempted stream's return is not
+    counted again); ``hit_tokens``: of those, tokens whose KV came from the cache (prefill skipped); ``evictions``: cached blocks taken back to serve an allocation.
     ``n_used`` / ``n_free`` / ``n_cached``: blocks named by some table / on the free list / cached and unnamed
     (the LRU queue), now; they sum to the pool's ``n_blocks``.
     """
@@ -128,7 +128,7 @@ class KVBlocks:
 
     # ------------------------------------------------------------------------------------------- streams
     def admit(self, stream_id: int, prompt: Sequence[int], cache_salt: str | None = None,
-              lookup: bool = True) -> int | None:
+              lookup: bool = True, count: bool = True) -> int | None:
         """Give a new stream a table covering its prompt: the longest chain of cached blocks of the prompt
         (ref + 1), then fresh blocks. Returns the cached token count (attached blocks x block_size; its prefill
         starts there), or None, changing nothing, when the pool cannot hold the rest now (preempt, retry).
@@ -136,7 +136,8 @@ class KVBlocks:
         At most ``(len(prompt) - 1) // block_size`` blocks are attached, so the prompt's last token is computed
         (it must give logits) into a block of the stream's own. ``lookup=False`` attaches nothing (a request
         that wants every prompt position scored); its blocks still enter the cache as they are committed. A
-        preempted stream comes back with prompt = its prompt + its generated tokens.
+        preempted stream comes back with prompt = its prompt + its generated tokens, and ``count=False``: the
+        query / hit counters are what clients see (``usage.prompt_tokens_details.cached_tokens``), once a request.
 
         Args:
             prompt: token ids (ints in int64 range). cache_salt: tenant key (None: no salt; "" is a salt).
@@ -172,7 +173,7 @@ class KVBlocks:
                 del self._lru[b]
             self._ref[b] += 1
         self._tables[stream_id] = _Table(hits + self._take(n_fresh), len(hits) * bs, h)
-        if lookup:
+        if lookup and count:
             self._stats.query_tokens += n
             self._stats.hit_tokens += len(hits) * bs
         return len(hits) * bs

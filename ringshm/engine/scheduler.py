@@ -196,7 +196,7 @@ class Scheduler:
                 self.streams.pop(s.index, None)
                 continue
             lookup = self.prefix_cache and s.prompt_logprobs is None  # prompt logprobs score every position
-            cached = self.kv.admit(s, s.prefill_ids, s.cache_salt, lookup=lookup)
+            cached = self.kv.admit(s, s.prefill_ids, s.cache_salt, lookup=lookup, count=s.resume_ids is None)
             if cached is None:  # not now: running streams are not preempted for a newcomer (it fits alone)
                 return
             self.waiting.popleft()

@@ -138,10 +138,11 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
         per_stage = ", ".join(f"{(w + k) / gib:.2f}" for w, k in parts)
         grown = (f"; {len(expanded)} weight tensors are of types the matmul does not read and are expanded to fp32 "
                  f"at load (e.g. {expanded[0]})" if expanded and native else "")
+        halve = "; --kv-cache-dtype float16 halves it" if cfg.kv_cache_dtype == "float32" else ""
         raise ResourceShortage(
             f"the engine needs ~{need / gib:.1f} GiB of memory (weights {weights / gib:.2f} GiB + KV cache "
             f"{kv / gib:.2f} GiB: {n_blocks} blocks of {cfg.block_size} positions of {cfg.kv_cache_dtype} for "
             f"{sized_by} + "
             f"{base / gib:.2f} GiB for {len(parts)} stage processes; per stage: {per_stage} GiB{grown}) but "
             f"{avail / gib:.1f} GiB is available: lower --kv-cache-memory (or --max-rows / --max-seq-len, which "
-            f"size it when it is not given; --kv-cache-dtype float16 halves it), or run more stages on more hosts")
+            f"size it when it is not given{halve}), or run more stages on more hosts")
