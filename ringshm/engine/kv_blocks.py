@@ -56,7 +56,8 @@ class KVBlockStats:
     """Prefix-cache and pool counters for metrics.
 
     ``query_tokens``: prompt tokens of requests admitted with a lookup (a preempted stream's return is not
-    counted again); ``hit_tokens``: of those, tokens whose KV came from the cache (prefill skipped); ``evictions``: cached blocks taken back to serve an allocation.
+    counted again); ``hit_tokens``: of those, tokens whose KV came from the cache (prefill skipped);
+    ``evictions``: cached blocks taken back to serve an allocation.
     ``n_used`` / ``n_free`` / ``n_cached``: blocks named by some table / on the free list / cached and unnamed
     (the LRU queue), now; they sum to the pool's ``n_blocks``.
     """
