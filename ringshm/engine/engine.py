@@ -96,7 +96,8 @@ class Engine:
         if progress:
             tokens, per_block = self.kv.tokens_capacity(), cfg.kv_block_bytes(self.model_config)
             print(f"ringshm: KV cache: {self.n_blocks} blocks of {cfg.block_size} positions = {tokens} tokens "
-                  f"({self.n_blocks * per_block / 2**30:.2f} GiB of {cfg.kv_cache_dtype} over {cfg.stages} stage{'s' if cfg.stages > 1 else ''}); "
+                  f"({self.n_blocks * per_block / 2**30:.2f} GiB of {cfg.kv_cache_dtype} over {cfg.stages} "
+                  f"stage{'s' if cfg.stages > 1 else ''}); "
                   f"prefix cache {'on' if cfg.prefix_cache else 'off'}"
                   + (f"; max_seq_len lowered to {self.max_seq_len}, what it holds" if capped else ""),
                   file=sys.stderr, flush=True)
