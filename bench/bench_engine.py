@@ -21,7 +21,8 @@ from ringshm.model.stage_model import StageModel
 PROMPT = "Explain in a few sentences how a ring buffer lets two processes exchange messages."
 N_NEW = 48
 ROUNDS = 3
-KW = dict(prefill_chunk=256, max_rows=1, max_seq_len=512, progress=False)
+KW = dict(prefill_chunk=256, max_rows=1, max_seq_len=512, progress=False,
+          prefix_cache=False)  # prefix_cache off: every round prefills cold (a repeated prompt would hit)
 
 
 @pytest.fixture(scope="module")

@@ -49,7 +49,8 @@ ROUNDS = 3
 N_NEW = 64
 N_LONG = 880  # tokens in the TTFT prompt (ringshm's tokenizer)
 N_CTX = 2048  # llama.cpp's context; ringshm's max_seq_len matches it
-ENGINE_KW = dict(max_rows=1, max_seq_len=N_CTX, progress=False)  # one KV row: a single stream, like llama.cpp
+# One stream, like llama.cpp; the prefix cache off, so every round prefills cold (a repeated prompt would hit)
+ENGINE_KW = dict(max_rows=1, max_seq_len=N_CTX, progress=False, prefix_cache=False)
 DECODE_PROMPT = ("Write a detailed story, at least three paragraphs long, about a lighthouse keeper who finds a "
                  "message in a bottle.")
 LONG_TEXT = (

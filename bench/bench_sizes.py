@@ -24,7 +24,8 @@ Per model, one stage of ringshm and llama.cpp with 2 threads (its own process, `
 - memory: ringshm's stage RSS and PSS after the runs; llama.cpp's RSS after the runs minus its process's before
   the load (both map the file: its pages count once touched);
 - decode tok/s: 32 new tokens after a 16-token prompt (decode only, as ``bench_peers``);
-- TTFT of a 256-token prompt (token ids; one step op for ringshm: ``prefill_chunk`` 256).
+- TTFT of a 256-token prompt (token ids; one step op for ringshm: ``prefill_chunk`` 256; the prefix cache off,
+  so the second round prefills cold as the first).
 Rounds interleave the two (2 rounds; 1 for the 8B). Ratios are ringshm / llama.cpp in this run.
 
     python -m pytest bench/bench_sizes.py --benchmark-only -s -p no:cacheprovider
@@ -170,7 +171,8 @@ def measure(name: str, path: Path) -> dict:
     out: dict = {"file_mib": path.stat().st_size / 2**20, "decode_tpot_s": {"ringshm": [], "llama.cpp": []},
                  "ttft_s": {"ringshm": [], "llama.cpp": []}}
     t0 = time.perf_counter()
-    engine = Engine(model=str(path), stages=1, max_rows=1, max_seq_len=1024, prefill_chunk=N_LONG, progress=False)
+    engine = Engine(model=str(path), stages=1, max_rows=1, max_seq_len=1024, prefill_chunk=N_LONG, progress=False,
+                    prefix_cache=False)  # prefix_cache off: every round prefills cold (a repeated prompt would hit)
     out["ringshm_load_s"] = time.perf_counter() - t0
     try:
         out["ringshm_stage_mem"] = _stage_rss(engine)
