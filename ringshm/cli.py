@@ -312,15 +312,15 @@ def _serve(a: argparse.Namespace) -> int:
     # Arguments and the port first, before torch and the stages: a mistake costs a second, not a model load.
     _check_serve(a)
     sock = bind_listener(a.host, a.port)
-    # serve blocks SIGINT / SIGTERM while the engine starts (ringshm.server.app.serve). Block them before torch is
+    # serve blocks SIGINT / SIGTERM while the engine starts (ringshm.server.process.serve). Block them before torch is
     # imported: the thread it starts inherits the mask, so a signal stays pending for the main thread (which
     # the startup waits check, ringshm.transport.cluster.check_interrupted) instead of being dropped on a thread
     # that ignores it.
     from multiprocessing import resource_tracker
 
-    resource_tracker.ensure_running()  # it unblocks the stop signals when it starts (ringshm.server.app)
+    resource_tracker.ensure_running()  # it unblocks the stop signals when it starts (ringshm.server.process)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    from ringshm.server.app import serve
+    from ringshm.server.process import serve
 
     return serve(a.host, a.port, sock=sock, max_waiting=a.max_waiting, graceful_s=a.graceful_timeout,
                  max_queue_wait_s=a.max_queue_wait, max_body_bytes=a.max_body_bytes,

@@ -24,8 +24,8 @@ thread, off the loop.
 
 Limits: bodies over ``max_body_bytes`` get 413; a request waiting for a row past ``max_queue_wait_s`` 503,
 a full queue 429, both with ``Retry-After``. A stage that holds an op past ``op_timeout_s``: 503 for the open
-and new requests and on ``/health`` (naming it) until it answers again. A dead stage: 503, then ``serve``
-shuts down and exits 3 for a supervisor to restart it.
+and new requests and on ``/health`` (naming it) until it answers again. A dead stage: 503, then ``on_stage_died``
+(``ringshm.server.process.serve`` shuts down and exits 3 for a supervisor to restart it).
 
 Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on the ``finish_reason``
 chunk of its last choice to finish; with ``stream_options: {"include_usage": true}`` an extra chunk with empty
@@ -39,21 +39,18 @@ one ``data: {"error": ...}`` event.
 A client that disconnects mid-stream cancels its own request only (Starlette cancels the response's body
 iterator, and cancelling the iterator cancels the request's row in the dispatcher). SIGTERM / Ctrl-C: uvicorn
 stops accepting, lets open responses finish for up to ``graceful_s``, then the lifespan shutdown closes the
-``AsyncEngine`` (and with it the engine: stages reaped, segments unlinked); ``serve`` returns 0.
+``AsyncEngine`` (and with it the engine: stages reaped, segments unlinked); ``ringshm.server.process.serve``
+returns 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import signal
-import socket
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -65,7 +62,6 @@ from ringshm.engine.async_engine import AsyncEngine
 from ringshm.errors import StageDied, StageStalled
 from ringshm.model.tokenizer import encode_chat, load_tokenizer
 from ringshm.server.info import add_info_routes
-from ringshm.server.listen import bind_listener
 from ringshm.server.middleware import BodyLimit, CountRequests, Metrics
 from ringshm.server.openai_responses import Job, OpenAIRequest, TokenText
 from ringshm.server.openai_schema import (
@@ -336,23 +332,6 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
     return app
 
 
-def model_id_of(model_path: str) -> str:
-    """The served model's id: the checkpoint's file stem (or directory name)."""
-    return Path(model_path).stem if Path(model_path).suffix == ".gguf" else Path(model_path).name
-
-
-STAGE_DIED_EXIT = 3  # serve's exit status after a stage died (for a supervisor: restart the server)
-
-
-def keep_signal_mask() -> None:
-    """Start multiprocessing's resource tracker now, before stop signals are blocked: Python (3.11) starts it on
-    first use with SIGINT / SIGTERM blocked and then *unblocks* them in the calling thread, whatever the
-    caller's mask was, which would let a signal through in the middle of the stages' startup."""
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()
-
-
 def _stage_status(engine) -> list[dict]:
     """``/health``'s stage list: ``Engine.stage_status`` (every node's stages), or this host's pids for an
     engine that has no such view (a test's fake)."""
@@ -361,95 +340,3 @@ def _stage_status(engine) -> list[dict]:
         return status()
     return [{"stage": i, "node": 0, "pid": pid, "alive": is_alive(pid), "seen": "process"}
             for i, pid in enumerate(engine.pids)]
-
-
-def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None, max_waiting: int = 64,
-          graceful_s: float = 30.0,
-          max_queue_wait_s: float | None = 60.0, max_body_bytes: int = 2 * 1024 * 1024,
-          model_name: str | Sequence[str] | None = None, spec: str | None = None, spec_k: int = 4,
-          spec_depth: int = 1, log_level: str = "info",
-          **engine_kwargs) -> int:
-    """Start the stages, then serve until SIGTERM / SIGINT; returns 0 after a clean shutdown, and
-    ``STAGE_DIED_EXIT`` (3) when a stage died: the open requests fail with 503, the server shuts down (every
-    stage reaped, every segment unlinked) so that a supervisor (systemd ``Restart=on-failure``, Docker
-    ``--restart``, Kubernetes) starts it afresh. A stalled stage is not fatal: see ``AsyncEngine``.
-
-    ``model_name``: the name, or several aliases, the model is served under (default: ``model_id_of`` the
-    checkpoint). ``engine_kwargs`` are ``Engine``'s. ``sock``: the listening socket (``bind_listener``), bound
-    by the caller before anything loaded; None binds ``host:port`` here, still before the stages start. A
-    SIGTERM / SIGINT while the stages load stops them at once and returns 0. uvicorn re-raises the signal it
-    shut down on once it is done; ``serve`` treats that signal as the request for a clean exit, so the process
-    exits 0.
-
-    Raises:
-        ValueError: the port is in use or out of range, before the stages start.
-    """
-    import uvicorn
-
-    from ringshm.engine.engine import Engine
-
-    if sock is None:
-        sock = bind_listener(host, port)
-
-    # The stages inherit ignored dispositions across spawn's exec (the mask they do not): a SIGINT / SIGTERM
-    # sent to the whole process group (Ctrl-C, systemd) must reach only this process, which shuts the stages
-    # down once the open responses end. Blocked meanwhile, one that arrives while the stages load stays
-    # pending and is delivered after: the engine then closes again at once.
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
-    received: list[int] = []
-    keep_signal_mask()
-    signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
-    # Ignoring a signal discards a pending one: one that came before this point (the caller may have blocked
-    # them earlier, as the CLI does) is taken now, and nothing starts.
-    if signal.sigpending() & stop_signals:
-        signum = signal.sigwait(stop_signals)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-        sock.close()
-        print(f"ringshm: stopped by {signal.Signals(signum).name} before the stages started", file=sys.stderr)
-        return 0
-    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in stop_signals}
-    try:
-        engine = Engine(**engine_kwargs)
-    except BaseException as exc:
-        pending = signal.sigtimedwait(stop_signals, 0) if isinstance(exc, KeyboardInterrupt) else None
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-        sock.close()
-        if pending is not None:  # a stop signal ended the wait for the stages, which are stopped already
-            print(f"ringshm: stopped by {signal.Signals(pending.si_signo).name} while the stages loaded; every stage "
-                  f"process and segment is gone", file=sys.stderr)
-            return 0
-        raise
-    for sig in stop_signals:  # also what uvicorn re-raises after its graceful shutdown: exit 0 then
-        signal.signal(sig, lambda signum, frame: received.append(signum))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)
-    if received:
-        engine.close()
-        return 0
-    try:
-        if spec is not None:  # a verify chain of spec_depth segments needs that many decode ops in flight
-            engine.depth = max(engine.depth, spec_depth)
-        aengine = AsyncEngine(engine, max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s)
-    except BaseException:
-        engine.close()
-        raise
-    died: list[StageDied] = []
-    server: list = []
-
-    def on_stage_died(exc: StageDied) -> None:
-        died.append(exc)
-        server[0].should_exit = True
-
-    app = create_app(aengine, model_name or model_id_of(engine.model_path), spec=spec, spec_k=spec_k,
-                     spec_depth=spec_depth, graceful_s=graceful_s, max_body_bytes=max_body_bytes,
-                     on_stage_died=on_stage_died)
-    try:
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                timeout_graceful_shutdown=graceful_s)
-        server.append(uvicorn.Server(config))
-        if not received:  # one that came while the app was built: uvicorn's handlers were not in place yet
-            server[0].run(sockets=[sock])
-    finally:
-        aengine.close()  # idempotent; covers a failed bind, where the lifespan never ran
-    return STAGE_DIED_EXIT if died else 0
