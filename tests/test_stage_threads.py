@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from ringshm.runtime.stage import N_SLOTS, SLOT_ACTIVE, StageSpec, ThreadPicker
@@ -35,70 +36,62 @@ class Clocks:
         return threads
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """The picker sets torch's threads in this process: each test gives them back."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
 def make(status=None, **kw):
     clocks = Clocks()
     status = status if status is not None else [0.0] * (N_SLOTS * kw.get("n_stages", 2))
     return ThreadPicker(spec(**kw), status, clock=lambda: clocks.wall, switches=lambda: clocks.switches), clocks
 
 
-def test_split_counts_the_stages_computing_now(monkeypatch):
+def test_split_counts_the_stages_computing_now():
     status = [0.0] * (N_SLOTS * 3)
     picker, _ = make(status, n_stages=3, cores=4)
-    before = torch.get_num_threads()
-    try:
-        assert picker.before_op() == 4  # alone: every core
-        status[1 * N_SLOTS + SLOT_ACTIVE] = 1.0
-        assert picker.before_op() == 2 and torch.get_num_threads() == 2
-        status[2 * N_SLOTS + SLOT_ACTIVE] = 1.0
-        assert picker.before_op() == 1  # 4 // 3
-    finally:
-        torch.set_num_threads(before)
+    assert picker.before_op() == 4  # alone: every core
+    status[1 * N_SLOTS + SLOT_ACTIVE] = 1.0
+    assert picker.before_op() == 2 and torch.get_num_threads() == 2
+    status[2 * N_SLOTS + SLOT_ACTIVE] = 1.0
+    assert picker.before_op() == 1  # 4 // 3
 
 
 def test_a_quiet_machine_keeps_the_split():
     picker, clocks = make()
-    before = torch.get_num_threads()
-    try:
-        assert all(clocks.run(picker, 2e-3, 50) == 2 for _ in range(5000))
-        assert picker.contended_since is None
-    finally:
-        torch.set_num_threads(before)
+    assert all(clocks.run(picker, 2e-3, 50) == 2 for _ in range(5000))
+    assert picker.contended_since is None
 
 
 def test_contended_cores_drop_to_one_thread_and_a_probe_gives_them_back():
     picker, clocks = make()
-    before = torch.get_num_threads()
-    try:
-        ran = [clocks.run(picker, 2e-3, 600) for _ in range(30)]
-        first_one = ran.index(1)
-        assert first_one <= 20 and all(t == 2 for t in ran[:first_one])  # a few ops pull the average up
-        # Still contended: the split only on probes, ever rarer (waits doubling up to PROBE_MAX_S), the other
-        # ops on one thread.
-        ran = [clocks.run(picker, 2e-3, 600) for _ in range(int(10 * ThreadPicker.PROBE_MAX_S / 2e-3))]
-        assert ran.count(1) > 0.99 * len(ran) and 10 <= ran.count(2) <= 16
-        # The neighbour leaves: the next probe gives the split back for good.
-        ran = [clocks.run(picker, 2e-3, 30) for _ in range(int(3 * ThreadPicker.PROBE_MAX_S / 2e-3))]
-        assert picker.contended_since is None
-        assert ran[-200:] == [2] * 200
-    finally:
-        torch.set_num_threads(before)
+    ran = [clocks.run(picker, 2e-3, 600) for _ in range(30)]
+    first_one = ran.index(1)
+    assert first_one <= 20 and all(t == 2 for t in ran[:first_one])  # a few ops pull the average up
+    # Still contended: the split only on probes, ever rarer (waits doubling up to PROBE_MAX_S), the other
+    # ops on one thread.
+    ran = [clocks.run(picker, 2e-3, 600) for _ in range(int(10 * ThreadPicker.PROBE_MAX_S / 2e-3))]
+    assert ran.count(1) > 0.99 * len(ran) and 10 <= ran.count(2) <= 16
+    # The neighbour leaves: the next probe gives the split back for good.
+    ran = [clocks.run(picker, 2e-3, 30) for _ in range(int(3 * ThreadPicker.PROBE_MAX_S / 2e-3))]
+    assert picker.contended_since is None
+    assert ran[-200:] == [2] * 200
 
 
 def test_short_ops_and_one_thread_ops_are_not_measured():
     picker, clocks = make()
-    before = torch.get_num_threads()
-    try:
-        for _ in range(50):  # too short to tell contention from fork/join cost
-            clocks.run(picker, ThreadPicker.MIN_WALL_S / 2, 5000)
-        assert picker.contended_since is None and picker.switch_rate == 0.0
-        status = [0.0] * (N_SLOTS * 2)
-        status[1 * N_SLOTS + SLOT_ACTIVE] = 1.0  # the other stage computes: this one gets 1 of 2 cores
-        picker, clocks = make(status)
-        for _ in range(50):
-            assert clocks.run(picker, 2e-3, 5000) == 1
-        assert picker.contended_since is None
-    finally:
-        torch.set_num_threads(before)
+    for _ in range(50):  # shorter than MIN_WALL_S: not measured
+        clocks.run(picker, ThreadPicker.MIN_WALL_S / 2, 5000)
+    assert picker.contended_since is None and picker.switch_rate == 0.0
+    status = [0.0] * (N_SLOTS * 2)
+    status[1 * N_SLOTS + SLOT_ACTIVE] = 1.0  # the other stage computes: this one gets 1 of 2 cores
+    picker, clocks = make(status)
+    for _ in range(50):
+        assert clocks.run(picker, 2e-3, 5000) == 1
+    assert picker.contended_since is None
 
 
 def test_one_core_leaves_torch_alone():
@@ -111,9 +104,5 @@ def test_one_core_leaves_torch_alone():
 def test_a_gpu_stage_is_never_called_contended():
     """Its ops wait on the device, not on the cores."""
     picker, clocks = make(device="cuda")
-    before = torch.get_num_threads()
-    try:
-        assert all(clocks.run(picker, 2e-3, 5000) == 2 for _ in range(50))
-        assert picker.contended_since is None
-    finally:
-        torch.set_num_threads(before)
+    assert all(clocks.run(picker, 2e-3, 5000) == 2 for _ in range(50))
+    assert picker.contended_since is None
