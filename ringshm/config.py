@@ -378,6 +378,16 @@ SPEC_METHODS = (None, "ngram")
 MAX_TOP_LOGPROBS = 20  # the most top-k entries per position: OpenAI's chat top_logprobs limit (vLLM's default cap)
 MAX_SPEC_K = 16  # most draft tokens per verify segment (it bounds a step op's size, EngineConfig.max_op_tokens)
 
+# Sampling values whose arithmetic fp32 carries out. The sampler divides fp32 logits by the temperature and by the
+# repetition penalty: a divisor under fp32's range (1e-300 is 0 there) turns logits into inf / NaN. Logits of
+# real models stay far below 1e4, so with these limits every processed logit stays finite.
+MIN_TEMPERATURE = 1e-2  # a temperature in (0, 1e-2) samples at 1e-2 (vLLM's rule, SamplingParams' _MAX_TEMP)
+MAX_TEMPERATURE = 100.0  # above it a step's distribution is uniform to fp32 precision anyway
+REPETITION_PENALTY_RANGE = (1e-2, 1e2)  # HF / vLLM use 1 .. 2; 1e-2 .. 1e2 keeps logit / r and logit * r finite
+MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI allows 4)
+MAX_STOP_CHARS = 256  # characters per stop string
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; stream i of a batch uses seed + i
+
 
 @dataclass(frozen=True)
 class GenerationParams:
@@ -385,9 +395,13 @@ class GenerationParams:
 
     Args:
         max_new_tokens: most tokens to generate (>= 1).
-        temperature: 0 = greedy (default); > 0 samples, with ``top_k`` (0: no cut) and ``top_p`` (nucleus).
-        seed: sampling seed (same seed, same tokens); in a batch, stream i uses ``seed + i``.
-        stop: strings that end the generation (the text is cut before them).
+        temperature: 0 = greedy (default); > 0 samples, with ``top_k`` (0: no cut) and ``top_p`` (nucleus). At
+            most ``MAX_TEMPERATURE`` (100); a value in (0, ``MIN_TEMPERATURE``) samples at 1e-2 (vLLM's rule:
+            logits / temperature must stay finite in fp32).
+        seed: sampling seed (same seed, same tokens), an int in [-2**63, 2**64 - 1 - batch size]; in a batch,
+            stream i uses ``seed + i``.
+        stop: at most ``MAX_STOP_STRINGS`` (16) strings of 1 .. ``MAX_STOP_CHARS`` (256) characters that end the
+            generation (the text is cut before the first one to appear).
         chat: apply the model's chat template to a string prompt.
         prefill_depth: prefill ops in flight for this request (default: the engine's).
         spec: None, or "ngram" for lossless speculative decoding with prompt-lookup drafts (greedy only).
@@ -398,8 +412,8 @@ class GenerationParams:
             checked against the vocabulary by the engine).
         presence_penalty, frequency_penalty: in [-2, 2]; ``presence * (count > 0) + frequency * count`` is
             subtracted from the logit of each token generated ``count`` times so far (OpenAI's rule).
-        repetition_penalty: > 0 (1 = off); a token seen in the prompt or the output has its logit divided by it
-            when positive, multiplied when not (Keskar et al. 2019, CTRL; vLLM / HF's rule).
+        repetition_penalty: in [0.01, 100] (1 = off); a token seen in the prompt or the output has its logit
+            divided by it when positive, multiplied when not (Keskar et al. 2019, CTRL; vLLM / HF's rule).
         min_tokens: EOS ids are masked until this many tokens are generated, and stop strings are not looked
             for in their text (vLLM's rule); at most ``max_new_tokens``.
         ignore_eos: EOS does not end the stream (it runs to ``max_new_tokens`` or a stop string).
@@ -453,22 +467,19 @@ class GenerationParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise ValueError(f"{name} must be a finite number, got {value!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        object.__setattr__(self, "temperature", check_temperature(self.temperature))
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise ValueError(f"cache_salt must be a string or None, got {type(self.cache_salt).__name__}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 = no cut), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2**63 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed must be None or an int in [-2**63, 2**64 - 1], got {shown(self.seed)}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.prefill_depth is not None and (not isinstance(self.prefill_depth, int) or self.prefill_depth < 1):
             raise ValueError(f"prefill_depth must be an int >= 1, got {self.prefill_depth!r}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if any(not isinstance(x, str) or not x for x in stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop", check_stop(self.stop))
         if self.spec not in SPEC_METHODS:
             raise ValueError(f"spec must be one of {SPEC_METHODS}, got {self.spec!r}")
         if self.spec is not None and self.temperature > 0:
@@ -483,8 +494,7 @@ class GenerationParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
-        if not self.repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        check_repetition_penalty(self.repetition_penalty)
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.min_tokens > self.max_new_tokens:
@@ -506,6 +516,54 @@ class GenerationParams:
             raise ValueError("speculative decoding verifies the stage's plain argmax, so it cannot apply "
                              "logit_bias, presence/frequency/repetition penalties or min_tokens: drop those or "
                              "turn speculation off (spec=None, no --spec)")
+
+
+def shown(value, n_chars: int = 40) -> str:
+    """``repr(value)`` cut to about ``n_chars`` characters, for error messages (an int of 5,000 digits cannot even
+    be turned into a string: Python's int-to-str limit)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 128:
+        return f"an int of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= n_chars else text[:n_chars] + "..."
+
+
+def check_temperature(temperature: float) -> float:
+    """The temperature a request samples at: 0 (greedy) as is, a value in (0, ``MIN_TEMPERATURE``) raised to it.
+
+    Raises:
+        ValueError: below 0 or above ``MAX_TEMPERATURE``.
+    """
+    if not 0 <= temperature <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {temperature}")
+    return max(float(temperature), MIN_TEMPERATURE) if temperature > 0 else 0.0
+
+
+def check_repetition_penalty(r: float) -> None:
+    """Raises ValueError unless ``r`` lies in ``REPETITION_PENALTY_RANGE`` (its fp32 arithmetic stays finite)."""
+    lo, hi = REPETITION_PENALTY_RANGE
+    if not lo <= r <= hi:
+        raise ValueError(f"repetition_penalty must be in [{lo:g}, {hi:g}] (1 = off), got {r}")
+
+
+def check_stop(stop) -> tuple[str, ...]:
+    """``stop`` (a string, or a list / tuple of them) as a tuple of strings.
+
+    Raises:
+        ValueError: more than ``MAX_STOP_STRINGS`` strings, an empty one, one longer than ``MAX_STOP_CHARS``
+            characters, or something that is not a string. The caps bound the text work a request brings to the
+            dispatcher thread that serves every stream (``ringshm.engine.sampling.TextStream``).
+    """
+    stop = (stop,) if isinstance(stop, str) else stop
+    if stop is None:
+        return ()
+    if not isinstance(stop, (list, tuple)) or any(not isinstance(x, str) or not x for x in stop):
+        raise ValueError(f"stop must be a non-empty string or a list of them, got {type(stop).__name__}")
+    if len(stop) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop holds {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed")
+    long = next((i for i, x in enumerate(stop) if len(x) > MAX_STOP_CHARS), None)
+    if long is not None:
+        raise ValueError(f"stop[{long}] has {len(stop[long])} characters; at most {MAX_STOP_CHARS} are allowed")
+    return tuple(stop)
 
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI: logit_bias values lie in [-100, 100]

@@ -12,7 +12,8 @@ carries every ready request. Each committed token goes to its request's ``asynci
 made the request, so any number of tasks (on any number of loops) may call ``stream`` / ``complete`` at once.
 Every stream gets exactly the tokens ``Engine.generate`` gives it alone, whatever else runs beside it.
 
-Failures: bad input raises ``ValueError`` in the caller, before anything is queued. More than ``max_rows +
+Failures: bad input raises ``ValueError`` in the caller, before anything is queued. A request whose own sampling,
+detokenisation or stop handling raises (e.g. NaN logits) fails alone with ``RequestFailed``. More than ``max_rows +
 max_waiting`` open requests raise ``QueueFull``; a request that waits longer than ``max_queue_wait_s`` for a
 row fails with ``QueueTimeout``. A stage that holds an op past ``op_timeout_s`` fails the open requests with
 ``StageStalled`` (new ones are refused with it) until it answers again. A dead stage fails every open request with
@@ -383,21 +384,36 @@ class AsyncEngine:
                 self._cancel(run, req)
 
     def _deliver(self, run: Scheduler, events: list) -> None:
+        """Post each request its new chunks; a request whose stream failed on its own (an event with ``error``)
+        gets its chunks so far, then ``RequestFailed``, and is finished; the others are not touched."""
         now = time.perf_counter()
-        chunks: dict[int, list[Chunk]] = {}
+        chunks: dict[int, list] = {}
         for ev in events:
             if ev.stream in self._active:
-                chunks.setdefault(ev.stream, []).append(Chunk(ev.token_id, ev.text, now, logprob=ev.logprob))
+                chunks.setdefault(ev.stream, []).append(
+                    copy_error(ev.error) if ev.error is not None else
+                    Chunk(ev.token_id, ev.text, now, logprob=ev.logprob))
         for rid, items in chunks.items():
             req = self._active[rid]
             s = req.stream
-            if not req.started:
-                req.started = True
-                if s.prompt_logprobs is not None:
-                    items[0].prompt_logprobs = list(s.prompt_token_logprobs)
+            if s.error is not None:
+                log.warning("request %d failed alone: %s: %s", rid, type(s.error).__name__, s.error)
+                self._finish(run, req, items)
+                continue
+            try:
+                if not req.started:
+                    req.started = True
+                    if s.prompt_logprobs is not None:
+                        items[0].prompt_logprobs = list(s.prompt_token_logprobs)
+                if s.done:
+                    items[-1].finish_reason = s.finish_reason
+                    items[-1].result = result_of(s)
+            except Exception as exc:  # noqa: BLE001 - this request's result alone could not be built
+                log.exception("request %d failed alone", rid)
+                run.cancel(rid)
+                self._finish(run, req, [copy_error(exc)])
+                continue
             if s.done:
-                items[-1].finish_reason = s.finish_reason
-                items[-1].result = result_of(s)
                 self._finish(run, req, items)
             else:
                 self._post(run, req, items)

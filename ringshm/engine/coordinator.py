@@ -172,7 +172,8 @@ class Stream:
     same bits), the last of them asking for the next token. ``cached_tokens``: prompt tokens whose KV came from
     the prefix cache at its first admission; ``cache_salt``: the tenant key of its prefix-cache chain.
     ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
-    (max_new_tokens) or "cancelled". ``ignore_eos``: EOS does not end it. ``logprobs`` / ``prompt_logprobs``:
+    (max_new_tokens), "cancelled", or "error" (its own sampling, detokenisation or stop handling raised:
+    ``error`` holds the exception; no other stream is touched). ``ignore_eos``: EOS does not end it. ``logprobs`` / ``prompt_logprobs``:
     None, or the top-k count of each generated token's / prompt token's logprobs (``GenerationParams``), which
     collect in ``token_logprobs`` (one ``TokenLogprob`` per token) and ``prompt_token_logprobs`` (None for the
     first prompt token, then one per prompt token, filled as the prefill chunks are answered).
@@ -202,6 +203,7 @@ class Stream:
     cached_tokens: int = 0
     cache_salt: str | None = None
     n_preemptions: int = 0
+    error: BaseException | None = None
 
     @property
     def done(self) -> bool:
@@ -227,6 +229,10 @@ class Stream:
         if self.finish_reason is None:
             self.finish_reason = "cancelled"
 
+    def fail(self, exc: BaseException) -> None:
+        """End the stream with ``exc`` (finish_reason "error"): the scheduler stops sending its segments."""
+        self.finish_reason, self.error = "error", exc
+
     def commit(self, token: int) -> str:
         """Append one generated token; set ``finish_reason`` on EOS, a stop string or the length limit.
         Returns the text delta to show."""
@@ -245,9 +251,13 @@ class Stream:
 @dataclass
 class TokenEvent:
     """One committed token of one stream: its id, the text it adds (may be empty while held back) and, when
-    the stream asked for them, its ``TokenLogprob`` (``ringshm.engine.logprobs``)."""
+    the stream asked for them, its ``TokenLogprob`` (``ringshm.engine.logprobs``).
+
+    An event with ``error`` set carries no token (``token_id`` -1): the stream failed on its own (its sampling,
+    detokenisation or stop handling raised ``error``) and ends there with finish_reason "error"."""
 
     stream: int
     token_id: int
     text: str
     logprob: object = None
+    error: BaseException | None = None

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from ringshm.config import EngineConfig, GenerationParams, check_logit_bias
 from ringshm.engine.coordinator import Link, Stream, TokenEvent
 from ringshm.engine.kv_blocks import KVBlocks
+from ringshm.engine.request_stream import copy_error
 from ringshm.engine.results import BatchResult, GenerationResult, result_of
 from ringshm.engine.sampling import Sampler, TextStream
 from ringshm.engine.scheduler import Scheduler, StepStats
@@ -188,9 +189,11 @@ class Engine:
             return None
         return self.tokenizer
 
-    def encode(self, prompt: str | list[int], chat: bool = False) -> list[int]:
+    def encode(self, prompt: str | list[int], chat: bool = False, tokenizer=None) -> list[int]:
         """Token ids of ``prompt``: a string is tokenised (``chat``: through the model's chat template as one
         user turn, with the assistant prefix); a list of ids is taken as is (no special tokens added).
+        ``tokenizer``: another instance of the model's tokenizer to use (one instance must not serve two threads
+        at once; default: the engine's).
 
         With ``chat``, the prompt is the user turn's content and is tokenised as plain text: special-token
         spellings in it (``<|im_end|>``) cannot forge turns (``ringshm.model.tokenizer.encode_chat``).
@@ -207,9 +210,10 @@ class Engine:
             if not prompt:
                 raise ValueError("prompt is empty: give at least one character or token id")
             check_text(prompt)
+            tokenizer = tokenizer or self.tokenizer
             if chat:
-                return encode_chat(self.tokenizer, [{"role": "user", "content": prompt}])
-            return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+                return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
+            return [int(t) for t in tokenizer(prompt)["input_ids"]]
         if not isinstance(prompt, (list, tuple)) or any(
                 isinstance(t, bool) or not isinstance(t, int) for t in prompt):
             raise ValueError(f"prompt must be a string or a list of int token ids, got "
@@ -279,10 +283,14 @@ class Engine:
             raise RuntimeError("engine is closed")
 
     def _run_solo(self, s: Stream, prefill_depth: int, depth: int) -> Iterator[TokenEvent]:
+        """The events of one stream; its own failure (an event with ``error``) raises ``RequestFailed``."""
         self._check_usable()
         run = self.scheduler([s], prefill_depth, depth)
         try:
-            yield from run
+            for ev in run:
+                if ev.error is not None:
+                    raise copy_error(ev.error)
+                yield ev
         finally:
             self._link.drain()
             run.release_all()
@@ -308,6 +316,8 @@ class Engine:
                 parameter. EngineOwned: an ``AsyncEngine`` owns this engine.
             StageDied: a stage process died (named, within ~0.1 s of its death).
             StageError / KVCacheOverflow: a stage failed an op; the engine stays usable.
+            RequestFailed: the request's own sampling or text work failed (e.g. the model's logits hold NaN);
+                the engine stays usable.
         """
         self._check_usable()
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
@@ -360,6 +370,8 @@ class Engine:
 
         Raises:
             ValueError: bad input (any prompt), before anything is sent. StageDied, StageError: as generate.
+            A stream that fails on its own (its sampling or text work raised) does not raise: its result has
+            finish_reason "error" and ``error``, and the other streams run to their end.
         """
         run = self.stream_batch(prompts, max_new_tokens, depth=depth, **params)
         for ev in run:

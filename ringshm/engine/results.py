@@ -15,7 +15,8 @@ class GenerationResult:
     """One request's output and timings.
 
     ``token_ids``: generated tokens only (the prompt excluded); ``text``: their text, cut before a stop
-    string; ``finish_reason``: "stop" (EOS or a stop string) or "length" (max_new_tokens).
+    string; ``finish_reason``: "stop" (EOS or a stop string) or "length" (max_new_tokens); in a batch also
+    "cancelled", or "error" when the stream failed on its own (``error`` says why; its batch-mates go on).
     ``ttft_s``: time to first token, from the call to the first token committed (prefill included).
     ``tpot_s``: mean time per output token after the first; ``decode_tok_s`` = 1 / tpot_s.
     ``stage_busy_s``: seconds each stage spent applying this request's ops.
@@ -50,6 +51,7 @@ class GenerationResult:
     prompt_logprobs: list | None = None
     n_cached_tokens: int = 0
     n_preemptions: int = 0
+    error: str | None = None
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -108,4 +110,5 @@ def result_of(s: Stream, busy0: list[float] | None = None, busy_first: list[floa
         mean_accepted_length=spec.mean_accepted_length,
         logprobs=list(s.token_logprobs) if s.logprobs is not None else None,
         prompt_logprobs=list(s.prompt_token_logprobs) if s.prompt_logprobs is not None else None,
-        n_cached_tokens=s.cached_tokens, n_preemptions=s.n_preemptions)
+        n_cached_tokens=s.cached_tokens, n_preemptions=s.n_preemptions,
+        error=None if s.error is None else f"{type(s.error).__name__}: {s.error}")

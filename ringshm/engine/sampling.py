@@ -27,19 +27,22 @@ class Sampler:
     logits cross the ring. All of this is per stream, over batch-invariant logits: a stream's tokens do not
     depend on its batch-mates.
 
+    Every value is one fp32 can carry (``ringshm.config``: a temperature in (0, 1e-2) samples at 1e-2, the
+    repetition penalty lies in [1e-2, 1e2]), and the nucleus always keeps the most likely token (HF's
+    ``min_tokens_to_keep``), so a tiny ``top_p`` is greedy-like instead of an empty set.
+
     Raises:
-        ValueError: temperature < 0, top_k < 0, top_p outside (0, 1], a penalty out of range, min_tokens < 0, a
-            logit_bias that is not ``{id >= 0: bias in [-100, 100]}``.
+        ValueError: temperature outside [0, 100], top_k < 0, top_p outside (0, 1], a penalty out of range,
+            min_tokens < 0, a logit_bias that is not ``{id >= 0: bias in [-100, 100]}``.
     """
 
     def __init__(self, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None, *,
                  logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_tokens: int = 0,
                  eos_ids=()):
-        from ringshm.config import check_logit_bias
+        from ringshm.config import check_logit_bias, check_repetition_penalty, check_temperature
 
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+        temperature = check_temperature(temperature)
         if top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = no cut), got {top_k}")
         if not 0 < top_p <= 1:
@@ -47,8 +50,7 @@ class Sampler:
         for name, value in (("presence_penalty", presence_penalty), ("frequency_penalty", frequency_penalty)):
             if not -2 <= value <= 2:
                 raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value}")
-        if not repetition_penalty > 0:
-            raise ValueError(f"repetition_penalty must be > 0 (1 = off), got {repetition_penalty}")
+        check_repetition_penalty(repetition_penalty)
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
         self.temperature, self.top_k, self.top_p = float(temperature), int(top_k), float(top_p)
@@ -110,12 +112,16 @@ class Sampler:
 
         Raises:
             ValueError: logits are needed (``needs_logits``) and ``logits`` is None.
+            FloatingPointError: the logits hold NaN or inf (weights with NaN: the checkpoint is broken).
         """
         if not self.needs_logits:
             return int(argmax_id)
         if logits is None:
             raise ValueError("sampling, logit_bias, penalties and min_tokens need the last position's logits "
                              "(WANT_LOGITS)")
+        if not bool(torch.isfinite(logits).all()):
+            raise FloatingPointError(f"the model's logits hold {int((~torch.isfinite(logits)).sum())} NaN / inf "
+                                     f"values at this position: its weights are likely broken (NaN or inf)")
         scores = self.process(logits, prompt, output) if self.processes else logits.float()
         if self.greedy:
             return int(torch.argmax(scores))
@@ -126,11 +132,67 @@ class Sampler:
         if self.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
             probs = torch.softmax(sorted_scores, dim=-1)
-            # drop a token when the tokens strictly more likely already reach top_p
+            # drop a token when the tokens strictly more likely already reach top_p; the most likely always stays
+            # (a top_p of 1e-300 is 0 in fp32, where every token would reach it)
             drop = (torch.cumsum(probs, dim=-1) - probs) >= self.top_p
+            drop[0] = False
             scores = scores.scatter(0, order[drop], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+
+class StopMatcher:
+    """Aho-Corasick automaton over a request's stop strings (Aho & Corasick 1975), fed the output text one
+    character at a time: O(1) amortised work per character whatever the number and length of the strings.
+
+    ``feed(ch)`` returns the length of the longest stop string that ends at this character (0: none), so a match
+    is found at the first character where any stop string ends (the earliest end; of several ending there, the
+    longest). ``held`` is the length of the longest suffix of the text fed so far that is a proper prefix of some
+    stop string: the text that may still grow into one, and must be held back.
+    """
+
+    def __init__(self, stops):
+        goto: list[dict[str, int]] = [{}]
+        ends = [0]  # length of the stop string ending exactly at a node (0: none)
+        depth = [0]
+        for word in stops:
+            node = 0
+            for ch in word:
+                nxt = goto[node].get(ch)
+                if nxt is None:
+                    nxt = goto[node][ch] = len(goto)
+                    goto.append({})
+                    ends.append(0)
+                    depth.append(depth[node] + 1)
+                node = nxt
+            ends[node] = len(word)
+        fail = [0] * len(goto)
+        out = ends[:]  # longest stop string ending at a node or at a node on its failure chain
+        hold = [d if goto[n] else 0 for n, d in enumerate(depth)]  # deepest proper prefix on the chain
+        queue = list(goto[0].values())
+        for node in queue:  # breadth first: a node's failure link is shallower, so already final
+            for ch, child in goto[node].items():
+                f = fail[node]
+                while f and ch not in goto[f]:
+                    f = fail[f]
+                fail[child] = goto[f].get(ch, 0)  # node is not the root here, so this is shallower than child
+                out[child] = max(out[child], out[fail[child]])
+                if not goto[child]:
+                    hold[child] = hold[fail[child]]
+                queue.append(child)
+        self._goto, self._fail, self._out, self._hold = goto, fail, out, hold
+        self.state = 0
+
+    def feed(self, ch: str) -> int:
+        goto, fail, node = self._goto, self._fail, self.state
+        while node and ch not in goto[node]:
+            node = fail[node]
+        self.state = node = goto[node].get(ch, 0)
+        return self._out[node]
+
+    @property
+    def held(self) -> int:
+        return self._hold[self.state]
 
 
 class TextStream:
@@ -138,14 +200,18 @@ class TextStream:
 
     ``push(token_id)`` returns the new text that is safe to show: text that could still be the start of a
     stop string, or an incomplete UTF-8 sequence, is held back until it resolves. ``stopped`` becomes True
-    once a stop string appears; the text then ends just before it (OpenAI's rule). With ``min_tokens``, stop
-    strings are not looked for until more than ``min_tokens`` tokens were pushed, and a stop string must then
-    end past the text of those first tokens (vLLM's rule: ``min_tokens`` holds back stop strings too).
+    once a stop string appears; the text then ends just before the first one to end (OpenAI's rule; of several
+    ending at one character, before the longest). With ``min_tokens``, stop strings are not looked for until more
+    than ``min_tokens`` tokens were pushed, and a stop string must then end past the text of those first tokens
+    (vLLM's rule: ``min_tokens`` holds back stop strings too).
 
-    Each push decodes only a short window: the tokens since ``prefix_offset`` (a few tokens of context
-    before the ones not yet turned into text), so a request costs O(n) decoding, not O(n^2). The window's
-    text minus its context's text is the new text (vLLM's incremental detokenisation; the context keeps
-    BPE merges and leading spaces right at the seam). A window ending in U+FFFD waits for more bytes.
+    The work is linear in the text: each push decodes only a short window, the tokens since ``prefix_offset``
+    (a few tokens of context before the ones not yet turned into text; the window's text minus its context's
+    text is the new text: vLLM's incremental detokenisation, the context keeps BPE merges and leading spaces
+    right at the seam; a window ending in U+FFFD waits for more bytes), and each new character goes once
+    through the stop strings' automaton (``StopMatcher``). A request's stop strings are capped
+    (``ringshm.config.check_stop``), so one stream's text work stays small beside the others' on the thread
+    that serves them all.
     """
 
     def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), min_tokens: int = 0):
@@ -159,6 +225,8 @@ class TextStream:
         self.read_offset = 0  # tokens already turned into text
         self.text = ""  # text emitted so far (a prefix of decoded)
         self.stopped = False
+        self._matcher = StopMatcher(self.stop) if self.stop else None
+        self._fed = 0  # characters of decoded fed to the matcher
 
     def _window(self, final: bool = False) -> None:
         """Move newly decodable text into ``decoded`` (all of it when ``final``)."""
@@ -169,6 +237,26 @@ class TextStream:
             self.decoded += new[len(old) :]
             self.prefix_offset, self.read_offset = max(self.read_offset - 4, 0), len(ids)
 
+    def _emit(self) -> str:
+        """Feed the new characters of ``decoded`` to the matcher; return the text now safe to show (up to a stop
+        string that ends past ``no_stop_before``, or up to what may still grow into one)."""
+        full = self.decoded
+        matcher = self._matcher
+        if matcher is None:
+            safe = len(full)
+        else:
+            while self._fed < len(full):
+                length = matcher.feed(full[self._fed])
+                self._fed += 1
+                if length and self._fed > self.no_stop_before:
+                    self.stopped = True
+                    safe = max(self._fed - length, len(self.text))
+                    break
+            else:
+                safe = max(len(full) - matcher.held, len(self.text))
+        delta, self.text = full[len(self.text) : safe], full[:safe]
+        return delta
+
     def push(self, token_id: int) -> str:
         if self.stopped:
             return ""
@@ -176,30 +264,19 @@ class TextStream:
         if self.tokenizer is None:
             return ""
         self._window()
-        full = self.decoded
         if len(self.token_ids) <= self.min_tokens:
-            self.no_stop_before = len(full)
-        for s in self.stop if len(self.token_ids) > self.min_tokens else ():
-            at = full.find(s, max(0, len(self.text) - len(s), self.no_stop_before - len(s) + 1))
-            if at >= 0:
-                self.stopped = True
-                at = max(at, len(self.text))
-                delta, self.text = full[len(self.text) : at], full[:at]
-                return delta
-        safe = len(full)
-        for s in self.stop:  # hold back a suffix that may grow into a stop string
-            for k in range(min(len(s) - 1, safe), 0, -1):
-                if full.endswith(s[:k], 0, safe):
-                    safe -= k
-                    break
-        safe = max(safe, len(self.text))
-        delta, self.text = full[len(self.text) : safe], full[:safe]
-        return delta
+            self.no_stop_before = len(self.decoded)
+        return self._emit()
 
     def finish(self) -> str:
         """Flush what was held back (the stream ended without completing a stop string)."""
         if self.stopped or self.tokenizer is None:
             return ""
         self._window(final=True)
-        delta, self.text = self.decoded[len(self.text) :], self.decoded
-        return delta
+        if self._matcher is not None:
+            delta = self._emit()
+            if self.stopped:
+                return delta
+            self._matcher = None  # nothing more can grow into a stop string
+            return delta + self._emit()
+        return self._emit()

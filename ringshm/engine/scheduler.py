@@ -318,7 +318,11 @@ class Scheduler:
             tag.add(s, PREFILL)
 
     def _on_reply(self, reply: m.Message, tag: StepTag) -> list[TokenEvent]:
-        """Commit what one step reply carries, segment by segment, and free the rows of finished streams."""
+        """Commit what one step reply carries, segment by segment, and free the rows of finished streams.
+
+        A segment's own work (prompt logprobs, sampling, speculative acceptance, detokenisation, stop strings)
+        that raises fails that stream alone: it ends with finish_reason "error" and an event carrying the
+        exception; the op's other segments are committed as usual."""
         self.last_segments = len(tag.streams)
         self.n_decode_ops -= tag.decode
         self.n_prefill_ops -= tag.prefill
@@ -328,24 +332,36 @@ class Scheduler:
         for seg, s, kind, v, part in zip(reply.segments, tag.streams, tag.kinds, tag.verifies, split_reply(reply)):
             if kind == PREFILL:
                 s.n_prefill_done += seg.n_tokens
-            lps = part.logprobs
-            if seg.n_targets():  # a prompt chunk's scores of the prompt's next ids
-                s.prompt_token_logprobs += [cut(lp, s.prompt[seg.start + i + 1], s.prompt_logprobs)
-                                            for i, lp in enumerate(lps[:seg.n_targets()])]
-                lps = lps[seg.n_targets():]
-            if kind == VERIFY:
-                events.extend(s.spec.on_reply(part.ids, v))
-            elif part.ids and not s.done:  # a decode, or a prompt's last chunk: the next token
-                token = s.sampler(part.ids[-1], part.logits, s.prompt, s.tokens)
-                lp = None
-                if s.logprobs is not None:  # the stage's (argmax taken as is), or from the logits sampled from
-                    lp = cut(lps[-1], token, s.logprobs) if lps else sampled_logprob(part.logits, token, s.logprobs)
-                    s.token_logprobs.append(lp)
-                events.append(TokenEvent(s.index, token, s.commit(token), lp))
-            self._commit_kv(s, seg)
+            if s.error is None:
+                n_events = len(events)
+                try:
+                    self._commit_segment(s, seg, kind, v, part, events)
+                except Exception as exc:  # noqa: BLE001 - whatever this stream's own work raised ends it alone
+                    del events[n_events:]
+                    s.fail(exc)
+                    events.append(TokenEvent(s.index, -1, "", error=exc))
             if s.done:
                 self._maybe_free(s)
         return events
+
+    def _commit_segment(self, s: Stream, seg: m.Segment, kind: int, v: VerifyTag | None, part,
+                        events: list[TokenEvent]) -> None:
+        """One answered segment of ``s``: its prompt logprobs, its next token(s) and their text, its KV."""
+        lps = part.logprobs
+        if seg.n_targets():  # a prompt chunk's scores of the prompt's next ids
+            s.prompt_token_logprobs += [cut(lp, s.prompt[seg.start + i + 1], s.prompt_logprobs)
+                                        for i, lp in enumerate(lps[:seg.n_targets()])]
+            lps = lps[seg.n_targets():]
+        if kind == VERIFY:
+            events.extend(s.spec.on_reply(part.ids, v))
+        elif part.ids and not s.done:  # a decode, or a prompt's last chunk: the next token
+            token = s.sampler(part.ids[-1], part.logits, s.prompt, s.tokens)
+            lp = None
+            if s.logprobs is not None:  # the stage's (argmax taken as is), or from the logits sampled from
+                lp = cut(lps[-1], token, s.logprobs) if lps else sampled_logprob(part.logits, token, s.logprobs)
+                s.token_logprobs.append(lp)
+            events.append(TokenEvent(s.index, token, s.commit(token), lp))
+        self._commit_kv(s, seg)
 
     def _commit_kv(self, s: Stream, seg: m.Segment) -> None:
         """The positions an answered segment wrote from final tokens are final: the prompt's, a decode's input, a
