@@ -182,7 +182,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-bytes", type=int, default=2 * 1024 * 1024,
                      help="largest request body accepted; a larger one gets 413")
     srv.add_argument("--graceful-timeout", type=float, default=30.0,
-                     help="seconds open responses get to finish on SIGTERM before they are cancelled")
+                     help="seconds open responses get to finish on SIGTERM / SIGHUP before they are cancelled")
+    srv.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a request's line and headers may take to arrive; then 408 and the connection "
+                          "closes (slow senders)")
+    srv.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds a request's body may take to arrive after its headers; then 408 and the "
+                          "connection closes")
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="the model id, or several aliases: /v1/models lists each, a request may name any, the "
                           "response echoes it (default: the checkpoint's stem)")
@@ -275,9 +281,13 @@ def _check_serve(a: argparse.Namespace) -> None:
     for flag, value, ok, rule in (("--max-waiting", a.max_waiting, a.max_waiting >= 0, ">= 0"),
                                   ("--max-queue-wait", a.max_queue_wait, a.max_queue_wait > 0, "> 0"),
                                   ("--max-body-bytes", a.max_body_bytes, a.max_body_bytes >= 1, ">= 1"),
-                                  ("--graceful-timeout", a.graceful_timeout, a.graceful_timeout >= 0, ">= 0")):
+                                  ("--graceful-timeout", a.graceful_timeout, a.graceful_timeout >= 0, ">= 0"),
+                                  ("--header-timeout", a.header_timeout, a.header_timeout > 0, "> 0"),
+                                  ("--body-timeout", a.body_timeout, a.body_timeout > 0, "> 0")):
         if not ok:
             raise ValueError(f"{flag} must be {rule}, got {value}")
+    if a.served_model_name is not None and not all(name.strip() for name in a.served_model_name):
+        raise ValueError(f"--served-model-name takes non-empty names, got {a.served_model_name!r}")
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -312,18 +322,19 @@ def _serve(a: argparse.Namespace) -> int:
     # Arguments and the port first, before torch and the stages: a mistake costs a second, not a model load.
     _check_serve(a)
     sock = bind_listener(a.host, a.port)
-    # serve blocks SIGINT / SIGTERM while the engine starts (ringshm.server.process.serve). Block them before torch is
+    # serve blocks SIGINT / SIGTERM / SIGHUP while the engine starts (ringshm.server.process.serve). Block them before torch is
     # imported: the thread it starts inherits the mask, so a signal stays pending for the main thread (which
     # the startup waits check, ringshm.transport.cluster.check_interrupted) instead of being dropped on a thread
     # that ignores it.
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # it unblocks the stop signals when it starts (ringshm.server.process)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
     from ringshm.server.process import serve
 
     return serve(a.host, a.port, sock=sock, max_waiting=a.max_waiting, graceful_s=a.graceful_timeout,
                  max_queue_wait_s=a.max_queue_wait, max_body_bytes=a.max_body_bytes,
+                 header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout,
                  model_name=a.served_model_name, spec=a.spec, spec_k=a.spec_k, spec_depth=a.spec_depth,
                  log_level=a.log_level,
                  **_engine_kwargs(a))

@@ -19,6 +19,7 @@ from fake_stage import GatedModel
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.runtime.stage import SLOT_OPS
 from ringshm.server.app import create_app
+from ringshm.server.connection import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_timeout_protocol
 from test_serving import FakeEngine
 
 MODEL_ID = "fake"
@@ -38,13 +39,13 @@ class ServerEngine(FakeEngine):
         self.encode_s = encode_s
         self.max_seq_len = 1024
 
-    def encode(self, prompt, chat=False):
+    def encode(self, prompt, chat=False, tokenizer=None):
         time.sleep(self.encode_s)  # a slow tokenisation (a 2 MB prompt takes ~1.4 s here)
         from ringshm.model.tokenizer import check_text
 
         if isinstance(prompt, str):
             check_text(prompt)
-            return [int(t) for t in self.tokenizer(prompt)["input_ids"]]
+            return [int(t) for t in (tokenizer or self.tokenizer)(prompt)["input_ids"]]
         return list(prompt)
 
     def stage_ops(self) -> list[int]:
@@ -61,12 +62,15 @@ class LiveServer:
     def __init__(self, engine, **app_kw):
         self.aengine = AsyncEngine(engine, max_waiting=app_kw.pop("max_waiting", 8),
                                    max_queue_wait_s=app_kw.pop("max_queue_wait_s", None))
+        http = read_timeout_protocol(app_kw.pop("header_timeout_s", HEADER_TIMEOUT_S),
+                                     app_kw.pop("body_timeout_s", BODY_TIMEOUT_S))  # as ``ringshm serve``
         app = create_app(self.aengine, app_kw.pop("model_names", MODEL_ID), **app_kw)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+            self.port = port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                                    http=http))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 10

@@ -49,7 +49,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -61,9 +60,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.errors import StageDied, StageStalled
 from ringshm.model.tokenizer import encode_chat, load_tokenizer
+from ringshm.server.connection import ClientWatch
 from ringshm.server.info import add_info_routes
 from ringshm.server.middleware import BodyLimit, CountRequests, Metrics
-from ringshm.server.openai_responses import Job, OpenAIRequest, TokenText
+from ringshm.server.openai_responses import ClientGone, Job, OpenAIRequest, TokenText
 from ringshm.server.openai_schema import (
     RETRY_AFTER_S,
     ApiError,
@@ -75,6 +75,7 @@ from ringshm.server.openai_schema import (
     engine_error,
     plain_messages,
 )
+from ringshm.server.tokenizing import Tokenizers
 from ringshm.transport.segment import is_alive
 
 log = logging.getLogger("ringshm.server.app")
@@ -130,7 +131,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         if watcher is not None:
             watcher.cancel()
         await aengine.aclose(wait_s=graceful_s)
-        app.state.tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        tokenizers.shutdown()
 
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
@@ -196,6 +197,16 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
     async def prometheus():
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    def check_room(n_prompts: int, body: RequestBody) -> None:
+        """Refuse (400) a request with more streams than the server runs and queues at once: checked before
+        anything is tokenised (a list of 120,000 prompts is refused from its length)."""
+        per_prompt = 1 if body.temperature == 0 else body.n
+        room = aengine.engine.config.max_rows + aengine.max_waiting
+        if n_prompts * per_prompt > room:
+            raise bad_request(f"{n_prompts} prompt(s) x n={body.n} {'sampled ' if per_prompt > 1 else ''}choices "
+                              f"need {n_prompts * per_prompt} rows; this server runs and queues at most {room} at "
+                              f"once", "n" if per_prompt > 1 else "prompt")
+
     def start(body: RequestBody, prompts: list[list[int]], max_tokens: int | None, default_max: int,
               logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[Job]:
         """Check what the engine does not, then start the request's streams (``ringshm.server.openai_responses``:
@@ -204,10 +215,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         score_only = max_tokens == 0
         greedy = body.temperature == 0
         per_prompt = 1 if greedy else body.n
-        room = aengine.engine.config.max_rows + aengine.max_waiting
-        if len(prompts) * per_prompt > room:
-            raise bad_request(f"{len(prompts)} prompt(s) x n={body.n} sampled choices need {len(prompts) * per_prompt} "
-                              f"rows; this server runs and queues at most {room} at once", "n")
+        check_room(len(prompts), body)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or ())
         controls = body.logit_controls()
         base = dict(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, stop=stop, **controls)
@@ -259,47 +267,75 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
 
     token_text: list[TokenText] = []
 
-    async def respond(request: Request, body: RequestBody, jobs: list[Job], kind: str, n_choices: int,
+    async def respond(watch: ClientWatch, body: RequestBody, jobs: list[Job], kind: str, n_choices: int,
                       echoes: list[str | None], logprobs: int | None, score_only: bool = False):
-        if logprobs is not None and not token_text:  # its own tokenizer: the loop's thread reads it
-            token_text.append(TokenText(await off_loop(load_tokenizer, aengine.engine.model_path)))
-        answer = OpenAIRequest(kind, served.pick(body.model), jobs, n_choices, echoes, logprobs, score_only,
-                               token_text[0] if token_text else None, metrics,
-                               body.stream_options is not None and body.stream_options.include_usage,
-                               int(time.time()),
-                               body.return_tokens_as_token_ids)
-        if body.stream:
-            first = await answer.first()
-            return StreamingResponse(answer.events(first), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        out = await answer.body(request)
-        return PlainTextResponse("", status_code=499) if out is None else out
+        """The answer of a started request: its SSE stream or its body; 499 when its client went away (its
+        streams are cancelled at once, wherever they are: ``ClientWatch``). Stops ``watch`` when the answer
+        ends."""
+        streaming = False
+        try:
+            if logprobs is not None and not token_text:  # its own tokenizer: the loop's thread reads it
+                token_text.append(TokenText(await tokenizers.run(0, lambda tok: load_tokenizer(
+                    aengine.engine.model_path))))
+            answer = OpenAIRequest(kind, served.pick(body.model), jobs, n_choices, echoes, logprobs, score_only,
+                                   token_text[0] if token_text else None, metrics,
+                                   body.stream_options is not None and body.stream_options.include_usage,
+                                   int(time.time()), body.return_tokens_as_token_ids, watch)
+            if body.stream:
+                try:
+                    first = await answer.first()
+                except ClientGone:
+                    return PlainTextResponse("", status_code=499)
+                streaming = True
+                return StreamingResponse(_watched(answer.events(first), watch), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            out = await answer.body()
+            return PlainTextResponse("", status_code=499) if out is None else out
+        finally:
+            if not streaming:
+                watch.stop()
 
-    tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="ringshm-tokenize")
-    app.state.tokenize_pool = tokenize_pool
+    tokenizers = Tokenizers(aengine.engine, aengine.max_seq_len)
 
-    async def off_loop(fn, *args):
-        """Run ``fn`` (tokenisation) on the one tokenizer thread: the event loop keeps serving meanwhile, and
-        the tokenizer is never used from two threads at once."""
-        return await asyncio.get_running_loop().run_in_executor(tokenize_pool, fn, *args)
+    async def tokenize_text(n_chars: int, param: str, fn):
+        """``fn(tokenizer)`` on a tokenisation lane, after the cheap check of the text's length (400 naming
+        ``param`` when it cannot fit the context, or when the checkpoint has no tokenizer)."""
+        try:
+            why = tokenizers.too_long(n_chars)
+        except ValueError as exc:  # the checkpoint carries no tokenizer
+            raise bad_request(str(exc), param) from None
+        if why is not None:
+            raise bad_request(why, param, "context_length_exceeded")
+        return await tokenizers.run(n_chars, fn)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatRequest):
         served.pick(body.model)
         body.refuse_unsupported()
-        messages = plain_messages(body.messages)
-        try:
-            ids = await off_loop(encode_chat, aengine.engine.tokenizer, messages)
-        except Exception as exc:  # the template refused the conversation (e.g. roles out of order)
-            log.info("chat template refused a request: %s", exc)
-            raise bad_request("messages do not fit the model's chat template (check the roles and their "
-                              "order)", "messages") from None
+        check_room(1, body)
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens == 0:
             raise bad_request("max_tokens must be at least 1 for chat (0 is for completions with echo)", "max_tokens")
         k = body.logprob_k()
-        jobs = start(body, [ids], max_tokens, aengine.max_seq_len, logprobs=k)
-        return await respond(request, body, jobs, "chat", body.n, [None] * body.n, k)
+        messages = plain_messages(body.messages)
+        watch = ClientWatch(request.receive)
+        try:
+            try:
+                ids = await tokenize_text(sum(len(m["content"]) for m in messages), "messages",
+                                          lambda tok: encode_chat(tok, messages))
+            except ApiError:
+                raise
+            except Exception as exc:  # the template refused the conversation (e.g. roles out of order)
+                log.info("chat template refused a request: %s", exc)
+                raise bad_request("messages do not fit the model's chat template (check the roles and their "
+                                  "order)", "messages") from None
+            if watch.gone:
+                return PlainTextResponse("", status_code=499)
+            jobs = start(body, [ids], max_tokens, aengine.max_seq_len, logprobs=k)
+        except BaseException:
+            watch.stop()
+            raise
+        return await respond(watch, body, jobs, "chat", body.n, [None] * body.n, k)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -310,26 +346,57 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         if body.max_tokens == 0 and not body.echo:
             raise bad_request("max_tokens 0 needs echo: true (it scores the prompt without generating)",
                               "max_tokens")
-        ids_list = []
-        for i, prompt in enumerate(prompts):
-            try:
-                ids_list.append(await off_loop(aengine.engine.encode, prompt))
-            except ValueError as exc:
-                raise bad_request(f"prompt[{i}]: {exc}" if many else str(exc), "prompt") from None
-        echoes: list[str | None] = [None] * (len(prompts) * body.n)
-        if body.echo:
-            for i, (prompt, ids) in enumerate(zip(prompts, ids_list)):
-                text = prompt if isinstance(prompt, str) else await off_loop(aengine.engine.tokenizer.decode, ids)
-                echoes[i * body.n: (i + 1) * body.n] = [text] * body.n
-        k = body.logprobs
-        jobs = start(body, ids_list, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=k,
-                     prompt_logprobs=k if body.echo else None)
-        return await respond(request, body, jobs, "completion", len(prompts) * body.n, echoes, k,
+        check_room(len(prompts), body)
+        for i, prompt in enumerate(prompts):  # token-id prompts longer than the context, before any work
+            if not isinstance(prompt, str) and len(prompt) > aengine.max_seq_len:
+                raise bad_request(f"{f'prompt[{i}]: ' if many else ''}this model's maximum context length is "
+                                  f"{aengine.max_seq_len} tokens; the prompt has {len(prompt)}", "prompt",
+                                  "context_length_exceeded")
+        watch = ClientWatch(request.receive)
+        try:
+            ids_list = []
+            for i, prompt in enumerate(prompts):
+                try:
+                    if isinstance(prompt, str):
+                        ids = await tokenize_text(len(prompt), "prompt",
+                                                  lambda tok, p=prompt: aengine.engine.encode(p, tokenizer=tok))
+                    else:  # ids are only checked against the vocabulary, off the loop all the same
+                        ids = await tokenizers.run(len(prompt), lambda tok, p=prompt: aengine.engine.encode(p))
+                    ids_list.append(ids)
+                except ApiError as exc:
+                    exc.message = f"prompt[{i}]: {exc.message}" if many else exc.message
+                    raise
+                except ValueError as exc:
+                    raise bad_request(f"prompt[{i}]: {exc}" if many else str(exc), "prompt") from None
+            echoes: list[str | None] = [None] * (len(prompts) * body.n)
+            if body.echo:
+                for i, (prompt, ids) in enumerate(zip(prompts, ids_list)):
+                    text = prompt if isinstance(prompt, str) else await tokenizers.run(
+                        len(ids), lambda tok, ids=ids: tok.decode(ids))
+                    echoes[i * body.n: (i + 1) * body.n] = [text] * body.n
+            if watch.gone:
+                return PlainTextResponse("", status_code=499)
+            k = body.logprobs
+            jobs = start(body, ids_list, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=k,
+                         prompt_logprobs=k if body.echo else None)
+        except BaseException:
+            watch.stop()
+            raise
+        return await respond(watch, body, jobs, "completion", len(prompts) * body.n, echoes, k,
                              score_only=body.max_tokens == 0)
 
-    add_info_routes(app, aengine, served, off_loop)
+    add_info_routes(app, aengine, served, tokenizers, tokenize_text)
 
     return app
+
+
+async def _watched(events, watch: ClientWatch):
+    """``events`` (an SSE body), stopping the client watch when they end (the response is complete then)."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        watch.stop()
 
 
 def _stage_status(engine) -> list[dict]:

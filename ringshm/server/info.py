@@ -13,7 +13,7 @@ The ids are the ones the generation endpoints would feed the model: a ``prompt``
 tokenises it (the engine's ``encode``), ``messages`` through the chat template as ``/v1/chat/completions``
 does (``ringshm.model.tokenizer.encode_chat``, contents as plain text). ``/detokenize`` decodes with special tokens
 kept (vLLM's ``tokenizer.decode``), so a tokenised chat reads back as its template. Both run on the server's
-tokenizer thread, off the event loop. Errors: an unknown ``model`` 404; ids outside the tokenizer's
+tokenisation lanes, off the event loop (``ringshm.server.tokenizing``). Errors: an unknown ``model`` 404; ids outside the tokenizer's
 vocabulary, both or neither of ``prompt`` / ``messages``, text that is not valid Unicode: 400 naming the field.
 """
 
@@ -25,15 +25,23 @@ from fastapi import FastAPI
 
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.model.tokenizer import encode_chat
-from ringshm.server.openai_schema import DetokenizeRequest, ServedModels, TokenizeRequest, bad_request, plain_messages
+from ringshm.server.openai_schema import (
+    ApiError,
+    DetokenizeRequest,
+    ServedModels,
+    TokenizeRequest,
+    bad_request,
+    plain_messages,
+)
+from ringshm.server.tokenizing import Tokenizers
 from ringshm.version import __version__
 
 
-def add_info_routes(app: FastAPI, aengine: AsyncEngine, served: ServedModels,
-                    off_loop: Callable[..., Awaitable]) -> None:
+def add_info_routes(app: FastAPI, aengine: AsyncEngine, served: ServedModels, tokenizers: Tokenizers,
+                    tokenize_text: Callable[..., Awaitable]) -> None:
     """Register ``/v1/models``, ``/v1/models/{id}``, ``/version``, ``/tokenize`` and ``/detokenize`` on
-    ``app``; ``off_loop(fn, *args)`` runs ``fn`` on the tokenizer thread (the one that tokenises for the
-    generation endpoints)."""
+    ``app``. Tokenisation runs on the generation endpoints' lanes (``ringshm.server.tokenizing``):
+    ``tokenize_text(n_chars, param, fn)`` after the cheap length check, ``tokenizers.run`` for decoding."""
 
     @app.get("/v1/models")
     async def models():
@@ -54,13 +62,17 @@ def add_info_routes(app: FastAPI, aengine: AsyncEngine, served: ServedModels,
         if body.messages is not None:
             messages = plain_messages(body.messages)
             try:
-                ids = await off_loop(encode_chat, aengine.engine.tokenizer, messages, body.add_generation_prompt)
+                ids = await tokenize_text(sum(len(m["content"]) for m in messages), "messages",
+                                          lambda tok: encode_chat(tok, messages, body.add_generation_prompt))
+            except ApiError:
+                raise
             except Exception:  # the template refused the conversation (e.g. roles out of order)
                 raise bad_request("messages do not fit the model's chat template (check the roles and their "
                                   "order)", "messages") from None
         else:
             try:
-                ids = await off_loop(aengine.engine.encode, body.prompt)
+                ids = await tokenize_text(len(body.prompt), "prompt",
+                                          lambda tok: aengine.engine.encode(body.prompt, tokenizer=tok))
             except ValueError as exc:
                 raise bad_request(str(exc), "prompt") from None
         return {"count": len(ids), "max_model_len": served.max_model_len, "tokens": ids}
@@ -69,7 +81,7 @@ def add_info_routes(app: FastAPI, aengine: AsyncEngine, served: ServedModels,
     async def detokenize(body: DetokenizeRequest):
         served.pick(body.model)
         try:
-            return {"prompt": await off_loop(decode, aengine.engine.tokenizer, body.tokens)}
+            return {"prompt": await tokenizers.run(len(body.tokens), lambda tok: decode(tok, body.tokens))}
         except ValueError as exc:
             raise bad_request(str(exc), "tokens") from None
 

@@ -93,9 +93,14 @@ class _Choice:
     started: bool = False
 
 
+class ClientGone(Exception):
+    """The request's client disconnected: its streams are cancelled, nothing more will be answered."""
+
+
 class Merged:
     """The chunks of several ``RequestStream``s as one async iterator of ``(job index, Chunk)``, in the order
-    they arrive; the first error of any stream is raised. ``cancel()`` cancels every stream."""
+    they arrive; the first error of any stream is raised. ``cancel()`` cancels every stream; a wait for the next
+    chunk then raises ``ClientGone``."""
 
     def __init__(self, jobs: list[Job]):
         self.jobs = jobs
@@ -116,8 +121,10 @@ class Merged:
         return self
 
     async def __anext__(self):
-        while self._open:
+        while self._open or not self._queue.empty():
             i, item = await self._queue.get()
+            if isinstance(item, ClientGone):
+                raise item
             if item is None:
                 self._open -= 1
                 continue
@@ -132,6 +139,9 @@ class Merged:
             t.cancel()
         for job in self.jobs:
             job.stream.cancel()
+        if self._open:
+            self._open = 0
+            self._queue.put_nowait((-1, ClientGone("the client went away")))
 
 
 class OpenAIRequest:
@@ -145,11 +155,13 @@ class OpenAIRequest:
         token_text: ``TokenText`` of the tokenizer. metrics: the server's ``Metrics``.
         include_usage: ``stream_options.include_usage``. tokens_as_ids: vLLM's ``return_tokens_as_token_ids``:
             each logprob token reads ``"token_id:<id>"`` instead of its text.
+        watch: the request's ``ClientWatch``: when the client goes away, every stream of the request is cancelled
+            at once (waiting, prefilling or decoding) and counted "cancelled"; the answer then ends.
     """
 
     def __init__(self, kind: str, model_id: str, jobs: list[Job], n_choices: int, echoes: list[str | None],
                  logprobs: int | None, score_only: bool, token_text: TokenText, metrics, include_usage: bool,
-                 created: int, tokens_as_ids: bool = False):
+                 created: int, tokens_as_ids: bool = False, watch=None):
         self.kind, self.model_id, self.jobs = kind, model_id, jobs
         self.logprobs, self.score_only, self.tt, self.metrics = logprobs, score_only, token_text, metrics
         self.include_usage, self.tokens_as_ids = include_usage, tokens_as_ids
@@ -159,6 +171,16 @@ class OpenAIRequest:
         self.merged = Merged(jobs)
         self._prev_s: dict[int, float] = {}
         self._n_open = n_choices
+        self._ended = False  # answered in full, failed, or its client went away
+        if watch is not None:
+            watch.on_gone(self._client_gone)
+
+    def _client_gone(self) -> None:
+        """Cancel every stream of the request now; its open choices count as "cancelled"."""
+        if not self._ended:
+            self._ended = True
+            self.metrics.finished.labels("cancelled").inc(self._n_open)
+            self.merged.cancel()
 
     # ------------------------------------------------------------------------------------------- usage
     def usage(self) -> dict:
@@ -249,7 +271,7 @@ class OpenAIRequest:
             body["text"] = text
         return body
 
-    async def body(self, request) -> dict | None:
+    async def body(self) -> dict | None:
         """The non-streaming body; None when the client went away (every stream is cancelled then).
 
         Raises:
@@ -260,12 +282,12 @@ class OpenAIRequest:
             async for j, chunk in self.merged:
                 for c, _, payload, _ in self._on_chunk(j, chunk):
                     merged_lps[c.index] = _join(merged_lps[c.index], payload)
-                if await request.is_disconnected():
-                    self.metrics.finished.labels("cancelled").inc(self._n_open)
-                    return None
+        except ClientGone:
+            return None
         except Exception as exc:
             raise engine_error(exc) from None
         finally:
+            self._ended = True
             self.merged.cancel()
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id,
@@ -274,16 +296,19 @@ class OpenAIRequest:
 
     async def first(self):
         """Wait for the first chunk (before the stream's headers go out, so a request that never starts gets
-        its status). Raises ApiError."""
+        its status). Raises ApiError, or ClientGone when the client went away meanwhile."""
         try:
             return await self.merged.__anext__()
         except StopAsyncIteration:
             return None
+        except ClientGone:
+            raise
         except Exception as exc:
+            self._ended = True
             self.merged.cancel()
             raise engine_error(exc) from None
         except BaseException:
-            self.merged.cancel()
+            self._client_gone()
             raise
 
     async def events(self, first):
@@ -315,13 +340,16 @@ class OpenAIRequest:
                 item = await self.merged.__anext__() if self._n_open else None
         except StopAsyncIteration:
             pass
+        except ClientGone:  # nobody reads the rest
+            return
         except Exception as exc:  # after the headers: report in the stream
+            self._ended = True
             yield _event(engine_error(exc).body())
         except BaseException:  # the client went away (Starlette cancels this generator): cancel ours only
-            self.merged.cancel()
-            self.metrics.finished.labels("cancelled").inc(self._n_open)
+            self._client_gone()
             raise
         finally:
+            self._ended = True
             self.merged.cancel()
         yield b"data: [DONE]\n\n"
 

@@ -10,9 +10,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
-from ringshm.config import MAX_TOP_LOGPROBS
+from ringshm.config import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+)
 from ringshm.errors import EngineClosed, QueueFull, QueueTimeout, RequestFailed, StageDied, StageStalled
 from ringshm.model.tokenizer import check_text
 
@@ -35,10 +41,19 @@ def _check_prompt(value):
     return value
 
 
+def _int64(value: int) -> int:
+    """An int inside int64; a larger one is refused without being written into the message (Python cannot turn
+    an int of over 4,300 digits into text)."""
+    if not -(2**63) <= value < 2**63:
+        raise ValueError("must fit in 64 bits (|value| < 2**63)")
+    return value
+
+
 Number = Annotated[float, BeforeValidator(_number)]
-Int = Annotated[int, Strict()]
+Int = Annotated[int, Strict(), AfterValidator(_int64)]
 Bool = Annotated[bool, Strict()]
 Text = Annotated[str, Strict(), Field(min_length=1)]
+StopText = Annotated[str, Strict(), Field(min_length=1, max_length=MAX_STOP_CHARS)]
 Bias = Annotated[float, BeforeValidator(_number), Field(ge=-100.0, le=100.0, allow_inf_nan=False)]
 TopK = Annotated[int, Strict(), Field(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenIds = Annotated[list[Int], Field(min_length=1)]
@@ -53,6 +68,10 @@ UNSUPPORTED = {
     "best_of": (lambda v: v is None or v == 1, "best_of must be 1"),
     "suffix": (lambda v: not v, "suffix is not supported"),
     "tools": (lambda v: not v, "tools are not supported"),
+    "tool_choice": (lambda v: v is None or v == "none", 'tool_choice: tools are not supported (only "none")'),
+    "functions": (lambda v: not v, "functions (the legacy form of tools) are not supported"),
+    "function_call": (lambda v: v is None or v == "none", 'function_call: functions are not supported (only '
+                      '"none")'),
 }
 
 
@@ -78,11 +97,11 @@ class RequestBody(BaseModel):
 
     model: Annotated[str, Strict()] | None = None
     max_tokens: Int | None = Field(None, ge=0)  # 0: completions with echo only (scoring the prompt)
-    temperature: Number = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
+    temperature: Number = Field(1.0, ge=0.0, le=min(2.0, MAX_TEMPERATURE), allow_inf_nan=False)  # < 0.01: 0.01
     top_p: Number = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: Int = Field(0, ge=0)
     seed: Int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM
-    stop: Text | list[Text] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP_STRINGS)] | None = None
     n: Int = Field(1, ge=1, le=MAX_N)
     stream: Bool = False
     stream_options: StreamOptions | None = None
@@ -92,7 +111,8 @@ class RequestBody(BaseModel):
     response_format: dict | None = None
     ignore_eos: Bool = False
     min_tokens: Int = Field(0, ge=0)
-    repetition_penalty: Number = Field(1.0, gt=0.0, allow_inf_nan=False)
+    repetition_penalty: Number = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1],
+                                      allow_inf_nan=False)
     min_p: Number = Field(0.0, allow_inf_nan=False)
     return_tokens_as_token_ids: Bool = False  # vLLM's: logprob tokens read "token_id:<id>"
     cache_salt: Text | None = None  # vLLM's: a tenant's own prefix-cache chain (never hits another salt's blocks)
@@ -103,12 +123,16 @@ class RequestBody(BaseModel):
         ``logit_bias`` for a key that is not a decimal token id (ids past the vocabulary: the engine's check)."""
         out = {}
         if self.logit_bias:
-            bias = {}
+            bias, spelled = {}, {}
             for key, value in self.logit_bias.items():
-                if not (key.isascii() and key.isdigit()):
-                    raise bad_request(f"logit_bias keys must be token ids as decimal strings, got {key!r}",
+                if not (key.isascii() and key.isdigit() and len(key) <= 20):
+                    raise bad_request(f"logit_bias keys must be token ids as decimal strings, got {key[:40]!r}",
                                       "logit_bias")
-                bias[int(key)] = value
+                token = int(key)
+                if token in bias:
+                    raise bad_request(f"logit_bias names token {token} twice ({spelled[token]!r} and {key!r}): "
+                                      f"give each token once", "logit_bias")
+                bias[token], spelled[token] = value, key
             out["logit_bias"] = bias
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0),
                               ("min_tokens", 0), ("ignore_eos", False)):
@@ -126,24 +150,31 @@ class RequestBody(BaseModel):
                 raise bad_request(what, name)
 
 
+class _TextPart(BaseModel):
+    """A content part: OpenAI's ``{"type": "text", "text": str}`` (other types are refused)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: Annotated[str, Strict()]
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, Strict()] | list[dict] | None = None
+    content: Annotated[str, Strict()] | list[_TextPart] | None = None
 
 
 def plain_messages(messages: list[_Message]) -> list[dict]:
     """``[{"role", "content"}]`` for the chat template: text content parts joined, ``developer`` as
-    ``system``, no content as "". Raises a 400 naming ``messages`` for a non-text part or text that is not
-    valid Unicode (``check_text``)."""
+    ``system``, no content as "". Raises a 400 naming ``messages`` for text that is not valid Unicode
+    (``check_text``); a part that is not ``{"type": "text", "text": <string>}`` is refused by the schema."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):  # content parts: text only
-            if any(p.get("type") != "text" for p in content):
-                raise bad_request("only text content parts are supported", "messages")
-            content = "".join(str(p.get("text", "")) for p in content)
+            content = "".join(p.text for p in content)
         try:
             check_text(content or "", f"messages[{i}].content")
         except ValueError as exc:
@@ -158,6 +189,9 @@ class ChatRequest(RequestBody):
     messages: list[_Message] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
     logprobs: Bool | None = None
     top_logprobs: TopK | None = None
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.errors import StageDied
 from ringshm.server.app import create_app
+from ringshm.server.connection import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_timeout_protocol
 from ringshm.server.listen import bind_listener
 
 
@@ -36,10 +37,11 @@ def keep_signal_mask() -> None:
 def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | None = None, max_waiting: int = 64,
           graceful_s: float = 30.0,
           max_queue_wait_s: float | None = 60.0, max_body_bytes: int = 2 * 1024 * 1024,
+          header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
           model_name: str | Sequence[str] | None = None, spec: str | None = None, spec_k: int = 4,
           spec_depth: int = 1, log_level: str = "info",
           **engine_kwargs) -> int:
-    """Start the stages, then serve until SIGTERM / SIGINT; returns 0 after a clean shutdown, and
+    """Start the stages, then serve until SIGTERM / SIGINT / SIGHUP; returns 0 after a clean shutdown, and
     ``STAGE_DIED_EXIT`` (3) when a stage died: the open requests fail with 503, the server shuts down (every
     stage reaped, every segment unlinked) so that a supervisor (systemd ``Restart=on-failure``, Docker
     ``--restart``, Kubernetes) starts it afresh. A stalled stage is not fatal: see ``AsyncEngine``.
@@ -47,9 +49,11 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
     ``model_name``: the name, or several aliases, the model is served under (default: ``model_id_of`` the
     checkpoint). ``engine_kwargs`` are ``Engine``'s. ``sock``: the listening socket (``bind_listener``), bound
     by the caller before anything loaded; None binds ``host:port`` here, still before the stages start. A
-    SIGTERM / SIGINT while the stages load stops them at once and returns 0. uvicorn re-raises the signal it
+    stop signal while the stages load stops them at once and returns 0. uvicorn re-raises the signal it
     shut down on once it is done; ``serve`` treats that signal as the request for a clean exit, so the process
-    exits 0.
+    exits 0. SIGHUP (the terminal closed, a supervisor's reload) is a stop signal like SIGTERM: open responses
+    get ``graceful_s`` to finish. ``header_timeout_s`` / ``body_timeout_s``: how long a request's headers and
+    body may take to arrive (``ringshm.server.connection.ReadTimeoutH11``).
 
     Raises:
         ValueError: the port is in use or out of range, before the stages start.
@@ -58,6 +62,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
 
     from ringshm.engine.engine import Engine
 
+    http = read_timeout_protocol(header_timeout_s, body_timeout_s)  # refuses bad limits before anything loads
     if sock is None:
         sock = bind_listener(host, port)
 
@@ -65,7 +70,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
     # sent to the whole process group (Ctrl-C, systemd) must reach only this process, which shuts the stages
     # down once the open responses end. Blocked meanwhile, one that arrives while the stages load stays
     # pending and is delivered after: the engine then closes again at once.
-    stop_signals = {signal.SIGINT, signal.SIGTERM}
+    stop_signals = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
     received: list[int] = []
     keep_signal_mask()
     signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals)
@@ -115,9 +120,11 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
                      spec_depth=spec_depth, graceful_s=graceful_s, max_body_bytes=max_body_bytes,
                      on_stage_died=on_stage_died)
     try:
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,
                                 timeout_graceful_shutdown=graceful_s)
         server.append(uvicorn.Server(config))
+        # uvicorn handles SIGINT / SIGTERM; SIGHUP asks it for the same graceful exit (it is not re-raised after)
+        signal.signal(signal.SIGHUP, lambda signum, frame: server[0].handle_exit(signum, frame))
         if not received:  # one that came while the app was built: uvicorn's handlers were not in place yet
             server[0].run(sockets=[sock])
     finally:
