@@ -230,13 +230,20 @@ def _fake_head(port: int, **hello):
     return store
 
 
+def _answer(store, r: int = 1) -> dict:
+    """The first answer queued for node ``r``, as the head reads it: its nonce from ``ringshm/join<r>``, the answer
+    under ``ringshm/node<r>/<nonce>``."""
+    nonce = store.get(f"ringshm/join{r}").split(b"\n")[0].decode()
+    return json.loads(store.get(f"ringshm/node{r}/{nonce}"))
+
+
 def test_a_worker_refuses_a_head_of_another_wire_version_and_says_so_to_it():
     port = free_port()
     store = _fake_head(port, wire="99.1")
     rdv = cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10)
     with pytest.raises(ClusterRefused, match="wire version: the head speaks '99.1'"):
         cluster.join(rdv, 2, lambda hello: "f")
-    answer = json.loads(store.get("ringshm/node1"))
+    answer = _answer(store)
     assert "wire version" in answer["error"]  # the head relays it: "node 1 refused to join: wire version ..."
 
 
@@ -246,7 +253,7 @@ def test_a_worker_refuses_a_model_whose_fingerprint_differs():
     rdv = cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10)
     with pytest.raises(ClusterRefused, match="model fingerprint"):
         cluster.join(rdv, 2, lambda hello: "not f")
-    assert "model fingerprint" in json.loads(store.get("ringshm/node1"))["error"]
+    assert "model fingerprint" in _answer(store)["error"]
 
 
 @pytest.mark.parametrize("worker_token, head_proof_token", [("a", "a"), ("a", "b")])
@@ -256,7 +263,7 @@ def test_a_worker_checks_the_heads_proof_of_the_token(worker_token, head_proof_t
     rdv = cluster.Rendezvous(1, "127.0.0.1", port, token=worker_token, wait_s=10)
 
     def head():
-        answer = json.loads(store.get("ringshm/node1"))
+        answer = _answer(store)
         assert answer["proof"] == cluster._proof(worker_token, f"worker:1:n:{answer['nonce']}")
         store.set(f"ringshm/ack1/{answer['nonce']}", json.dumps(
             {"ok": True, "proof": cluster._proof(head_proof_token, f"head:1:{answer['nonce']}")}))
@@ -275,11 +282,29 @@ def test_a_worker_checks_the_heads_proof_of_the_token(worker_token, head_proof_t
 def test_a_second_worker_with_a_taken_node_rank_is_refused_without_touching_the_first_ones_answer():
     port = free_port()
     store = _fake_head(port)
-    store.add("ringshm/claim1", 1)  # node 1 already joined
-    store.set("ringshm/node1", "the first worker's answer")
+    first = "a" * 32
+    store.set(f"ringshm/node1/{first}", "the first worker's answer")
+    store.append("ringshm/join1", f"{first}\n")
+    store.set("ringshm/joined1", first)  # the head admitted it
     with pytest.raises(ClusterRefused, match="already joined .* as node 1"):
         cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10), 2, lambda hello: "f")
-    assert store.get("ringshm/node1") == b"the first worker's answer"
+    assert store.get(f"ringshm/node1/{first}") == b"the first worker's answer"
+    assert store.get("ringshm/join1") == f"{first}\n".encode()  # nothing queued behind it
+
+
+def test_a_worker_waiting_for_its_answer_is_refused_once_another_takes_the_rank():
+    port = free_port()
+    store = _fake_head(port)
+
+    def head():  # admits someone else while this worker waits for its ack
+        store.wait(["ringshm/join1"], timedelta(seconds=10))
+        store.set("ringshm/joined1", "b" * 32)
+
+    t = threading.Thread(target=head, daemon=True)
+    t.start()
+    with pytest.raises(ClusterRefused, match="already joined .* as node 1"):
+        cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10), 2, lambda hello: "f")
+    t.join(10)
 
 
 def test_the_head_ignores_answers_without_a_proof_and_admits_the_worker_that_has_one(model_path):
@@ -299,13 +324,14 @@ def test_the_head_ignores_answers_without_a_proof_and_admits_the_worker_that_has
     head.start()
     client = cluster._connect_store(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10), time.monotonic() + 10)
     client.wait([cluster.HELLO_KEY], timedelta(seconds=10))
-    for junk in (b"\xff\xfe", b"[1, 2, 3]", b'{"error": "go away"}',
-                 json.dumps({"nonce": "x", "proof": "0" * 64, "error": "go away"}).encode()):
-        client.set("ringshm/node1", junk)
-        deadline = time.monotonic() + 10
-        while client.check(["ringshm/node1"]) and time.monotonic() < deadline:  # the head took it
-            time.sleep(0.05)
-    assert head.is_alive()  # still waiting
+    client.append("ringshm/join1", "not a nonce\n" + "c" * 32 + "\n")  # junk, and a nonce with no answer
+    for i, junk in enumerate((b"\xff\xfe", b"[1, 2, 3]", b'{"error": "go away"}',
+                              json.dumps({"nonce": "x", "proof": "0" * 64, "error": "go away"}).encode())):
+        nonce = f"{i:032x}"
+        client.set(f"ringshm/node1/{nonce}", junk)
+        client.append("ringshm/join1", f"{nonce}\n")
+    time.sleep(1.0)  # the head reads them all
+    assert head.is_alive() and not client.check(["ringshm/joined1"])  # still waiting, nothing taken
     hello, _ = cluster.join(cluster.Rendezvous(1, "127.0.0.1", port, token="s3cret", wait_s=10), 2,
                             lambda hello: hello["fingerprint"])
     head.join(10)

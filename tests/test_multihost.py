@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -163,6 +164,56 @@ def test_a_worker_with_another_token_is_refused_by_name_on_both_sides():
         assert "token" in worker.stderr.read()
     finally:
         stop_tree(worker)
+
+
+def test_a_worker_with_a_wrong_token_does_not_lock_the_right_one_out():
+    """The rank was claimed in the store before the token was checked and never given back: the worker with the
+    right token was refused ("another worker already joined") and the head gave up at its startup timeout."""
+    port = free_port()
+    made: list = []
+    head = threading.Thread(target=lambda: made.append(_engine_or_error(
+        stages=2, nnodes=2, master_port=port, token="right", startup_timeout_s=90, **ENGINE)))
+    head.start()
+    wrong = start_worker(port, env={"RINGSHM_TOKEN": "wrong"})
+    right = None
+    try:
+        assert wrong.wait(timeout=60) == 1 and "token" in wrong.stderr.read()
+        right = start_worker(port, env={"RINGSHM_TOKEN": "right"})
+        head.join(timeout=120)
+        engine = made[0]
+        assert isinstance(engine, Engine), engine
+        with engine:
+            assert engine.generate("The capital of France is", max_new_tokens=4).n_output_tokens == 4
+        assert right.wait(timeout=30) == 0
+    finally:
+        stop_tree(wrong)
+        if right is not None:
+            stop_tree(right)
+        head.join(timeout=5)
+        sweep_stale()
+
+
+def _engine_or_error(**kw):
+    try:
+        return Engine(**kw)
+    except Exception as exc:  # noqa: BLE001 - handed to the test thread
+        return exc
+
+
+def test_kill_9_of_the_worker_process_ends_its_stages_and_bridges_and_the_head_learns_it():
+    """Only the ``ringshm worker`` process is killed (not its tree): its stage and bridges used to live on, and
+    the head kept serving through them."""
+    with two_nodes(stages=2) as (engine, worker):
+        children = psutil.Process(worker.pid).children(recursive=True)
+        assert len(children) >= 3  # its stage and its two bridges
+        assert engine.generate("The capital of France is", max_new_tokens=4).n_output_tokens == 4
+        os.kill(worker.pid, signal.SIGKILL)
+        gone, alive = psutil.wait_procs(children, timeout=10)
+        assert not alive, f"the killed worker left {alive}"
+        deadline = time.monotonic() + 10
+        with pytest.raises(StageDied, match="node 1"):
+            while time.monotonic() < deadline:
+                engine.generate("The capital of France is", max_new_tokens=4)
 
 
 def test_a_worker_whose_model_copy_differs_is_refused_by_name_on_both_sides(model_path, tmp_path):

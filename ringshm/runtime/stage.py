@@ -67,7 +67,10 @@ def stage_main(spec: StageSpec, status, errors=None) -> None:
 
     from setproctitle import setproctitle
 
+    from ringshm.transport.segment import exit_with_parent
+
     setproctitle(process_title(spec))
+    exit_with_parent()  # a stage lives no longer than the engine or worker that started it (kill -9 included)
     # A stage belongs to its coordinator: it ends on SHUTDOWN, or when the coordinator (its ring peer) is
     # gone. Ctrl-C, SIGTERM or a terminal's SIGHUP sent to the whole process group must reach only the
     # coordinator, which then shuts the stages down in order instead of losing them mid-op.

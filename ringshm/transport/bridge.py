@@ -295,8 +295,10 @@ def bridge_main(spec: EdgeSpec, errors, peer_stage: str) -> None:
 
     from ringshm.transport.error_buffer import write_error
     from ringshm.transport.ring import Ring
+    from ringshm.transport.segment import exit_with_parent
 
     setproctitle(f"ringshm bridge edge {spec.edge} {'send' if spec.rank == 0 else 'recv'}")
+    exit_with_parent()  # a bridge lives no longer than the engine or worker that started it
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the coordinator / worker ends it, in order
         signal.signal(sig, signal.SIG_IGN)
     code = 1

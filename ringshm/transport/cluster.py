@@ -11,12 +11,16 @@ shared-memory ring, between nodes a pair of bridges (``ringshm.transport.bridge`
 Rendezvous (JSON over the head's TCPStore, no pickle). The head serves the store at ``master_addr:master_port``
 and posts ``ringshm/hello``: the wire version, the engine config, the model path and its fingerprint, the
 session id (the key prefix of every edge) and a nonce. A worker (which may start first: it waits up to
-``wait_s`` for the head) claims its node rank, checks the wire version and the model fingerprint (of its own
-copy: ``--model`` or the head's path), and answers ``ringshm/node<r>`` with its nonce and an HMAC of both
-nonces under the shared token (``--token`` / ``RINGSHM_TOKEN``; none = the empty key). The head checks that
-proof and answers ``ringshm/ack<r>/<nonce>`` with its own, which the worker checks in turn. Any mismatch is
-refused by name, before a stage starts; an unproven answer does not end the head's wait (``Head``). The store
-listens on ``master_addr`` only; without a token, anyone who reaches it may join.
+``wait_s`` for the head) checks the wire version and the model fingerprint (of its own copy: ``--model`` or the
+head's path), writes its answer under a key of its own, ``ringshm/node<r>/<its nonce>`` (its nonce and an HMAC of
+both nonces under the shared token, ``--token`` / ``RINGSHM_TOKEN``; none = the empty key), and queues its nonce
+on ``ringshm/join<r>``. The head takes the queued answers in order, checks each proof and answers
+``ringshm/ack<r>/<nonce>`` with its own, which the worker checks in turn. Nothing is claimed before the head has
+checked the proof, so a worker with a wrong token (or a stranger's junk) is refused without holding the rank
+from the worker that has the right one; the first proven answer takes the rank (``ringshm/joined<r>``) and later
+ones are refused. Any mismatch is refused by name, before a stage starts; an unproven answer does not end the
+head's wait (``Head``). The store listens on ``master_addr`` only; without a token, anyone who reaches it may
+join.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import re
 import secrets
 import signal
 import socket
@@ -119,6 +124,8 @@ def _proof(token: str | None, message: str) -> str:
 
 
 SLICE_S = 1.0  # every rendezvous wait is cut into slices this long: signals and deadlines are honoured between
+MAX_ANSWERS = 1000  # answers the head examines for one node before it gives up (each is a few store round trips)
+_NONCE = re.compile(r"[0-9a-f]{32}")  # a worker's nonce: secrets.token_hex(16)
 _STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
 
 
@@ -253,34 +260,45 @@ class Head:
             self.hosts[r] = self._admit(r, nonce, deadline, log)
 
     def _admit(self, r: int, nonce: str, deadline: float, log) -> str:
-        """Wait for node ``r``'s proven answer and acknowledge it; returns its address."""
-        key, refused = f"ringshm/node{r}", ""
+        """Take node ``r``'s queued answers in order until one proves the token, acknowledge it and mark the rank
+        taken; returns its address. A refused answer is told so and frees nothing, since nothing was held."""
+        queue, n_seen, refused = f"ringshm/join{r}", 0, ""
         while True:
-            raw = _wait_value(self.store, key, deadline)
+            raw = _wait_value(self.store, queue, deadline)
             if raw is None:
                 raise ClusterRefused(f"node {r} did not join within {self.rdv.wait_s:g} s" + (
                     f"; refused meanwhile: {refused}" if refused else
                     f": start `ringshm worker --node-rank {r} --master-addr {self.rdv.master_addr} --master-port "
                     f"{self.rdv.master_port} ...` on it"))
-            self.store.delete_key(key)  # the next answer for node r is a new one
-            answer = _parse(raw)
-            theirs = str(answer.get("nonce", "")) if answer else ""
-            if answer is None or not hmac.compare_digest(str(answer.get("proof", "")),
-                                                         _proof(self.rdv.token, f"worker:{r}:{nonce}:{theirs}")):
-                refused = ("an answer that is not a JSON object" if answer is None else
-                           f"a worker at {answer.get('bind_addr', '?')} whose token does not match this head's "
-                           f"(give every node the same --token or {TOKEN_ENV})")
-                log(f"node {r}: refused {refused}")
-                if answer is not None and theirs:
-                    self.store.set(f"ringshm/ack{r}/{theirs}",
-                                   json.dumps({"ok": False, "error": "token: the head's token differs"}))
+            queued = raw.split(b"\n")[:-1]  # complete entries only
+            if len(queued) <= n_seen:
+                time.sleep(0.05)  # nothing new yet: the queue key exists, so the store's wait returns at once
                 continue
-            where = f"node {r} ({answer.get('bind_addr', '?')})"
-            if answer.get("error"):
-                raise ClusterRefused(f"{where} refused to join: {answer['error']}")
-            self.store.set(f"ringshm/ack{r}/{theirs}", json.dumps(
-                {"ok": True, "proof": _proof(self.rdv.token, f"head:{r}:{theirs}"), "hosts": self.hosts[:r]}))
-            return str(answer.get("bind_addr", ""))
+            for entry in queued[n_seen:MAX_ANSWERS]:
+                n_seen += 1
+                theirs = entry.decode("ascii", "replace")
+                key = f"ringshm/node{r}/{theirs}"
+                answer = _parse(self.store.get(key)) if _NONCE.fullmatch(theirs) and self.store.check([key]) else None
+                if answer is None or not hmac.compare_digest(str(answer.get("proof", "")),
+                                                             _proof(self.rdv.token, f"worker:{r}:{nonce}:{theirs}")):
+                    refused = ("an answer that is not a JSON object" if answer is None else
+                               f"a worker at {answer.get('bind_addr', '?')} whose token does not match this head's "
+                               f"(give every node the same --token or {TOKEN_ENV})")
+                    log(f"node {r}: refused {refused}")
+                    if answer is not None:
+                        self.store.set(f"ringshm/ack{r}/{theirs}",
+                                       json.dumps({"ok": False, "error": "token: the head's token differs"}))
+                    continue
+                where = f"node {r} ({answer.get('bind_addr', '?')})"
+                if answer.get("error"):
+                    raise ClusterRefused(f"{where} refused to join: {answer['error']}")
+                self.store.set(f"ringshm/joined{r}", theirs)
+                self.store.set(f"ringshm/ack{r}/{theirs}", json.dumps(
+                    {"ok": True, "proof": _proof(self.rdv.token, f"head:{r}:{theirs}"), "hosts": self.hosts[:r]}))
+                return str(answer.get("bind_addr", ""))
+            if n_seen >= MAX_ANSWERS:
+                raise ClusterRefused(f"node {r}: {MAX_ANSWERS} answers refused ({refused}): the rendezvous port is "
+                                     f"being flooded, or every worker has the wrong token")
 
     def close(self) -> None:
         """Stop serving the store (the edges no longer need it once formed)."""
@@ -306,8 +324,9 @@ def join(rdv: Rendezvous, nnodes: int, fingerprint_of) -> tuple[dict, object]:
     hello = _parse(_wait_value(store, HELLO_KEY, deadline))
     if hello is None:
         raise ClusterRefused(f"{where} posted no HELLO within {rdv.wait_s:g} s (is it a ringshm head?)")
-    if store.add(f"ringshm/claim{r}", 1) > 1:  # refused here only: the worker that holds the rank carries on
-        raise ClusterRefused(f"node rank: another worker already joined {where} as node {r}")
+    taken = f"node rank: another worker already joined {where} as node {r}"
+    if store.check([f"ringshm/joined{r}"]):
+        raise ClusterRefused(taken)
     error = None
     if hello.get("wire") != wire_version():
         error = (f"wire version: the head speaks {hello.get('wire')!r}, this worker {wire_version()!r}: run the same "
@@ -325,17 +344,24 @@ def join(rdv: Rendezvous, nnodes: int, fingerprint_of) -> tuple[dict, object]:
         except Exception as exc:  # noqa: BLE001 - whatever stops this node loading the model is its answer
             error = f"model: {type(exc).__name__}: {exc}"
     nonce = secrets.token_hex(16)
-    store.set(f"ringshm/node{r}", json.dumps({
+    store.set(f"ringshm/node{r}/{nonce}", json.dumps({
         "wire": wire_version(), "nonce": nonce, "bind_addr": rdv.local_addr(), "error": error,
         "proof": _proof(rdv.token, f"worker:{r}:{hello.get('nonce', '')}:{nonce}")}))
+    store.append(f"ringshm/join{r}", f"{nonce}\n")  # the answer is written first: the head reads it by this nonce
     if error:
         raise ClusterRefused(f"refused to join {where}: {error}")
     # The wait for the head's answer starts now, not when this worker started waiting for a head: the head
     # admits nodes in rank order, within its own startup timeout (in its HELLO), however late it came.
     answer_s = _answer_wait_s(hello, rdv.wait_s)
-    ack = _parse(_wait_value(store, f"ringshm/ack{r}/{nonce}", time.monotonic() + answer_s))
-    if ack is None:
-        raise ClusterRefused(f"{where} did not answer this node's HELLO within {answer_s:g} s")
+    until = time.monotonic() + answer_s
+    while True:  # in slices: another worker may take the rank first (then this one is refused at once)
+        ack = _parse(_wait_value(store, f"ringshm/ack{r}/{nonce}", min(until, time.monotonic() + SLICE_S)))
+        if ack is not None:
+            break
+        if store.check([f"ringshm/joined{r}"]):
+            raise ClusterRefused(taken)
+        if time.monotonic() >= until:
+            raise ClusterRefused(f"{where} did not answer this node's HELLO within {answer_s:g} s")
     if not ack.get("ok"):
         raise ClusterRefused(f"{where} refused this node: {ack.get('error')} (give every node the same --token or "
                              f"{TOKEN_ENV})")

@@ -48,6 +48,34 @@ def is_alive(pid: int, start_time: int = 0) -> bool:
     return started is not None and (start_time == 0 or started == start_time)
 
 
+PARENT_GONE_EXIT = 1  # a child's exit status when it ended because the process that started it is gone
+
+
+def exit_with_parent() -> None:
+    """End this process as soon as the process that spawned it exits, however it exits (``kill -9`` included).
+
+    For the children the engine and ``ringshm worker`` spawn (stages, bridges): a child whose ring peers are
+    its siblings would otherwise outlive its parent and keep serving (a worker's stages and bridges kept the
+    head's requests going for minutes after the worker was killed). A daemon thread waits on multiprocessing's
+    parent sentinel (the read end of a pipe whose write end only the parent holds: end of file when it exits)
+    and ends the process with ``os._exit(PARENT_GONE_EXIT)``; the parent's segments are not the child's to
+    unlink. No-op outside a multiprocessing child.
+    """
+    import multiprocessing
+    import multiprocessing.connection
+    import threading
+
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return
+
+    def wait() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(PARENT_GONE_EXIT)
+
+    threading.Thread(target=wait, name="ringshm-parent-watch", daemon=True).start()
+
+
 _SELF_START = process_start_time(os.getpid()) or 0
 
 
