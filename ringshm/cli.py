@@ -24,7 +24,7 @@ import sys
 from contextlib import contextmanager
 
 from ringshm.config import DEFAULT_BLOCK_SIZE
-from ringshm.errors import ClusterRefused, ResourceShortage, StageStartupError
+from ringshm.errors import ClusterRefused, RequestFailed, ResourceShortage, StageDied, StageError, StageStartupError
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -371,8 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     except StageStartupError as exc:
         print(f"ringshm: error: a stage could not start: {exc}", file=sys.stderr)
         return 1
-    except (ResourceShortage, ClusterRefused) as exc:
-        print(f"ringshm: error: {exc}", file=sys.stderr)
+    except (ResourceShortage, ClusterRefused, StageDied, StageError, RequestFailed) as exc:
+        print(f"ringshm: error: {exc}", file=sys.stderr)  # a failure after the start: one line, no traceback
         return 1
     except Signalled as exc:  # the engine's context manager has closed it on the way out
         print(f"ringshm: stopped by {signal.Signals(exc.signum).name}", file=sys.stderr)
