@@ -322,10 +322,10 @@ def _serve(a: argparse.Namespace) -> int:
     # Arguments and the port first, before torch and the stages: a mistake costs a second, not a model load.
     _check_serve(a)
     sock = bind_listener(a.host, a.port)
-    # serve blocks SIGINT / SIGTERM / SIGHUP while the engine starts (ringshm.server.process.serve). Block them before torch is
-    # imported: the thread it starts inherits the mask, so a signal stays pending for the main thread (which
-    # the startup waits check, ringshm.transport.cluster.check_interrupted) instead of being dropped on a thread
-    # that ignores it.
+    # serve blocks SIGINT / SIGTERM / SIGHUP while the engine starts (ringshm.server.process.serve). Block them
+    # before torch is imported: the thread it starts inherits the mask, so a signal stays pending for the main
+    # thread (which the startup waits check, ringshm.transport.cluster.check_interrupted) instead of being
+    # dropped on a thread that ignores it.
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # it unblocks the stop signals when it starts (ringshm.server.process)

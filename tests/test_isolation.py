@@ -84,7 +84,7 @@ def test_a_stream_whose_sampling_raises_fails_alone_and_its_batch_mates_get_thei
 
 
 def test_generate_batch_ends_a_failing_stream_with_error_and_finishes_the_others(monkeypatch):
-    from fake_stage import start_fake_ring, fake_kv
+    from fake_stage import fake_kv, start_fake_ring
     from ringshm.engine.scheduler import Scheduler
 
     ts = scripts(3, length=80)

@@ -23,8 +23,8 @@ import urllib.request
 
 import pytest
 
-from test_server import Server, _own_segments, _poll
 from ringshm.transport.segment import process_start_time
+from test_server import Server, _own_segments, _poll
 
 ARGS = ["--stages", "1", "--max-seq-len", "1024", "--max-rows", "8", "--max-waiting", "32"]
 VICTIM = "Write a short poem about the sea."

@@ -173,10 +173,11 @@ class Stream:
     the prefix cache at its first admission; ``cache_salt``: the tenant key of its prefix-cache chain.
     ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
     (max_new_tokens), "cancelled", or "error" (its own sampling, detokenisation or stop handling raised:
-    ``error`` holds the exception; no other stream is touched). ``ignore_eos``: EOS does not end it. ``logprobs`` / ``prompt_logprobs``:
-    None, or the top-k count of each generated token's / prompt token's logprobs (``GenerationParams``), which
-    collect in ``token_logprobs`` (one ``TokenLogprob`` per token) and ``prompt_token_logprobs`` (None for the
-    first prompt token, then one per prompt token, filled as the prefill chunks are answered).
+    ``error`` holds the exception; no other stream is touched). ``ignore_eos``: EOS does not end it.
+    ``logprobs`` / ``prompt_logprobs``: None, or the top-k count of each generated token's / prompt token's
+    logprobs (``GenerationParams``), which collect in ``token_logprobs`` (one ``TokenLogprob`` per token) and
+    ``prompt_token_logprobs`` (None for the first prompt token, then one per prompt token, filled as the prefill
+    chunks are answered).
     """
 
     index: int

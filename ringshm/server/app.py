@@ -52,15 +52,14 @@ from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.errors import StageDied, StageStalled
 from ringshm.model.tokenizer import encode_chat, load_tokenizer
 from ringshm.server.connection import ClientWatch
+from ringshm.server.http_errors import add_error_handlers
 from ringshm.server.info import add_info_routes
 from ringshm.server.middleware import BodyLimit, CountRequests, Metrics
 from ringshm.server.openai_responses import ClientGone, Job, OpenAIRequest, TokenText
@@ -80,22 +79,6 @@ from ringshm.transport.segment import is_alive
 
 log = logging.getLogger("ringshm.server.app")
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
-
-
-def _field_path(loc) -> tuple[str | None, str]:
-    """(top-level field, readable path such as ``stop[1]`` or ``messages[0].role``) of a pydantic error
-    location, without "body" and pydantic's union branch tags (``constrained-str``, ``list[int]``)."""
-    parts = [x for x in loc if x != "body"]
-    out = ""
-    for x in parts:
-        if isinstance(x, int):
-            out += f"[{x}]"
-        elif "[" in x or "-" in x or x in ("str", "int", "float", "bool", "list", "dict"):
-            continue
-        else:
-            out += f".{x}" if out else x
-    field = next((x for x in parts if isinstance(x, str)), None)
-    return field, out
 
 
 # ----------------------------------------------------------------------------------------------- the app
@@ -149,36 +132,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes, error=too_large)
     app.add_middleware(CountRequests, metrics=metrics)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError):
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        if first.get("type") == "json_invalid":
-            message, param = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-        else:
-            # Of the errors about the first field, the deepest (a union's matching branch, e.g. stop[1]).
-            field_of = [_field_path(e.get("loc", ())) for e in errs]
-            same = [e for e, f in zip(errs, field_of) if f[0] == field_of[0][0]]
-            best = max(same, key=lambda e: len(_field_path(e.get("loc", ()))[1]))
-            param, path = _field_path(best.get("loc", ()))
-            message = f"{path or 'body'}: {best.get('msg', 'invalid value')}"
-        return JSONResponse(bad_request(message, param).body(), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        if exc.status_code == 413:
-            return too_large()
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind).body(), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(ApiError(500, "internal server error", "server_error").body(), status_code=500)
+    add_error_handlers(app, too_large)
 
     @app.get("/health")
     async def health():

@@ -13,8 +13,9 @@ The ids are the ones the generation endpoints would feed the model: a ``prompt``
 tokenises it (the engine's ``encode``), ``messages`` through the chat template as ``/v1/chat/completions``
 does (``ringshm.model.tokenizer.encode_chat``, contents as plain text). ``/detokenize`` decodes with special tokens
 kept (vLLM's ``tokenizer.decode``), so a tokenised chat reads back as its template. Both run on the server's
-tokenisation lanes, off the event loop (``ringshm.server.tokenizing``). Errors: an unknown ``model`` 404; ids outside the tokenizer's
-vocabulary, both or neither of ``prompt`` / ``messages``, text that is not valid Unicode: 400 naming the field.
+tokenisation lanes, off the event loop (``ringshm.server.tokenizing``). Errors: an unknown ``model`` 404; ids
+outside the tokenizer's vocabulary, both or neither of ``prompt`` / ``messages``, text that is not valid
+Unicode, a text longer than the context can hold: 400 naming the field.
 """
 
 from __future__ import annotations
