@@ -59,6 +59,11 @@ def test_serve_on_a_port_out_of_range_exits_2_at_once(port):
     (["serve", "--stages", "0"], ["stages"]),
     (["serve", "--max-queue-wait", "0"], ["--max-queue-wait"]),
     (["serve", "--spec", "ngram", "--spec-k", "99"], ["spec_k"]),
+    (["generate", "--seed", str(2**64), "Hi"], ["seed"]),  # torch's generator takes at most 2**64 - 1
+    (["generate", "--stop", "x" * 257, "Hi"], ["stop[0]", "256"]),
+    (["serve", "--served-model-name", ""], ["--served-model-name"]),
+    (["serve", "--header-timeout", "0"], ["--header-timeout"]),
+    (["serve", "--body-timeout", "-1"], ["--body-timeout"]),
 ])
 def test_an_argument_error_exits_2_before_torch_loads(args, words):
     out, took_s = _ringshm(*args)
