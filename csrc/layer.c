@@ -39,6 +39,20 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
     return 1;
 }
 
+/* Every vector of w holds what the shape reads from it: 1, else 0. A NULL optional vector has length 0. */
+static int lengths_ok(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w) {
+    const int64_t hid = s->hidden, d = s->head_dim, qd = (int64_t)s->n_heads * d, kvd = (int64_t)s->n_kv_heads * d;
+#define LEN_OK(ptr, len, want) ((ptr) ? (len) == (want) : (len) == 0)
+    return w->attn_norm && w->ffn_norm && w->cos && w->sin && w->attn_norm_len == hid && w->ffn_norm_len == hid &&
+           LEN_OK(w->q_norm, w->q_norm_len, d) && LEN_OK(w->k_norm, w->k_norm_len, d) &&
+           LEN_OK(w->post_attn_norm, w->post_attn_norm_len, hid) &&
+           LEN_OK(w->post_ffn_norm, w->post_ffn_norm_len, hid) && LEN_OK(w->bqkv, w->bqkv_len, qd + 2 * kvd) &&
+           LEN_OK(w->bo, w->bo_len, hid) && LEN_OK(w->bgate_up, w->bgate_up_len, 2 * (int64_t)s->inter) &&
+           LEN_OK(w->bdown, w->bdown_len, hid) && w->cos_len == (int64_t)s->n_pos * (d / 2) &&
+           w->sin_len == w->cos_len;
+#undef LEN_OK
+}
+
 int64_t ringshm_layer_work_floats(const struct ringshm_layer_shape *s, int64_t t) {
     struct layout l;
     return layout_of(s, t, &l) ? l.total : RINGSHM_KERNEL_ERR_SHAPE;
@@ -59,6 +73,7 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         (!w->post_attn_norm) != (!w->post_ffn_norm) || w->kv.n_kv_heads != s->n_kv_heads ||
         w->kv.head_dim != s->head_dim)
         return RINGSHM_KERNEL_ERR_SHAPE;
+    if (!lengths_ok(s, w)) return RINGSHM_KERNEL_ERR_LENGTH;
     int64_t sum = 0;
     for (int i = 0; i < n_seg; i++) {
         if (lens[i] <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
@@ -73,10 +88,10 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
     float *attn = work + l.attn, *x2 = work + l.x2, *gu = work + l.gu, *act = work + l.act;
     int st;
 
-    if ((st = ringshm_rms_norm(h, x, w->attn_norm, t, hid, s->rms_eps))) return st;
+    if ((st = ringshm_rms_norm(h, x, w->attn_norm, w->attn_norm_len, t, hid, s->rms_eps))) return st;
     if (!w->qkv_split) {
         if ((st = ringshm_qmat_matmul(w->type_qkv, w->qkv, w->qkv_bytes, qd + 2 * kvd, hid, h, t, qkv, l.qkv_w,
-                                      w->bqkv, NULL, 0, n_threads, isa)))
+                                      w->bqkv, w->bqkv_len, NULL, 0, n_threads, isa)))
             return st;
     } else { /* Q, K, V in order into their columns (q_dim, kv_dim are multiples of 16: no padding overlaps) */
         const int types[3] = {w->type_qkv, w->type_wk, w->type_wv};
@@ -84,7 +99,8 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         const int64_t bytes[3] = {w->qkv_bytes, w->wk_bytes, w->wv_bytes}, rows[3] = {qd, kvd, kvd};
         for (int i = 0, col = 0; i < 3; col += (int)rows[i], i++)
             if ((st = ringshm_qmat_matmul(types[i], parts[i], bytes[i], rows[i], hid, h, t, qkv + col, l.qkv_w,
-                                          w->bqkv ? w->bqkv + col : NULL, NULL, 0, n_threads, isa)))
+                                          w->bqkv ? w->bqkv + col : NULL, w->bqkv ? rows[i] : 0, NULL, 0,
+                                          n_threads, isa)))
                 return st;
     }
     for (int64_t i = 0; i < t; i++) { /* split the fused rows: q, k, v contiguous [t, H, D] */
@@ -93,8 +109,8 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         memcpy(v + i * kvd, qkv + i * l.qkv_w + qd + kvd, sizeof(float) * (size_t)kvd);
     }
     if (w->q_norm) { /* per-head RMSNorm: every head's D values are one row */
-        if ((st = ringshm_rms_norm(q, q, w->q_norm, t * hq, d, s->rms_eps))) return st;
-        if ((st = ringshm_rms_norm(k, k, w->k_norm, t * hkv, d, s->rms_eps))) return st;
+        if ((st = ringshm_rms_norm(q, q, w->q_norm, w->q_norm_len, t * hq, d, s->rms_eps))) return st;
+        if ((st = ringshm_rms_norm(k, k, w->k_norm, w->k_norm_len, t * hkv, d, s->rms_eps))) return st;
     }
     int64_t off = 0;
     for (int i = 0; i < n_seg; off += lens[i], i++) { /* RoPE and KV-append per segment, into its blocks */
@@ -112,30 +128,30 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
                                             s->attn_scale, n_threads)))
         return st;
     if (post) { /* x2 = x + norm(attn . Wo^T + bo) */
-        if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, NULL, 0,
-                                      n_threads, isa)) ||
-            (st = ringshm_rms_norm(x2, x2, w->post_attn_norm, t, hid, s->rms_eps)))
+        if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, w->bo_len, NULL,
+                                      0, n_threads, isa)) ||
+            (st = ringshm_rms_norm(x2, x2, w->post_attn_norm, w->post_attn_norm_len, t, hid, s->rms_eps)))
             return st;
         add_rows(x2, x, x2, t * hid);
-    } else if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, x, hid,
-                                         n_threads, isa))) {
+    } else if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, w->bo_len, x,
+                                         hid, n_threads, isa))) {
         return st;
     }
-    if ((st = ringshm_rms_norm(h, x2, w->ffn_norm, t, hid, s->rms_eps))) return st;
+    if ((st = ringshm_rms_norm(h, x2, w->ffn_norm, w->ffn_norm_len, t, hid, s->rms_eps))) return st;
     if ((st = ringshm_qmat_matmul(w->type_gate_up, w->gate_up, w->gate_up_bytes, 2 * (int64_t)s->inter, hid, h, t,
-                                  gu, l.gu_w, w->bgate_up, NULL, 0, n_threads, isa)))
+                                  gu, l.gu_w, w->bgate_up, w->bgate_up_len, NULL, 0, n_threads, isa)))
         return st;
     if ((st = s->act == RINGSHM_ACT_GELU_TANH ? ringshm_gelu_tanh_mul(act, gu, t, s->inter)
                                               : ringshm_silu_mul(act, gu, t, s->inter)))
         return st;
     if (post) { /* x = x2 + norm(act . Wdown^T + bdown) */
         if ((st = ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, h, hid, w->bdown,
-                                      NULL, 0, n_threads, isa)) ||
-            (st = ringshm_rms_norm(h, h, w->post_ffn_norm, t, hid, s->rms_eps)))
+                                      w->bdown_len, NULL, 0, n_threads, isa)) ||
+            (st = ringshm_rms_norm(h, h, w->post_ffn_norm, w->post_ffn_norm_len, t, hid, s->rms_eps)))
             return st;
         add_rows(x, x2, h, t * hid);
         return RINGSHM_KERNEL_OK;
     }
-    return ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, x, hid, w->bdown, x2, hid,
-                               n_threads, isa);
+    return ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, x, hid, w->bdown,
+                               w->bdown_len, x2, hid, n_threads, isa);
 }

@@ -68,6 +68,11 @@ struct ringshm_layer_weights {
     const float *q_norm, *k_norm;                               /* [D] or NULL: no per-head q / k norm */
     const float *post_attn_norm, *post_ffn_norm;                /* [hidden] or NULL: no post norms */
     const float *cos, *sin;                                     /* [n_pos, D / 2]: this layer's RoPE */
+    /* The elements each of the vectors above holds (0 for a NULL one), checked against the shape before the
+     * layer reads anything: a checkpoint's norm of fewer than hidden floats must not be read past its end. */
+    int64_t bqkv_len, bo_len, bgate_up_len, bdown_len;
+    int64_t attn_norm_len, ffn_norm_len, q_norm_len, k_norm_len, post_attn_norm_len, post_ffn_norm_len;
+    int64_t cos_len, sin_len;
     int window;                                                 /* sliding-window keys, 0: none */
     struct ringshm_kv_pool kv;                                  /* this layer's blocks (kernels.h) */
 };
@@ -76,7 +81,9 @@ struct ringshm_layer_weights {
 int64_t ringshm_layer_work_floats(const struct ringshm_layer_shape *s, int64_t t);
 
 /* Returns 0, a RINGSHM_MATMUL_ERR_* / RINGSHM_KERNEL_ERR_* status from the step that refused (before that
- * step wrote anything), or RINGSHM_KERNEL_ERR_SHAPE for a bad shape or segment table (before anything). */
+ * step wrote anything), RINGSHM_KERNEL_ERR_SHAPE for a bad shape or segment table, or RINGSHM_KERNEL_ERR_LENGTH
+ * for a vector of the weights whose length is not what the shape reads: norms hidden (q / k norms D), biases
+ * their matmul's rows, cos and sin n_pos * D / 2 (these two before anything). */
 int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
                           int64_t t, const int64_t *starts, const int64_t *lens, const int32_t *tables,
                           const int64_t *table_offs, int n_seg, float *work, int64_t work_floats, int n_threads,

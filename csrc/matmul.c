@@ -81,14 +81,15 @@ static mm_panels_fn panels_for(int isa) {
 }
 
 int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
-                        const float *x, int64_t m, float *out, int64_t ldo, const float *bias,
+                        const float *x, int64_t m, float *out, int64_t ldo, const float *bias, int64_t bias_len,
                         const float *residual, int64_t ldr, int n_threads, int isa) {
     const struct ringshm_wtype_info *ti = ringshm_wtype_info(type);
     if (!ti || !ringshm_isa_supported(isa) || !panels_for(isa)) return RINGSHM_MATMUL_ERR_TYPE;
     const int64_t n_panels = (n + 15) / 16;
     if (!shape_ok(ti, n, k) || m <= 0 || m >= INT32_MAX || ldo < n_panels * 16 || (residual && ldr < n))
         return RINGSHM_MATMUL_ERR_SHAPE;
-    if (packed_bytes != ringshm_qmat_packed_bytes(type, n, k)) return RINGSHM_MATMUL_ERR_SIZE;
+    if (packed_bytes != ringshm_qmat_packed_bytes(type, n, k) || (bias ? bias_len != n : bias_len != 0))
+        return RINGSHM_MATMUL_ERR_SIZE;
     const int64_t out_bytes = ((m - 1) * ldo + n_panels * 16) * 4; /* out holds the running sums */
     if (overlap(out, out_bytes, x, m * k * 4) || (residual && overlap(out, out_bytes, residual, ((m - 1) * ldr + n) * 4)))
         return RINGSHM_MATMUL_ERR_ALIAS;

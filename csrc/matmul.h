@@ -109,7 +109,7 @@ enum ringshm_matmul_status {
     RINGSHM_MATMUL_OK = 0,
     RINGSHM_MATMUL_ERR_TYPE = -32,  /* unknown weight type or ISA, or an ISA this CPU cannot run */
     RINGSHM_MATMUL_ERR_SHAPE = -33, /* M, N or K <= 0, K not whole blocks (32; 256 for K-quants), ldo too small */
-    RINGSHM_MATMUL_ERR_SIZE = -34,  /* a buffer size given does not match what the shape needs */
+    RINGSHM_MATMUL_ERR_SIZE = -34,  /* a buffer size given (packed bytes, bias length) does not match the shape */
     RINGSHM_MATMUL_ERR_ALIAS = -35  /* out overlaps x or residual */
 };
 
@@ -133,7 +133,8 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
  *     packed    packed_bytes == ringshm_qmat_packed_bytes(type, n, k)
  *     x         [M, K] fp32, row stride K
  *     out       [M, ldo] fp32, ldo >= 16 * ceil(N / 16): columns [N, 16 * panels) are scratch, clobbered
- *     bias      [N] or NULL;  residual  [M, ldr] or NULL (ldr >= N). Neither x nor residual may overlap out:
+ *     bias      [bias_len] or NULL (bias_len 0): bias_len must be N
+ *     residual  [M, ldr] or NULL (ldr >= N). Neither x nor residual may overlap out:
  *               out holds the running sums between blocks (RINGSHM_MATMUL_ERR_ALIAS)
  *     n_threads threads that split the panels (OpenMP); <= 1 runs on the calling thread. Every thread runs in
  *               the caller's floating-point mode (MXCSR / FPCR: flush-to-zero, rounding), which is part of
@@ -142,7 +143,7 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
  * Limits: M, N, K < 2^31; types with a min (Q4_1, Q5_1, Q4_K, Q5_K): K <= 65536 (their block sums of x live on
  * the stack). Returns RINGSHM_MATMUL_ERR_* before writing anything on bad arguments. */
 int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
-                        const float *x, int64_t m, float *out, int64_t ldo, const float *bias,
+                        const float *x, int64_t m, float *out, int64_t ldo, const float *bias, int64_t bias_len,
                         const float *residual, int64_t ldr, int n_threads, int isa);
 
 /* CDEF END */

@@ -206,12 +206,12 @@ int main(void) {
         for (int64_t i = 0; i < n; i++) bias[i] = uniform();
         for (int64_t i = 0; i < (m - 1) * ldr + n; i++) res[i] = uniform();
         const int use_bias = it % 2, use_res = (it / 2) % 2, threads = 1 + it % 3;
-        if (ringshm_qmat_matmul(type, packed, pbytes, n, k, x, m, out, ldo, use_bias ? bias : NULL,
+        if (ringshm_qmat_matmul(type, packed, pbytes, n, k, x, m, out, ldo, use_bias ? bias : NULL, use_bias ? n : 0,
                                 use_res ? res : NULL, ldr, threads, RINGSHM_ISA_PORTABLE))
             FAIL("matmul refused\n");
         for (int64_t r = 0; r < m; r++) {
             if (ringshm_qmat_matmul(type, packed, pbytes, n, k, x + r * k, 1, one, ldo, use_bias ? bias : NULL,
-                                    use_res ? res + r * ldr : NULL, ldr, 1, RINGSHM_ISA_PORTABLE))
+                                    use_bias ? n : 0, use_res ? res + r * ldr : NULL, ldr, 1, RINGSHM_ISA_PORTABLE))
                 FAIL("matmul refused\n");
             for (int64_t c = 0; c < n; c++) {
                 float want = reference(type, src + c * row_bytes, x + r * k, k);

@@ -268,12 +268,17 @@ def test_the_c_side_rechecks_sizes_shapes_and_isas():
     pw = qm.PackedWeight(raw)
     x, out = torch.zeros(1, 64), torch.zeros(1, 16)
 
-    def call(packed_bytes=pw.nbytes, k=64, ldo=16, isa=lib.RINGSHM_ISA_PORTABLE, qtype=qm.Q4_1):
+    bias = torch.zeros(16)
+
+    def call(packed_bytes=pw.nbytes, k=64, ldo=16, isa=lib.RINGSHM_ISA_PORTABLE, qtype=qm.Q4_1, bias_len=None):
         return lib.ringshm_qmat_matmul(qtype, ffi.cast("uint8_t *", pw.packed.data_ptr()), packed_bytes, 16, k,
                                        ffi.cast("float *", x.data_ptr()), 1, ffi.cast("float *", out.data_ptr()),
-                                       ldo, ffi.NULL, ffi.NULL, 0, 1, isa)
+                                       ldo, ffi.NULL if bias_len is None else ffi.cast("float *", bias.data_ptr()),
+                                       bias_len or 0, ffi.NULL, 0, 1, isa)
 
     assert call() == lib.RINGSHM_MATMUL_OK
+    assert call(bias_len=16) == lib.RINGSHM_MATMUL_OK
+    assert call(bias_len=15) == lib.RINGSHM_MATMUL_ERR_SIZE  # a bias of another width than N is never read
     assert call(packed_bytes=pw.nbytes - 1) == lib.RINGSHM_MATMUL_ERR_SIZE
     assert call(k=48) == lib.RINGSHM_MATMUL_ERR_SHAPE
     assert call(ldo=15) == lib.RINGSHM_MATMUL_ERR_SHAPE
@@ -342,7 +347,7 @@ def test_an_output_overlapping_x_or_the_residual_is_refused_in_c():
     def call(out, residual):
         p = ffi.cast("float *", out.data_ptr())
         return lib.ringshm_qmat_matmul(pw.qtype, pw._ptr, pw.nbytes, 32, 64, ffi.cast("float *", x.data_ptr()), 3,
-                                       p, 32, ffi.NULL, ffi.cast("float *", residual.data_ptr()), 32, 1, 0)
+                                       p, 32, ffi.NULL, 0, ffi.cast("float *", residual.data_ptr()), 32, 1, 0)
 
     assert call(res, res) == lib.RINGSHM_MATMUL_ERR_ALIAS  # the sums would overwrite the residual
     assert call(x[:, :32], res) == lib.RINGSHM_MATMUL_ERR_ALIAS  # nor x

@@ -24,8 +24,8 @@ import math
 import torch
 
 from ringshm._C import ffi, lib
-from ringshm.errors import KVRangeError
-from ringshm.model.kernels import apply_rope_reference, check_rope_tables, check_status, f32_ptr
+from ringshm.errors import KVRangeError, check_status
+from ringshm.model.kernels import apply_rope_reference, check_rope_tables, f32_ptr
 
 MAX_HEAD_DIM: int = lib.ringshm_attn_max_head_dim()
 """Largest head_dim the C attention takes (its state lives in fixed stack buffers); larger D runs in torch."""
@@ -71,8 +71,8 @@ class KVPool:
             and head_dim <= MAX_HEAD_DIM
         self.c = ffi.new("struct ringshm_kv_pool *", dict(
             k=ffi.cast("void *", self.k.data_ptr()), v=ffi.cast("void *", self.v.data_ptr()), n_blocks=n_blocks,
-            block_size=block_size, n_kv_heads=n_kv_heads, head_dim=head_dim,
-            kv_type=KV_DTYPES[dtype])) if self.native else None
+            block_size=block_size, n_kv_heads=n_kv_heads, head_dim=head_dim, kv_type=KV_DTYPES[dtype],
+            n_elems=self.k.numel())) if self.native else None
 
     @property
     def nbytes(self) -> int:

@@ -1,7 +1,8 @@
 """The per-row kernels around the matmuls: RoPE tables and rotation, RMSNorm and the MLP gates (SwiGLU,
 GeGLU): shape checks here, then one C call (csrc/kernels.h); paged KV and attention are ``ringshm.model.attention``.
 
-Dispatch lives in one place (``_c_path``): contiguous CPU fp32 tensors go to ``ringshm._C``; everything else
+Dispatch lives in one place (``_c_path``): contiguous CPU fp32 tensors go to ``ringshm._C`` (its status codes
+become exceptions in ``ringshm.errors.check_status``); everything else
 (CUDA, bf16) runs the plain torch reference, which the tests also use as the oracle. Every C kernel here
 computes a row in a fixed order, so a row's bits do not depend on the other rows (batch invariance).
 """
@@ -12,24 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ringshm._C import ffi, lib
-from ringshm.errors import KVRangeError
-
-STATUS_TEXT = {
-    lib.RINGSHM_KERNEL_ERR_SHAPE: "bad shape (a dimension <= 0, head_dim not a multiple of 16 or too large, "
-    "or Hq not a multiple of Hkv)",
-    lib.RINGSHM_KERNEL_ERR_RANGE: "positions out of range (past the RoPE tables), a block id outside the pool, a "
-    "block table too short for its positions, or KV read before it was written",
-}
-
-
-def check_status(status: int, what: str) -> None:
-    """Map a C kernel status to an exception; Python checks run first, so reaching here is a bug or bad data."""
-    if status == lib.RINGSHM_KERNEL_OK:
-        return
-    msg = f"{what}: {STATUS_TEXT.get(status, f'unknown C status {status}')}"
-    if status == lib.RINGSHM_KERNEL_ERR_RANGE:
-        raise KVRangeError(msg)
-    raise ValueError(msg)
+from ringshm.errors import KVRangeError, check_status
 
 
 def f32_ptr(t: torch.Tensor):
@@ -168,9 +152,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
                          f" and {weight.dtype} {tuple(weight.shape)}")
     x = x.contiguous()
     out = torch.empty_like(x)
-    check_status(lib.ringshm_rms_norm(f32_ptr(out), f32_ptr(x), f32_ptr(weight.contiguous()), x.shape[0], x.shape[1],
-                                      eps),
-           "rms_norm")
+    weight = weight.contiguous()
+    check_status(lib.ringshm_rms_norm(f32_ptr(out), f32_ptr(x), f32_ptr(weight), weight.numel(), x.shape[0],
+                                      x.shape[1], eps), "rms_norm")
     return out
 
 

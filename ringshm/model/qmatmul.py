@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ringshm._C import ffi, lib
+from ringshm.errors import check_status
 
 QK = 32  # weights per legacy quantized block (ggml's QK4_0 / QK5_0 / QK8_0 ...)
 QK_K = 256  # weights per K-quant super-block (ggml's QK_K)
@@ -49,23 +50,10 @@ ISA_NAMES = {lib.RINGSHM_ISA_PORTABLE: "portable", lib.RINGSHM_ISA_AVX2: "avx2",
 BEST_ISA: int = lib.ringshm_isa_best()
 """The path this CPU runs (cpuid): ``lib.RINGSHM_ISA_AVX512``, ``_AVX2`` or ``_PORTABLE``."""
 
-_STATUS = {
-    lib.RINGSHM_MATMUL_ERR_TYPE: "unknown weight type, or an ISA this CPU cannot run",
-    lib.RINGSHM_MATMUL_ERR_SHAPE: "bad shape (M, N or K <= 0, K not a multiple of the block (32; 256 for the "
-                                  "K-quants), or an output row stride below 16 * ceil(N / 16))",
-    lib.RINGSHM_MATMUL_ERR_SIZE: "a buffer's size does not match the shape",
-    lib.RINGSHM_MATMUL_ERR_ALIAS: "the output overlaps x or the residual",
-}
-
-
-def status_text(status: int) -> str:
-    return _STATUS.get(status, f"C status {status}")
-
-
 def _check(status: int, what: str) -> None:
-    """C status → ValueError; the Python checks run first, so reaching here means bad bytes or a bug."""
-    if status < 0:
-        raise ValueError(f"{what}: {_STATUS.get(status, f'C status {status}')}")
+    """C status → exception (``ringshm.errors.check_status``: KernelError, a ValueError); the Python checks run
+    first, so reaching it means bad bytes or a bug."""
+    check_status(status, what)
 
 
 def type_name(qtype: int) -> str:
@@ -161,6 +149,30 @@ class RawWeight:
     def to_f32(self) -> RawWeight:
         """The same weight as F32 bytes (for fusing rows of different encodings)."""
         return RawWeight.from_tensor(self.dequantize())
+
+
+# Per quantized type: (bytes a block, byte offsets of its fp16 scale fields d / m / dmin): csrc/gguf_blocks.h.
+_SCALE_FIELDS = {Q4_0: (18, (0,)), Q4_1: (20, (0, 2)), Q5_0: (22, (0,)), Q5_1: (24, (0, 2)), Q8_0: (34, (0,)),
+                 Q4_K: (144, (0, 2)), Q5_K: (176, (0, 2)), Q6_K: (210, (208,))}
+
+
+def count_nonfinite(w: RawWeight | torch.Tensor) -> tuple[int, str]:
+    """How much of a weight is NaN or Inf, and in what unit: ``(values, "values")`` for a float tensor or a
+    float-encoded RawWeight, ``(blocks, "blocks")`` for a quantized one, counting the blocks with a NaN / Inf
+    scale (the integers of a block are finite; a non-finite scale makes its every weight so). One pass over the
+    floats, or over the scale fields only (2 bytes of every 18-210)."""
+    if isinstance(w, torch.Tensor):
+        return int((~torch.isfinite(w)).sum()), "values"
+    if w.qtype in _TYPE_TORCH:
+        return int((~torch.isfinite(w.data.contiguous().view(_TYPE_TORCH[w.qtype]))).sum()), "values"
+    block_bytes, fields = _SCALE_FIELDS[w.qtype]
+    data = w.data.contiguous().numpy()  # the file's bytes (a view of its map: nothing copied)
+    n_blocks = data.size // block_bytes
+    bad = np.zeros(n_blocks, dtype=bool)
+    for at in fields:  # each scale field of every block, as a strided fp16 view: [n_blocks]
+        scale = np.ndarray((n_blocks,), dtype="<f2", buffer=data, offset=at, strides=(block_bytes,))
+        bad |= ~np.isfinite(scale)
+    return int(bad.sum()), "blocks"
 
 
 def concat_rows(parts: Sequence[RawWeight]) -> RawWeight:
@@ -268,7 +280,8 @@ class PackedWeight:
         out = torch.empty((m, self.n_padded), dtype=torch.float32)
         status = lib.ringshm_qmat_matmul(self.qtype, self._ptr, self.packed.numel(), self.n, self.k,
                                          ffi.cast("float *", x.data_ptr()), m, ffi.cast("float *", out.data_ptr()),
-                                         self.n_padded, self._bias_ptr, res_ptr, ldr,
+                                         self.n_padded, self._bias_ptr, 0 if self.bias is None else self.bias.numel(),
+                                         res_ptr, ldr,
                                          torch.get_num_threads() if threads is None else threads, isa)
         if status < 0:
             _check(status, f"matmul {self!r}")

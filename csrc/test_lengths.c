@@ -1,0 +1,158 @@
+/* C-only checks of the kernels' length contract (issue 27), built with AddressSanitizer + UBSan (make test-c):
+ * every vector a kernel reads from a checkpoint (a norm weight, a bias, the RoPE tables, the KV pool) comes with
+ * its length, and a length that is not what the shape reads is refused with a status before anything is read.
+ * Each short buffer here is malloc'd at exactly its length, so a kernel that read past it would stop the run
+ * with a heap-buffer-overflow report instead of passing.
+ *
+ * The layer: hidden 16, one query head and one KV head of 16, intermediate 8, 4 positions, F32 weights. */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+#include "layer.h"
+#include "matmul.h"
+
+#define FAIL(...)                                                                                              \
+    do {                                                                                                       \
+        fprintf(stderr, "test_lengths: " __VA_ARGS__);                                                         \
+        exit(1);                                                                                               \
+    } while (0)
+
+enum { HID = 16, D = 16, INTER = 8, NPOS = 4, BLOCK = 32 };
+
+static float *floats(int64_t n, float value) {
+    float *p = malloc(sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < n; i++) p[i] = value;
+    return p;
+}
+
+/* An F32 weight [n, k] packed for the matmul; *bytes its packed size. */
+static uint8_t *packed_f32(int64_t n, int64_t k, int64_t *bytes) {
+    float *src = floats(n * k, 0.01f);
+    *bytes = ringshm_qmat_packed_bytes(RINGSHM_W_F32, n, k);
+    uint8_t *dst = malloc((size_t)*bytes);
+    if (ringshm_qmat_pack(RINGSHM_W_F32, (const uint8_t *)src, n * k * 4, n, k, dst, *bytes)) FAIL("pack\n");
+    free(src);
+    return dst;
+}
+
+static void check_rms_norm(void) {
+    float *x = floats(2 * 64, 1.0f), *out = floats(2 * 64, 0.0f), *w_short = floats(32, 1.0f), *w = floats(64, 1.0f);
+    if (ringshm_rms_norm(out, x, w_short, 32, 2, 64, 1e-5f) != RINGSHM_KERNEL_ERR_LENGTH)
+        FAIL("rms_norm read a 32-float weight for rows of 64\n");
+    if (ringshm_rms_norm(out, x, NULL, 0, 2, 64, 1e-5f) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("rms_norm took no weight\n");
+    if (ringshm_rms_norm(out, x, w, 64, 2, 64, 1e-5f) != RINGSHM_KERNEL_OK) FAIL("rms_norm refused a good weight\n");
+    free(x), free(out), free(w_short), free(w);
+}
+
+static void check_matmul_bias(void) {
+    int64_t bytes;
+    uint8_t *wp = packed_f32(16, 32, &bytes);
+    float *x = floats(32, 1.0f), *out = floats(16, 0.0f), *bias = floats(5, 1.0f);
+    if (ringshm_qmat_matmul(RINGSHM_W_F32, wp, bytes, 16, 32, x, 1, out, 16, bias, 5, NULL, 0, 1,
+                            RINGSHM_ISA_PORTABLE) != RINGSHM_MATMUL_ERR_SIZE)
+        FAIL("matmul read a 5-float bias for 16 output rows\n");
+    if (ringshm_qmat_matmul(RINGSHM_W_F32, wp, bytes, 16, 32, x, 1, out, 16, NULL, 16, NULL, 0, 1,
+                            RINGSHM_ISA_PORTABLE) != RINGSHM_MATMUL_ERR_SIZE)
+        FAIL("matmul took a length for no bias\n");
+    if (ringshm_qmat_matmul(RINGSHM_W_F32, wp, bytes, 16, 32, x, 1, out, 16, NULL, 0, NULL, 0, 1,
+                            RINGSHM_ISA_PORTABLE))
+        FAIL("matmul refused a good call\n");
+    free(wp), free(x), free(out), free(bias);
+}
+
+struct layer {
+    struct ringshm_layer_shape shape;
+    struct ringshm_layer_weights w;
+    float *x, *work;
+    int64_t work_floats;
+};
+
+static void layer_init(struct layer *l) {
+    memset(l, 0, sizeof *l);
+    l->shape = (struct ringshm_layer_shape){.hidden = HID, .n_heads = 1, .n_kv_heads = 1, .head_dim = D,
+                                            .inter = INTER, .n_pos = NPOS, .rms_eps = 1e-5f,
+                                            .act = RINGSHM_ACT_SILU, .attn_scale = 0.25f};
+    struct ringshm_layer_weights *w = &l->w;
+    w->type_qkv = w->type_o = w->type_gate_up = w->type_down = RINGSHM_W_F32;
+    w->qkv = packed_f32(3 * D, HID, &w->qkv_bytes);
+    w->o = packed_f32(HID, D, &w->o_bytes);
+    w->gate_up = packed_f32(2 * INTER, HID, &w->gate_up_bytes);
+    w->down = packed_f32(HID, INTER, &w->down_bytes);
+    w->attn_norm = floats(HID, 1.0f), w->attn_norm_len = HID;
+    w->ffn_norm = floats(HID, 1.0f), w->ffn_norm_len = HID;
+    w->cos = floats(NPOS * D / 2, 1.0f), w->cos_len = NPOS * D / 2;
+    w->sin = floats(NPOS * D / 2, 0.0f), w->sin_len = NPOS * D / 2;
+    const int64_t pool = (int64_t)1 * 1 * BLOCK * D; /* one block, one KV head */
+    w->kv = (struct ringshm_kv_pool){.k = floats(pool, 0.0f), .v = floats(pool, 0.0f), .n_blocks = 1,
+                                     .block_size = BLOCK, .n_kv_heads = 1, .head_dim = D,
+                                     .kv_type = RINGSHM_KV_F32, .n_elems = pool};
+    l->x = floats(2 * HID, 0.5f);
+    l->work_floats = ringshm_layer_work_floats(&l->shape, 2);
+    l->work = floats(l->work_floats, 0.0f);
+}
+
+static void layer_free(struct layer *l) {
+    free((void *)l->w.qkv), free((void *)l->w.o), free((void *)l->w.gate_up), free((void *)l->w.down);
+    free((void *)l->w.attn_norm), free((void *)l->w.ffn_norm), free((void *)l->w.cos), free((void *)l->w.sin);
+    free(l->w.kv.k), free(l->w.kv.v), free(l->x), free(l->work);
+}
+
+static int layer_run(struct layer *l) {
+    const int64_t starts[1] = {0}, lens[1] = {2}, offs[2] = {0, 1};
+    const int32_t table[1] = {0};
+    return ringshm_layer_forward(&l->shape, &l->w, l->x, 2, starts, lens, table, offs, 1, l->work, l->work_floats, 1,
+                                 RINGSHM_ISA_PORTABLE);
+}
+
+static void check_layer(void) {
+    struct layer l;
+    layer_init(&l);
+    if (layer_run(&l)) FAIL("the layer refused good weights\n");
+
+    const float *good = l.w.attn_norm;
+    float *short_norm = floats(HID / 2, 1.0f); /* a checkpoint's norm of 8 floats where hidden is 16 */
+    l.w.attn_norm = short_norm, l.w.attn_norm_len = HID / 2;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read an 8-float attn_norm for hidden 16\n");
+    l.w.attn_norm = good, l.w.attn_norm_len = HID;
+
+    float *post = floats(1, 1.0f); /* post norms of one float (Gemma's sandwich norms, malformed) */
+    l.w.post_attn_norm = post, l.w.post_ffn_norm = post, l.w.post_attn_norm_len = 1, l.w.post_ffn_norm_len = 1;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read 1-float post norms\n");
+    l.w.post_attn_norm = l.w.post_ffn_norm = NULL, l.w.post_attn_norm_len = l.w.post_ffn_norm_len = 0;
+
+    float *qn = floats(D - 1, 1.0f);
+    l.w.q_norm = l.w.k_norm = qn, l.w.q_norm_len = l.w.k_norm_len = D - 1;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read a q / k norm shorter than head_dim\n");
+    l.w.q_norm = l.w.k_norm = NULL, l.w.q_norm_len = l.w.k_norm_len = 0;
+
+    float *bias = floats(3, 0.0f);
+    l.w.bqkv = bias, l.w.bqkv_len = 3;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read a 3-float qkv bias\n");
+    l.w.bqkv = NULL, l.w.bqkv_len = 0;
+    l.w.bdown = bias, l.w.bdown_len = 3;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read a 3-float down bias\n");
+    l.w.bdown = NULL, l.w.bdown_len = 0;
+
+    l.w.cos_len = NPOS * D / 2 - 1;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read RoPE tables shorter than n_pos rows\n");
+    l.w.cos_len = NPOS * D / 2;
+
+    l.w.kv.n_elems -= 1; /* a pool smaller than its shape says */
+    if (layer_run(&l) == RINGSHM_KERNEL_OK) FAIL("the layer wrote a KV pool smaller than its shape\n");
+    l.w.kv.n_elems += 1;
+
+    if (layer_run(&l)) FAIL("the layer refused good weights after the bad ones\n");
+    free(short_norm), free(post), free(qn), free(bias);
+    layer_free(&l);
+}
+
+int main(void) {
+    check_rms_norm();
+    check_matmul_bias();
+    check_layer();
+    printf("test_lengths: short norms, biases, RoPE tables and KV pools refused by status, nothing read past them\n");
+    return 0;
+}
