@@ -1,6 +1,6 @@
 """Faults of the ring engine (issue 4): a stage SIGKILLed mid-decode is named within 2 s; nothing outlives
-close(), a second close(), or an engine garbage-collected without close(); a stage that cannot load reports
-its own error."""
+close(), a second close(), or an engine garbage-collected without close(); a checkpoint missing its layers is
+refused before a stage starts; a stage whose loop breaks says why and exits non-zero (issue 27)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from ringshm.engine.engine import Engine
-from ringshm.errors import StageDied, StageStartupError
+from ringshm.errors import InvalidCheckpoint, StageDied
 from ringshm.transport.segment import list_segments, process_start_time
 
 KW = dict(prefill_chunk=64, max_rows=1, max_seq_len=256, progress=False)
@@ -61,8 +61,9 @@ def test_engine_collected_without_close_leaves_no_process_and_no_segment(model_p
     assert not set(names) & set(list_segments())
 
 
-def test_stage_that_cannot_load_fails_startup_with_its_own_error(tmp_path):
-    # A tiny HF checkpoint whose config promises 2 layers but whose file holds only the embedding.
+def test_a_checkpoint_missing_its_layers_is_refused_before_any_stage_starts(tmp_path):
+    # A tiny HF checkpoint whose config promises 2 layers but whose file holds only the embedding: once a stage
+    # error at load (StageStartupError), now the coordinator's checkpoint check, before any process or segment.
     (tmp_path / "config.json").write_text(
         '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, '
         '"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, '
@@ -70,6 +71,31 @@ def test_stage_that_cannot_load_fails_startup_with_its_own_error(tmp_path):
         '"tie_word_embeddings": true}')
     save_file({"model.embed_tokens.weight": torch.zeros(128, 64)}, str(tmp_path / "model.safetensors"))
     before = set(list_segments())
-    with pytest.raises(StageStartupError, match="MissingTensor|missing"):
+    t0 = time.monotonic()
+    with pytest.raises(InvalidCheckpoint, match="'num_hidden_layers' = 2 but the file holds tensors for no layer"):
         Engine(tmp_path, stages=2, **KW)
+    assert time.monotonic() - t0 < 2.0
+    assert set(list_segments()) <= before
+
+
+def test_a_stage_loop_error_outside_an_op_reaches_the_coordinator_with_its_cause_and_a_nonzero_exit(
+        model_path, monkeypatch):
+    """Stage 0's output ring is made smaller than the hidden states of one prefill op, so its reserve raises
+    RecordTooLarge outside the op's try (as the reply ring did when it was sized from a vocab_size that lied).
+    The stage used to exit 0 with nothing written: "stage 0 died: exit code 0", the cause lost."""
+    from ringshm.runtime import launcher
+
+    sized = launcher.ring_capacities
+    monkeypatch.setattr(launcher, "ring_capacities", lambda *a: [c if i != 1 else 1 << 16 for i, c in
+                                                                 enumerate(sized(*a))])
+    before = set(list_segments())
+    engine = Engine(model_path, stages=2, **KW)
+    try:
+        with pytest.raises(StageDied) as info:
+            engine.generate(list(range(100, 160)), max_new_tokens=2)  # 60 x 576 fp32 = 135 KiB > 64 KiB
+        msg = str(info.value)
+        assert info.value.stage == 0 and info.value.exitcode == 1, msg
+        assert "exit code 1: RecordTooLarge" in msg, msg
+    finally:
+        engine.close()
     assert set(list_segments()) <= before

@@ -24,7 +24,13 @@ from ringshm.engine.scheduler import Scheduler, StepStats
 from ringshm.engine.spec import NGramDrafter, SpecStats
 from ringshm.engine.spec_decode import SpecDecoder
 from ringshm.errors import EngineOwned, InvalidParameter
-from ringshm.runtime.launcher import NodePlan, StageGroup, connect_timeout_s, default_depth
+from ringshm.runtime.launcher import (
+    NodePlan,
+    StageGroup,
+    connect_timeout_s,
+    default_depth,
+    refuse_in_spawn_bootstrap,
+)
 from ringshm.runtime.resources import check_memory
 from ringshm.transport.cluster import DEFAULT_PORT, TOKEN_ENV, Head, Rendezvous
 
@@ -55,9 +61,11 @@ class Engine:
                  max_rows: int = 8, dtype: str = "float32", progress: bool = True, *, node_rank: int = 0,
                  master_addr: str = "127.0.0.1", master_port: int = DEFAULT_PORT, bind_addr: str | None = None,
                  token: str | None = None, **options):
+        from ringshm.model.fingerprint import fingerprint
         from ringshm.model.loader import read_config
         from ringshm.model.packaged import default_model_path
 
+        refuse_in_spawn_bootstrap()  # a stage re-running an unguarded script: stop it before it does anything
         self._closed = True  # until every resource exists
         self.config = cfg = EngineConfig(
             model=None if model is None else str(model), stages=stages, layer_split=layer_split, device=device,
@@ -87,7 +95,8 @@ class Engine:
                      local=node_ranges[0])
         plan, self._head = None, None
         if cfg.nnodes > 1:  # meet the workers before any stage starts: a refusal costs nothing
-            self._head = Head(rdv, cfg, self.model_path, self.model_config, self.layer_ranges, self.max_seq_len,
+            self._head = Head(rdv, cfg, self.model_path,
+                              fingerprint(self.model_path, self.model_config, self.layer_ranges), self.max_seq_len,
                               log=(lambda text: print(f"ringshm: {text}", file=sys.stderr, flush=True))
                               if progress else (lambda text: None))
             plan = NodePlan(0, node_ranges, cfg.stages, master_addr, master_port, self._head.session,

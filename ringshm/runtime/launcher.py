@@ -141,6 +141,38 @@ def _child_env(gpu: int | None):
                 os.environ[k] = v
 
 
+# A stage process that finds itself re-running its parent's main module exits with this (EX_CONFIG).
+UNGUARDED_MAIN_EXIT = 78
+
+
+def refuse_in_spawn_bootstrap() -> None:
+    """Stop a process that is importing its parent's main module to start as a spawned child, before it starts
+    stages of its own.
+
+    Stages are spawned: each child first re-runs the parent script's top level (as ``__mp_main__``) to find the
+    function it runs. A script that starts an ``Engine`` at its top level, without an ``if __name__ ==
+    "__main__":`` guard, thus starts an Engine in every child during that bootstrap, which multiprocessing
+    refuses with a traceback per stage (~120 lines for 3 stages). ``multiprocessing`` marks the bootstrap with
+    ``current_process()._inheriting`` (its own check, ``spawn._check_not_importing_main``, reads the same flag);
+    then this exits at once and quietly with ``UNGUARDED_MAIN_EXIT``, which the parent turns into one error
+    saying what to add (``StageGroup.wait_ready``). Called first by ``Engine`` and ``StageGroup``.
+    """
+    from multiprocessing import current_process
+
+    if getattr(current_process(), "_inheriting", False):
+        raise SystemExit(UNGUARDED_MAIN_EXIT)
+
+
+def _unguarded_main_error(exc: StageDied) -> StageStartupError:
+    import sys
+
+    script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
+    return StageStartupError(
+        f"stage {exc.stage} stopped while it started: it re-ran the top level of {script} and met the code that "
+        f"starts the engine there. Stages are spawned processes that import the main module again: put the code "
+        f"that creates the Engine under `if __name__ == \"__main__\":`", exc.stage)
+
+
 def _cleanup(procs: list, rings: list[Ring]) -> None:
     """Last resort (GC / interpreter exit): kill the stages, reap them, unlink every ring."""
     for p in procs:
@@ -167,6 +199,7 @@ class StageGroup:
 
     def __init__(self, cfg: EngineConfig, model_path: str, layer_ranges: list[range], max_seq_len: int,
                  hidden: int, vocab: int, plan: NodePlan | None = None, n_blocks: int | None = None):
+        refuse_in_spawn_bootstrap()
         self.cfg, self.layer_ranges = cfg, layer_ranges
         self.plan = plan = plan or NodePlan(0, (range(cfg.stages),), cfg.stages)
         self.closed = False
@@ -276,6 +309,8 @@ class StageGroup:
                     raise StageStartupError(str(exc), exc.stage, exc.remote_type) from None
                 except StageDied as exc:
                     self._raise_load_error()  # a stage that failed to load wrote its error before it exited
+                    if exc.exitcode == UNGUARDED_MAIN_EXIT:
+                        raise _unguarded_main_error(exc) from None
                     raise StageStartupError(f"{exc} during startup", exc.stage) from None
                 if time.monotonic() > deadline:
                     raise StageStartupError(f"stages not ready within startup_timeout_s={self.cfg.startup_timeout_s}")
@@ -306,9 +341,10 @@ class StageGroup:
             if not p.is_alive():
                 code = p.exitcode
                 how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+                text = read_error(self.errors, i)  # what the stage wrote before it exited, if anything
                 layers = self.layer_ranges[i]
-                raise StageDied(f"stage {i} (pid {p.pid}, layers {layers.start}-{layers.stop - 1}) died: {how}",
-                                i, code)
+                raise StageDied(f"stage {i} (pid {p.pid}, layers {layers.start}-{layers.stop - 1}) died: {how}"
+                                + (f": {text}" if text else ""), i, code)
 
     def stage_status(self) -> list[dict]:
         """Every stage of the engine as this node sees it: ``{"stage", "node", "pid", "alive", "seen"}``.

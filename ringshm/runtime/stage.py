@@ -61,7 +61,9 @@ def stage_main(spec: StageSpec, status, errors=None) -> None:
     ``status``: the shared counters (``N_SLOTS`` doubles per stage). ``errors``: the shared error buffer
     (``ringshm.transport.error_buffer``, a slot per stage): a load error is written there, then the state
     becomes FAILED, before the process exits, so the coordinator always reads the stage's own error,
-    whichever it sees first.
+    whichever it sees first. Any other exception that ends the loop (outside an op: an op's own error is an
+    ERROR reply and the loop goes on) is written there too, and the process exits 1: a stage exits 0 only
+    after SHUTDOWN or when a peer is gone.
     """
     import signal
 
@@ -88,6 +90,7 @@ def stage_main(spec: StageSpec, status, errors=None) -> None:
     base = spec.index * N_SLOTS
     rin = Ring.attach(spec.in_ring, role="consumer")
     rout = Ring.attach(spec.out_ring, role="producer")
+    code = 1
     try:
         try:
             model = _load(spec)
@@ -99,13 +102,17 @@ def stage_main(spec: StageSpec, status, errors=None) -> None:
             return
         status[base + SLOT_STATE] = LOADED
         serve(model, spec, rin, rout, status)
+        code = 0  # SHUTDOWN
     except PeerDied:
-        pass  # upstream or downstream is gone: nothing left to serve
+        code = 0  # upstream or downstream is gone: nothing left to serve
+    except BaseException as exc:  # the loop itself broke (e.g. a record its output ring can never hold): say why
+        if errors is not None:
+            write_error(errors, spec.index, exc)
     finally:
         status[base + SLOT_STATE] = EXITED
         rin.close()
         rout.close()
-        os._exit(0)  # skip interpreter teardown (torch thread pools); the rings are closed
+        os._exit(code)  # skip interpreter teardown (torch thread pools); the rings are closed
 
 
 def _load(spec: StageSpec):

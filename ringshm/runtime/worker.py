@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from ringshm.transport.cluster import DEFAULT_PORT, Rendezvous, config_from_hello, fingerprint, join
+from ringshm.model.fingerprint import fingerprint
+from ringshm.transport.cluster import DEFAULT_PORT, Rendezvous, config_from_hello, join
 from ringshm.transport.error_buffer import read_error
 
 POLL_S = 0.1
