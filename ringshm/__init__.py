@@ -16,20 +16,26 @@ from ringshm.errors import (
     EdgeError,
     EngineClosed,
     EngineOwned,
+    InvalidCheckpoint,
     InvalidParameter,
     KVCacheOverflow,
+    MissingChatTemplate,
+    MissingTensor,
     PeerDied,
     QueueFull,
     QueueTimeout,
     RecordTooLarge,
     RequestFailed,
     ResourceShortage,
+    RingCorrupt,
     RingshmError,
     RingTimeout,
     StageDied,
     StageError,
     StageStalled,
     StageStartupError,
+    UnsupportedArchitecture,
+    UnsupportedQuantType,
 )
 from ringshm.transport.ring import Ring
 from ringshm.version import __version__
@@ -51,9 +57,10 @@ _LAZY = {
 }
 
 __all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "EdgeError", "EngineClosed", "EngineOwned",
-           "InvalidParameter", "KVCacheOverflow", "PeerDied",
-           "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage", "RingshmError",
-           "RingTimeout", "StageDied", "StageError", "StageStalled", "StageStartupError"]
+           "InvalidCheckpoint", "InvalidParameter", "KVCacheOverflow", "MissingChatTemplate", "MissingTensor",
+           "PeerDied", "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage",
+           "RingCorrupt", "RingshmError", "RingTimeout", "StageDied", "StageError", "StageStalled",
+           "StageStartupError", "UnsupportedArchitecture", "UnsupportedQuantType"]
 
 
 def __getattr__(name: str):

@@ -1,4 +1,5 @@
-"""The exception tree, and the one place where a C status code becomes an exception.
+"""The exception tree, and the one place where a C status code becomes an exception (``check_status``: the ring's,
+the kernels' and the matmul's codes).
 
 Each exception is also the builtin a caller would naturally catch (PyNaCl's pattern): a ring timeout is a
 ``TimeoutError``, a dead peer a ``BrokenPipeError``, an oversize record a ``ValueError``.
@@ -53,30 +54,6 @@ ERR_BAD_CAPACITY = -5
 ERR_STATE = -6
 ERR_PEER_CLOSED = -7
 
-_STATUS = {
-    ERR_TOO_BIG: (RecordTooLarge, "record larger than the ring can ever hold"),
-    ERR_CORRUPT: (RingCorrupt, "ring index or record header out of bounds (corrupted shared memory)"),
-    ERR_BAD_MAGIC: (SegmentMismatch, "bad magic: not a ringshm ring"),
-    ERR_BAD_VERSION: (SegmentMismatch, "ring layout version differs from this build's"),
-    ERR_BAD_CAPACITY: (SegmentMismatch, "capacity in the header is not a power of two that fits the segment"),
-    ERR_STATE: (RingStateError, "two-phase call out of order"),
-    ERR_PEER_CLOSED: (PeerDied, "the peer closed the ring"),
-}
-
-
-def check_status(status: int, context: str = "") -> int:
-    """Return ``status`` when it is ``OK`` or ``WOULD_BLOCK``; raise the matching exception otherwise.
-
-    Raises:
-        RecordTooLarge, RingCorrupt, SegmentMismatch, RingStateError, PeerDied: by C status code.
-        RingshmError: an unknown code (a build mismatch between Python and C).
-    """
-    if status >= 0:
-        return status
-    cls, what = _STATUS.get(status, (RingshmError, f"unknown C status {status}"))
-    raise cls(f"{context}: {what}" if context else what)
-
-
 # Model side: loading a checkpoint and addressing the KV cache (ringshm/model/loader.py, ringshm/model/stage_model.py).
 
 
@@ -89,11 +66,24 @@ class InvalidParameter(RingshmError, ValueError):
 
 
 class UnsupportedArchitecture(RingshmError, ValueError):
-    """A checkpoint's architecture is not one ringshm computes (Llama, Mistral, Qwen2)."""
+    """A checkpoint describes a model ringshm does not compute (another architecture, or a setting or tensor that
+    would change the math); the message names the field."""
 
 
-class MissingTensor(RingshmError, ValueError):
+class InvalidCheckpoint(RingshmError, ValueError):
+    """A model file (GGUF, or an HF directory's ``config.json`` / ``*.safetensors``) breaks a rule the checkpoint
+    check holds it to (``ringshm.model.checkpoint_check``: a value's type or range, a count or length the file
+    cannot hold, a tensor's type, shape or byte range); raised before any stage starts. The message is one line
+    naming the file, the key or tensor, the value found and what was expected."""
+
+
+class MissingTensor(InvalidCheckpoint):
     """A tensor the model needs is absent from the checkpoint; the message names it and the file."""
+
+
+class MissingChatTemplate(RingshmError, ValueError):
+    """Chat was asked of a model whose checkpoint carries no chat template (a base model such as Gemma 3 270M's
+    pretrained file): give a plain prompt, or a checkpoint with a template."""
 
 
 class UnsupportedQuantType(RingshmError, ValueError):
@@ -193,3 +183,61 @@ class RequestFailed(RingshmError, RuntimeError):
 class ReplyMismatch(RingshmError, RuntimeError):
     """A reply does not answer the op the coordinator expects next (row, sequence number or op differ):
     replies must come back in send order, and a mismatch is raised rather than mis-assigned."""
+
+
+# ------------------------------------------------------------------------ C status codes -> exceptions
+class KernelError(RingshmError, ValueError):
+    """A C kernel (csrc/kernels.h, matmul.h, layer.h) refused its arguments before it wrote anything: a shape, a
+    tensor's length, a weight type or overlapping buffers. The Python wrappers and the checkpoint check run first,
+    so this is a bug, or a malformed tensor that reached a kernel anyway; the message says what was refused."""
+
+
+# mirrored from csrc/kernels.h (enum ringshm_kernel_status) and csrc/matmul.h (enum ringshm_matmul_status)
+KERNEL_ERR_SHAPE = -16
+KERNEL_ERR_RANGE = -17
+KERNEL_ERR_LENGTH = -18
+MATMUL_ERR_TYPE = -32
+MATMUL_ERR_SHAPE = -33
+MATMUL_ERR_SIZE = -34
+MATMUL_ERR_ALIAS = -35
+
+_STATUS = {
+    ERR_TOO_BIG: (RecordTooLarge, "record larger than the ring can ever hold"),
+    ERR_CORRUPT: (RingCorrupt, "ring index or record header out of bounds (corrupted shared memory)"),
+    ERR_BAD_MAGIC: (SegmentMismatch, "bad magic: not a ringshm ring"),
+    ERR_BAD_VERSION: (SegmentMismatch, "ring layout version differs from this build's"),
+    ERR_BAD_CAPACITY: (SegmentMismatch, "capacity in the header is not a power of two that fits the segment"),
+    ERR_STATE: (RingStateError, "two-phase call out of order"),
+    ERR_PEER_CLOSED: (PeerDied, "the peer closed the ring"),
+    KERNEL_ERR_SHAPE: (KernelError, "bad shape (a dimension <= 0, head_dim not a multiple of 16 or too large, or Hq "
+                                    "not a multiple of Hkv)"),
+    KERNEL_ERR_RANGE: (KVRangeError, "positions out of range (past the RoPE tables), a block id outside the pool, a "
+                                     "block table too short for its positions, or KV read before it was written"),
+    KERNEL_ERR_LENGTH: (KernelError, "a tensor's length is not what the shape reads from it (a norm of fewer than "
+                                     "hidden floats, a bias of another width, RoPE tables of another size)"),
+    MATMUL_ERR_TYPE: (KernelError, "unknown weight type, or an ISA this CPU cannot run"),
+    MATMUL_ERR_SHAPE: (KernelError, "bad shape (M, N or K <= 0, K not a multiple of the block (32; 256 for the "
+                                    "K-quants), or an output row stride below 16 * ceil(N / 16))"),
+    MATMUL_ERR_SIZE: (KernelError, "a buffer's size does not match the shape (the packed weight, or a bias of "
+                                   "another length than N)"),
+    MATMUL_ERR_ALIAS: (KernelError, "the output overlaps x or the residual"),
+}
+
+
+def status_text(status: int) -> str:
+    """What a C status code means (the text ``check_status`` raises with)."""
+    return _STATUS[status][1] if status in _STATUS else f"unknown C status {status}"
+
+
+def check_status(status: int, context: str = "") -> int:
+    """Return ``status`` when it is ``OK`` or ``WOULD_BLOCK`` (>= 0); raise the matching exception otherwise.
+
+    Raises:
+        RecordTooLarge, RingCorrupt, SegmentMismatch, RingStateError, PeerDied: ring codes (csrc/ring.h).
+        KVRangeError: RINGSHM_KERNEL_ERR_RANGE. KernelError: the other kernel and matmul codes.
+        RingshmError: an unknown code (a build mismatch between Python and C).
+    """
+    if status >= 0:
+        return status
+    cls, what = _STATUS.get(status, (RingshmError, f"unknown C status {status}"))
+    raise cls(f"{context}: {what}" if context else what)

@@ -311,6 +311,7 @@ def test_the_head_ignores_answers_without_a_proof_and_admits_the_worker_that_has
     """A stranger who reaches the port (garbage, a non-object, a wrong proof, an unproven refusal) cannot end
     the head's wait; the real worker then joins."""
     from ringshm.config import EngineConfig
+    from ringshm.model.fingerprint import fingerprint
     from ringshm.model.loader import read_config
 
     port = free_port()
@@ -319,8 +320,8 @@ def test_the_head_ignores_answers_without_a_proof_and_admits_the_worker_that_has
     ranges = cfg.layer_ranges(mc.n_layers)
     box = {}
     head = threading.Thread(target=lambda: box.update(head=cluster.Head(
-        cluster.Rendezvous(0, "127.0.0.1", port, token="s3cret", wait_s=30), cfg, str(model_path), mc, ranges,
-        512)), daemon=True)
+        cluster.Rendezvous(0, "127.0.0.1", port, token="s3cret", wait_s=30), cfg, str(model_path),
+        fingerprint(model_path, mc, ranges), 512)), daemon=True)
     head.start()
     client = cluster._connect_store(cluster.Rendezvous(1, "127.0.0.1", port, wait_s=10), time.monotonic() + 10)
     client.wait([cluster.HELLO_KEY], timedelta(seconds=10))

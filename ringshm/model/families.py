@@ -104,6 +104,24 @@ GLOBAL_TENSORS = {  # role -> (GGUF name, HF name)
 }
 
 
+def wanted(cfg: ModelConfig, field: str, names: TensorNames) -> bool:
+    """Whether layer tensor ``field`` (a ``LayerWeights`` field) belongs to ``cfg``'s description: the fused
+    parts of Phi-3 are read as one, biases and q/k / post norms only where the config has them."""
+    if field in ("wk", "wv") and names.fused_qkv or field == "w_up" and names.fused_gate_up:
+        return False
+    if field in ("bq", "bk", "bv"):
+        return cfg.attention_bias
+    if field == "bo":
+        return cfg.o_bias
+    if field in ("b_gate", "b_up", "b_down"):
+        return cfg.mlp_bias and not (names.fused_gate_up and field == "b_up")
+    if field in ("q_norm", "k_norm"):
+        return cfg.qk_norm
+    if field in ("post_attn_norm", "post_ffn_norm"):
+        return cfg.post_norms
+    return True
+
+
 def _refuse(where: str, field: str, value, why: str = "") -> UnsupportedArchitecture:
     return UnsupportedArchitecture(f"{where}: {field} = {value!r} is not supported" + (f" ({why})" if why else ""))
 

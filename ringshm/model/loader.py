@@ -29,10 +29,11 @@ from pathlib import Path
 import torch
 
 from ringshm.config import ModelConfig
-from ringshm.errors import LayerRangeError, MissingTensor, UnsupportedArchitecture
+from ringshm.errors import LayerRangeError
 from ringshm.model import families
-from ringshm.model.qmatmul import RawWeight
-from ringshm.model.sources import GGUFSource, HFSource, Source, gguf_model_config, hf_model_config
+from ringshm.model.checkpoint_check import check_checkpoint
+from ringshm.model.qmatmul import RawWeight, count_nonfinite
+from ringshm.model.sources import GGUFSource, HFSource, Source
 
 log = logging.getLogger("ringshm.model.loader")
 
@@ -118,13 +119,16 @@ def check_layer_range(layer_range: range | tuple[int, int], n_layers: int) -> ra
 
 
 class Checkpoint:
-    """An opened checkpoint: its ``config`` and a way to load any stage's weights from it.
+    """An opened and checked checkpoint: its ``config`` and a way to load any stage's weights from it.
 
-    ``Checkpoint.open(path)`` takes a ``.gguf`` file or an HF directory holding ``config.json``.
+    ``Checkpoint.open(path)`` takes a ``.gguf`` file or an HF directory holding ``config.json`` and runs the
+    checkpoint check (``ringshm.model.checkpoint_check``) first: every tensor a stage reads is then present, of a
+    type the loader reads and of the shape the config implies, and nothing else is in the file.
 
     Raises:
-        FileNotFoundError: ``path`` is neither.
-        UnsupportedArchitecture: the architecture (or its RoPE scaling) is not one ringshm computes.
+        FileNotFoundError: ``path`` does not exist, or is neither.
+        InvalidCheckpoint (MissingTensor among them): the file breaks a rule (named in the message).
+        UnsupportedArchitecture: the architecture (or a setting or tensor) is not one ringshm computes.
     """
 
     def __init__(self, path: Path, source: Source, config: ModelConfig, gguf: bool) -> None:
@@ -132,14 +136,9 @@ class Checkpoint:
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
-        path = Path(path)
-        if path.is_file() and path.suffix == ".gguf":
-            src = GGUFSource(path)
-            return cls(path, src, gguf_model_config(src), gguf=True)
-        if path.is_dir() and (path / "config.json").is_file():
-            src = HFSource(path)
-            return cls(path, src, hf_model_config(path), gguf=False)
-        raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory with config.json")
+        checked = check_checkpoint(path)
+        src = GGUFSource(checked.path, checked.index) if checked.gguf else HFSource(checked.path, checked.index)
+        return cls(checked.path, src, checked.config, checked.gguf)
 
     def stage_bytes(self, layer_range: range | tuple[int, int], is_first: bool, is_last: bool, native: bool = True,
                     width: float = 4.0) -> tuple[int, list[str]]:
@@ -176,27 +175,25 @@ class Checkpoint:
     def load_stage(self, layer_range: range | tuple[int, int], is_first: bool, is_last: bool) -> StageWeights:
         """Read only the tensors of this stage: linear weights in their encoding, norms and biases as fp32.
 
+        What is read was checked when the checkpoint was opened (present, readable type, shape).
+
         Raises:
             LayerRangeError: ``layer_range`` empty or outside ``[0, n_layers)``.
-            MissingTensor: a tensor the stage needs is not in the checkpoint (named in the message).
-            UnsupportedQuantType: a needed GGUF tensor's type cannot be dequantized.
         """
         cfg = self.config
         r = check_layer_range(layer_range, cfg.n_layers)
         side = 0 if self.gguf else 1
         self._say_expanded(r, is_first, is_last)
 
-        def need(name: str, what: str) -> None:
-            if not self.source.has(name):
-                raise MissingTensor(f"tensor {name!r} ({what}) not found in {self.path}")
+        loaded: list[tuple[str, RawWeight | torch.Tensor]] = []  # what the stage read, for _say_nonfinite
 
-        def get(name: str, what: str) -> torch.Tensor:
-            need(name, what)
-            return self.source.get(name).to(torch.float32).contiguous()
+        def get(name: str) -> torch.Tensor:
+            loaded.append((name, self.source.get(name).to(torch.float32).contiguous()))
+            return loaded[-1][1]
 
-        def get_raw(name: str, what: str) -> RawWeight:
-            need(name, what)
-            return self.source.get_raw(name)
+        def get_raw(name: str) -> RawWeight:
+            loaded.append((name, self.source.get_raw(name)))
+            return loaded[-1][1]
 
         out = StageWeights(layer_range=r)
         names = families.TENSOR_NAMES[cfg.arch]
@@ -205,10 +202,9 @@ class Checkpoint:
             prefix = f"blk.{i}." if self.gguf else f"model.layers.{i}."
             w = {}
             for f, pair in names.layer.items():
-                if not _wanted(cfg, f, names):
-                    continue
-                name, what = prefix + pair[side], f"layer {i} {f}"
-                w[f] = get_raw(name, what) if f.startswith("w") else self._norm(get(name, what), f)
+                if families.wanted(cfg, f, names):
+                    name = prefix + pair[side]
+                    w[f] = get_raw(name) if f.startswith("w") else self._norm(get(name), f)
             if names.fused_qkv:  # rows [q | k | v] of one tensor
                 qkv = w.pop("wq")
                 w["wq"], w["wk"], w["wv"] = (qkv.rows(torch.arange(a, b)) for a, b in _splits(
@@ -223,17 +219,16 @@ class Checkpoint:
                     if f in w:
                         order = _unpermute_rows(torch.arange(w[f].shape[0]), n_heads)
                         w[f] = w[f].rows(order) if isinstance(w[f], RawWeight) else w[f][order].contiguous()
-            self._refuse_unread(prefix, {prefix + pair[side] for f, pair in names.layer.items()
-                                         if _wanted(cfg, f, names)}, f"layer {i}")
             out.layers.append(LayerWeights(**w))
         roles = {role: pair[side] for role, pair in families.GLOBAL_TENSORS.items()}
         if is_first or (is_last and cfg.tie_embeddings):
-            out.embed = get_raw(roles["embed"], "token embedding")
+            out.embed = get_raw(roles["embed"])
         if is_last:
-            out.norm = self._norm(get(roles["norm"], "final norm"), "norm")
-            out.lm_head = out.embed if cfg.tie_embeddings else get_raw(roles["lm_head"], "LM head")
+            out.norm = self._norm(get(roles["norm"]), "norm")
+            out.lm_head = out.embed if cfg.tie_embeddings else get_raw(roles["lm_head"])
             if not is_first:
                 out.embed = None  # held only as the tied head
+        _say_nonfinite(r, loaded)
         return out
 
     def _say_expanded(self, r: range, is_first: bool, is_last: bool) -> None:
@@ -257,31 +252,15 @@ class Checkpoint:
             return (w + self.config.norm_offset).contiguous()
         return w
 
-    def _refuse_unread(self, prefix: str, read: set[str], what: str) -> None:
-        """Refuse a checkpoint that holds a tensor of this layer the description does not read (a bias of a
-        config that says there is none, say): computing without it would be silently wrong."""
-        extra = sorted(n for n in self.source.names_under(prefix) if n not in read)
-        if extra:
-            raise UnsupportedArchitecture(f"{self.path}: {what} holds tensor(s) {', '.join(extra)} that the "
-                                          f"{self.config.arch} description does not read (its config does not say "
-                                          f"what they do): refusing rather than ignoring them")
-
-
-def _wanted(cfg: ModelConfig, field: str, names) -> bool:
-    """Whether layer tensor ``field`` belongs to ``cfg``'s description."""
-    if field in ("wk", "wv") and names.fused_qkv or field == "w_up" and names.fused_gate_up:
-        return False
-    if field in ("bq", "bk", "bv"):
-        return cfg.attention_bias
-    if field == "bo":
-        return cfg.o_bias
-    if field in ("b_gate", "b_up", "b_down"):
-        return cfg.mlp_bias and not (names.fused_gate_up and field == "b_up")
-    if field in ("q_norm", "k_norm"):
-        return cfg.qk_norm
-    if field in ("post_attn_norm", "post_ffn_norm"):
-        return cfg.post_norms
-    return True
+def _say_nonfinite(r: range, loaded: list[tuple[str, RawWeight | torch.Tensor]]) -> None:
+    """One line on stderr naming the tensors of this stage that hold NaN or Inf (values, or quantized blocks with
+    a non-finite scale: ``qmatmul.count_nonfinite``), so a broken file is said at load, not served as garbage."""
+    bad = [(name, *count_nonfinite(w)) for name, w in loaded]
+    bad = [(name, n, unit) for name, n, unit in bad if n]
+    if bad:
+        log.warning("layers %d-%d: %d tensor(s) hold NaN / Inf, which the model's outputs will carry: %s", r.start,
+                    r.stop - 1, len(bad), ", ".join(f"{name} ({n} {unit})" for name, n, unit in bad[:6])
+                    + (", ..." if len(bad) > 6 else ""))
 
 
 def _splits(widths: tuple[int, ...]) -> list[tuple[int, int]]:
@@ -306,8 +285,8 @@ def _unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def read_config(path: str | Path) -> ModelConfig:
-    """Return the ``ModelConfig`` of a ``.gguf`` file or an HF directory (see ``Checkpoint.open``)."""
-    return Checkpoint.open(path).config
+    """Return the ``ModelConfig`` of a ``.gguf`` file or an HF directory, checked (``check_checkpoint``)."""
+    return check_checkpoint(path).config
 
 
 def load_stage_weights(path: str | Path, layer_range: range | tuple[int, int], is_first: bool,

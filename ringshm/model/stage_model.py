@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from ringshm._C import ffi, lib
 from ringshm.config import DEFAULT_BLOCK_SIZE, ModelConfig
-from ringshm.errors import KVRangeError
+from ringshm.errors import KVRangeError, check_status
 from ringshm.model import kernels
 from ringshm.model.attention import (
     MAX_HEAD_DIM,
@@ -60,7 +60,6 @@ from ringshm.model.attention import (
 from ringshm.model.head import StageOutput, head_outputs, plan_head
 from ringshm.model.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
 from ringshm.model.qmatmul import BEST_ISA, PackedWeight, RawWeight, concat_rows, embed_rows
-from ringshm.model.qmatmul import status_text as qmatmul_status_text
 from ringshm.model.rope import rope_inv_freq
 from ringshm.transport.messages import (
     MAX_TOP_LOGPROBS,
@@ -141,16 +140,15 @@ class _Layer:
             setattr(c, field, ffi.cast("uint8_t *", pw.packed.data_ptr()))
             setattr(c, f"{field}_bytes", pw.nbytes)
 
-        def fp(t):
-            return ffi.NULL if t is None else ffi.cast("float *", t.data_ptr())
-
         c.qkv_split = int(split)
-        c.bqkv, c.bo, c.bgate_up, c.bdown = fp(self.bqkv), fp(self.wo.bias), fp(self.w_gate_up.bias), fp(
-            self.w_down.bias)
-        c.attn_norm, c.ffn_norm = fp(self.attn_norm), fp(self.ffn_norm)
-        c.q_norm, c.k_norm = fp(self.q_norm), fp(self.k_norm)
-        c.post_attn_norm, c.post_ffn_norm = fp(self.post_attn_norm), fp(self.post_ffn_norm)
-        c.cos, c.sin, c.window = fp(cos), fp(sin), window
+        for field, t in (("bqkv", self.bqkv), ("bo", self.wo.bias), ("bgate_up", self.w_gate_up.bias),
+                         ("bdown", self.w_down.bias), ("attn_norm", self.attn_norm), ("ffn_norm", self.ffn_norm),
+                         ("q_norm", self.q_norm), ("k_norm", self.k_norm), ("post_attn_norm", self.post_attn_norm),
+                         ("post_ffn_norm", self.post_ffn_norm), ("cos", cos), ("sin", sin)):
+            # the pointer and the elements behind it: the C layer reads no vector past its length (layer.h)
+            setattr(c, field, ffi.NULL if t is None else ffi.cast("float *", t.data_ptr()))
+            setattr(c, f"{field}_len", 0 if t is None else t.numel())
+        c.window = window
         c.kv = kv.c[0]
         return c
 
@@ -441,10 +439,8 @@ class StageModel:
                 ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
         for li, c in enumerate(self._c_layers):
             status = lib.ringshm_layer_forward(self._c_shape, c, *args)
-            if status:  # the Python checks ran first: a refusal here is a bug or a corrupted table
-                why = kernels.STATUS_TEXT.get(status) or qmatmul_status_text(status)
-                raise (KVRangeError if status == lib.RINGSHM_KERNEL_ERR_RANGE else ValueError)(
-                    f"layer {self.layer_range.start + li}: the C layer refused the op: {why}")
+            if status:  # the Python checks ran first: a refusal here is a bug or a malformed tensor
+                check_status(status, f"layer {self.layer_range.start + li}: the C layer refused the op")
         return h
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -2,25 +2,36 @@
 
 Building a tokenizer from GGUF metadata (vocab, merges, chat template) takes seconds, so the converted
 tokenizer is saved once under ``~/.cache/ringshm/tokenizers/<key>/`` and loaded from there afterwards. The
-key hashes the GGUF file's name, size and modification time: a changed file gets a new entry.
+key hashes the file's resolved path and its header (``ringshm.model.fingerprint.checkpoint_digest``: size,
+metadata, tokenizer, tensor table), so a file with another tokenizer never reads this one's entry, whatever
+its name, size and times.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from ringshm.errors import InvalidCheckpoint, MissingChatTemplate
+
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "ringshm"
 
 
 def tokenizer_cache_key(gguf_path: str | Path) -> str:
-    """Return the cache key of a GGUF file's tokenizer: sha256 of its name, size and mtime (ns), 16 hex."""
-    path = Path(gguf_path)
-    st = path.stat()
-    return hashlib.sha256(f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    """Return the cache key of a GGUF file's tokenizer: sha256 of its resolved path and its
+    ``checkpoint_digest`` (the whole header and the file's size), 16 hex digits.
+
+    Raises:
+        FileNotFoundError, InvalidCheckpoint: as ``GGUFIndex.open``.
+    """
+    from ringshm.model.fingerprint import checkpoint_digest
+
+    path = Path(gguf_path).resolve()
+    return hashlib.sha256(f"{path}|{checkpoint_digest(path)}".encode()).hexdigest()[:16]
 
 
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -37,6 +48,39 @@ def has_tokenizer(model_path: str | Path) -> bool:
     return GGUFIndex.open(path).meta.get("tokenizer.ggml.model") is not None
 
 
+CHAT_TEMPLATE_HELP = ("give a prompt without --chat / chat=True (or use /v1/completions), or a checkpoint that "
+                      "carries a template (an instruction-tuned '-it' / '-Instruct' file; an HF directory with "
+                      "'chat_template' in tokenizer_config.json or a chat_template.jinja)")
+
+
+def has_chat_template(model_path: str | Path) -> bool:
+    """Whether a ``.gguf`` file (``tokenizer.chat_template`` in its metadata) or an HF directory
+    (``chat_template`` in ``tokenizer_config.json``, or a ``chat_template.jinja`` / ``chat_template.json`` file)
+    carries a chat template. Reads the header or the small JSON only: no tokenizer is built."""
+    path = Path(model_path)
+    if path.is_dir():
+        if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+            return True
+        try:
+            return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+        except (OSError, ValueError, AttributeError):
+            return False
+    from ringshm.model.gguf_index import GGUFIndex
+
+    return isinstance(GGUFIndex.open(path).meta.get("tokenizer.chat_template"), str)
+
+
+def check_chat_template(model_path: str | Path) -> None:
+    """Refuse chat on a checkpoint without a chat template, before anything starts.
+
+    Raises:
+        MissingChatTemplate: it carries none (the message names the file and what to do instead).
+    """
+    if not has_chat_template(model_path):
+        raise MissingChatTemplate(f"{model_path} carries no chat template, so it cannot format a chat: "
+                                  f"{CHAT_TEMPLATE_HELP}")
+
+
 def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None = None):
     """Return a transformers tokenizer (with its chat template) for a ``.gguf`` file or an HF directory.
 
@@ -44,21 +88,44 @@ def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None = None):
     and saves the result under ``cache_dir`` (default ``~/.cache/ringshm``)/tokenizers/<key>; later calls
     load the saved copy. An HF directory is loaded as is.
 
+    An HF directory's tokenizer may hold fewer tokens than the embedding has rows (padded vocabularies), never
+    more: an id past the rows has no embedding. (A GGUF's token list must equal the rows: the checkpoint check.)
+
     Raises:
         FileNotFoundError: ``model_path`` is neither a ``.gguf`` file nor a directory.
+        InvalidCheckpoint: an HF tokenizer with more tokens than the config's ``vocab_size``, or tokenizer files /
+            metadata transformers cannot build a tokenizer from (its error, in one line).
     """
     from transformers import AutoTokenizer  # heavy import, only when a tokenizer is wanted
 
     path = Path(model_path)
+
+    def build(source: Path, **kw):
+        """transformers' tokenizer; its own errors on malformed tokenizer data (KeyError, TypeError, OSError,
+        ...) as one InvalidCheckpoint line naming the checkpoint."""
+        try:
+            return AutoTokenizer.from_pretrained(str(source), **kw)
+        except Exception as exc:
+            what = "tokenizer files" if path.is_dir() else "GGUF tokenizer metadata"
+            raise InvalidCheckpoint(f"{path}: transformers could not build a tokenizer from its {what} "
+                                    f"({type(exc).__name__}: {' '.join(str(exc).split())[:300]})") from exc
+
     if path.is_dir():
-        return AutoTokenizer.from_pretrained(str(path))
+        from ringshm.model.hf_index import MAX_CONFIG_BYTES, read_json_object
+
+        tok = build(path)
+        vocab = read_json_object(path / "config.json", MAX_CONFIG_BYTES).get("vocab_size")
+        if isinstance(vocab, int) and len(tok) > vocab:
+            raise InvalidCheckpoint(f"{path}: the tokenizer holds {len(tok)} tokens but 'vocab_size' (the "
+                                    f"embedding's rows) is {vocab}: ids past it have no embedding")
+        return tok
     if not (path.is_file() and path.suffix == ".gguf"):
         raise FileNotFoundError(f"{path} is neither a .gguf file nor a model directory")
     root = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
     entry = root / "tokenizers" / tokenizer_cache_key(path)
     if (entry / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(entry))
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = build(path.parent, gguf_file=path.name)
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=entry.parent))
     try:
@@ -105,11 +172,16 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     ``apply_chat_template(..., tokenize=True)`` exactly.
 
     Raises:
+        MissingChatTemplate: the tokenizer has no chat template.
         ValueError: a content is not valid Unicode, or the template alters contents (so they cannot be
             tokenised apart from it).
     """
     import re
     import secrets
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise MissingChatTemplate(f"the model's tokenizer carries no chat template, so it cannot format a chat: "
+                                  f"{CHAT_TEMPLATE_HELP}")
 
     key = secrets.token_hex(6)
     marks = [f"\ue000{key}:{i}\ue001" for i in range(len(messages))]

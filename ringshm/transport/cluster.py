@@ -35,9 +35,8 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from pathlib import Path
 
-from ringshm.config import EngineConfig, ModelConfig
+from ringshm.config import EngineConfig
 from ringshm.errors import ClusterRefused
 
 HELLO_KEY = "ringshm/hello"
@@ -97,26 +96,6 @@ class Rendezvous:
                 return s.getsockname()[0]
             except OSError:
                 return "127.0.0.1"
-
-
-def fingerprint(model_path: str | Path, mc: ModelConfig, layer_ranges: list[range], samples: int = 64) -> str:
-    """A sha256 over the model config, the layer split and the checkpoint's bytes where they differ between
-    models: each tensor file's size, its first MiB (GGUF metadata and tensor table; a safetensors header) and
-    ``samples`` 4 KiB blocks spread over it. Cheap for any size (a full hash of a 70 GB file takes minutes),
-    and a different quantization, fine-tune or split changes it."""
-    h = hashlib.sha256()
-    h.update(json.dumps(asdict(mc), sort_keys=True).encode())
-    h.update(json.dumps([[r.start, r.stop] for r in layer_ranges]).encode())
-    p = Path(model_path)
-    for f in [p] if p.is_file() else sorted(p.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(str(size).encode())
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-            for i in range(samples):
-                fh.seek(i * size // samples)
-                h.update(fh.read(4096))
-    return h.hexdigest()
 
 
 def _proof(token: str | None, message: str) -> str:
@@ -228,7 +207,8 @@ class Head:
 
     Args:
         rdv: where to meet (``node_rank`` must be 0). cfg: the engine config (sent to the workers).
-        model_path / mc / layer_ranges: the model and split (their fingerprint goes into the HELLO).
+        model_path: the model (its path goes into the HELLO). model_fingerprint: the model's and the split's
+            (``ringshm.model.fingerprint.fingerprint``), which every worker's own must equal.
         max_seq_len: KV positions per row (the head's cap, so every node sizes its cache alike).
         log: where progress lines go (waiting for node r, refused answers).
 
@@ -239,8 +219,8 @@ class Head:
         KeyboardInterrupt: a stop signal arrived while waiting.
     """
 
-    def __init__(self, rdv: Rendezvous, cfg: EngineConfig, model_path: str, mc: ModelConfig,
-                 layer_ranges: list[range], max_seq_len: int, log=lambda text: None):
+    def __init__(self, rdv: Rendezvous, cfg: EngineConfig, model_path: str, model_fingerprint: str,
+                 max_seq_len: int, log=lambda text: None):
         if rdv.node_rank != 0:
             raise ValueError(f"the coordinator is node 0, got node_rank={rdv.node_rank}: run `ringshm worker` on "
                              f"the other nodes")
@@ -249,7 +229,7 @@ class Head:
         self.store, self.address = _serve_store(rdv)
         nonce = secrets.token_hex(16)
         hello = {"wire": wire_version(), "session": self.session, "nnodes": cfg.nnodes, "config": asdict(cfg),
-                 "model": model_path, "fingerprint": fingerprint(model_path, mc, layer_ranges),
+                 "model": model_path, "fingerprint": model_fingerprint,
                  "max_seq_len": max_seq_len, "nonce": nonce}
         self.store.set(HELLO_KEY, json.dumps(hello))
         self.hosts = [rdv.local_addr()] + [""] * (cfg.nnodes - 1)

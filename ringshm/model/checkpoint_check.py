@@ -1,0 +1,360 @@
+"""A model file is untrusted input: one pass over a checkpoint's description, in the coordinator, before any stage
+starts or anything is allocated. ``check_checkpoint(path)`` returns the ``ModelConfig`` it describes, or raises
+one error naming the file, the key or tensor, the value found and what was expected.
+
+What it holds the checkpoint to (the README's "What a checkpoint must satisfy" lists it for users):
+
+1. The container: a GGUF header (``ringshm.model.gguf_index``) or an HF directory's ``config.json`` and
+   safetensors headers (``ringshm.model.hf_index``), read with every count and length bounded by the file and
+   by caps, so that a hostile header is refused in bounded time and memory.
+2. Every metadata value ringshm or its tokenizer reads has its type and range (``ringshm.model.metadata_rules``):
+   integers where integers (a bool, a float or an array is not one), finite numbers (NaN and inf are refused),
+   counts and widths between 1 and a cap, the context length at most ``MAX_CONTEXT``, heads dividing, token
+   ids inside the vocabulary, required keys present.
+3. The tensors are exactly what the family description reads (``expected_tensors``): each present, of a type
+   it can read (norms and biases F32 / F16 / BF16 with exactly their width of elements: a norm must hold
+   ``hidden`` values, not fewer, and not as Q8_0), of the shape the config implies; a tensor it would not read
+   is refused (``UnsupportedArchitecture``), as is a layer the config does not count. Where a tensor lies in
+   the file (offset, size, alignment, overlaps) is the container's check (1).
+4. One vocabulary: the embedding's rows are the vocabulary size (they size the reply ring and the LM head), and
+   the metadata's ``vocab_size`` and the GGUF tokenizer's token list must be that size.
+
+Everything here reads the header and metadata only (and the 64 floats of a Llama 3 ``rope_freqs.weight``), and
+imports no torch: the CLI runs it before torch loads.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ringshm.config import ModelConfig
+from ringshm.errors import InvalidCheckpoint, MissingTensor, RingshmError, UnsupportedArchitecture
+from ringshm.model import families
+from ringshm.model.gguf_index import GGUFIndex
+from ringshm.model.hf_index import HFIndex
+from ringshm.model.metadata_rules import (
+    GGUF_REQUIRED,
+    GGUF_RULES,
+    HF_REQUIRED,
+    HF_RULES,
+    MAX_HEAD_DIM,
+    MAX_VOCAB,
+    SHOW,
+    TOKEN_ID_KEY,
+    TOKENIZER_ARRAYS,
+    TOKENIZER_RULES,
+    bad_value,
+    int_in,
+)
+
+FLOATS = ("F32", "F16", "BF16")  # the types a norm, bias or (HF) weight may have
+
+@dataclass(frozen=True)
+class CheckedCheckpoint:
+    """A checkpoint that passed: its path, whether it is a GGUF file, its index (``GGUFIndex`` or ``HFIndex``) and
+    the ``ModelConfig`` it describes."""
+
+    path: Path
+    gguf: bool
+    index: GGUFIndex | HFIndex
+    config: ModelConfig
+
+
+def check_checkpoint(path: str | Path) -> CheckedCheckpoint:
+    """Check the ``.gguf`` file or HF directory at ``path`` (module docstring) and return what it describes.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist, or is neither a ``.gguf`` file nor a directory with
+            ``config.json`` (the message says which).
+        InvalidCheckpoint: a value, count, length or tensor breaks a rule (``MissingTensor``, a subclass: a
+            tensor the description reads is absent).
+        UnsupportedArchitecture: a valid checkpoint of a model ringshm does not compute (by name).
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path {path} does not exist")
+    if path.is_file() and path.suffix == ".gguf":
+        index = GGUFIndex.open(path)
+        return CheckedCheckpoint(path, True, index, check_gguf(index))
+    if path.is_dir() and (path / "config.json").is_file():
+        index = HFIndex.open(path)
+        return CheckedCheckpoint(path, False, index, check_hf(index))
+    raise FileNotFoundError(f"model path {path} is neither a .gguf file nor a directory with config.json")
+
+
+def _wrap_family_errors(fn, where: str, *args) -> ModelConfig:
+    """``fn(*args)`` (a families reader); a ``ValueError`` it raises that is not one of ringshm's own (the config's
+    own range checks) becomes an InvalidCheckpoint naming ``where``."""
+    try:
+        return fn(*args)
+    except RingshmError:
+        raise
+    except (ValueError, TypeError, KeyError) as exc:
+        raise InvalidCheckpoint(f"{where}: {exc}") from None
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+def check_gguf(index: GGUFIndex) -> ModelConfig:
+    """The ``ModelConfig`` of a GGUF file whose header ``index`` read, after rules 2-4 of the module docstring.
+
+    Raises:
+        InvalidCheckpoint, MissingTensor, UnsupportedArchitecture: as ``check_checkpoint``.
+    """
+    where, meta = str(index.path), index.meta
+
+    def label(key: str) -> str:
+        return f"{where}: metadata {key!r}"
+
+    def value(key: str):
+        if key in index.array_lengths:
+            raise InvalidCheckpoint(f"{label(key)} is an array of {index.array_lengths[key]} "
+                                    f"{index.array_types[key]}: expected one value")
+        return meta.get(key)
+
+    arch = value("general.architecture")
+    if not isinstance(arch, str):
+        raise bad_value(label("general.architecture"), arch, "the architecture's name (a string)")
+    if arch not in families.GGUF_ARCHS.values():
+        families.gguf_config({}, set(), arch, where, 1, None)  # raises UnsupportedArchitecture naming it
+    for key, rule in GGUF_RULES.items():
+        full = f"{arch}.{key}"
+        if full in meta:
+            rule(label(full), meta[full])
+        elif full in index.array_lengths:
+            value(full)  # an array too long to hold a value ringshm reads: refused, naming it
+        elif key in GGUF_REQUIRED:
+            raise InvalidCheckpoint(f"{label(full)} is missing: a {arch} checkpoint must say it")
+    for key, rule in TOKENIZER_RULES.items():
+        if key in meta:
+            rule(label(key), meta[key])
+        elif key in index.array_lengths:
+            value(key)
+    for key, etype in TOKENIZER_ARRAYS.items():
+        if key in meta and key not in index.array_lengths:
+            raise bad_value(label(key), meta[key], f"an array of {etype}")
+        if key in index.array_types and index.array_types[key] != etype:
+            raise InvalidCheckpoint(f"{label(key)} is an array of {index.array_types[key]}: expected {etype}")
+
+    embed = index.tensors.get("token_embd.weight")
+    if embed is None:
+        raise MissingTensor(f"{where}: tensor 'token_embd.weight' (the token embedding) not found")
+    if len(embed.shape) != 2:
+        raise InvalidCheckpoint(f"{where}: tensor 'token_embd.weight' has shape {list(embed.shape)}: expected 2-D "
+                                f"[hidden, vocab] (GGUF order)")
+    vocab = embed.shape[1]
+    if not 1 <= vocab <= MAX_VOCAB:
+        raise bad_value(f"{where}: tensor 'token_embd.weight''s rows (the vocabulary)", vocab, f"1 to {MAX_VOCAB}")
+    for key in (f"{arch}.vocab_size",):
+        if key in meta and meta[key] != vocab:
+            raise InvalidCheckpoint(f"{label(key)} = {meta[key]} but token_embd.weight has {vocab} rows: the "
+                                    f"embedding's rows are the vocabulary")
+    n_tokens = index.array_lengths.get("tokenizer.ggml.tokens")
+    if n_tokens is not None:
+        if n_tokens != vocab:
+            raise InvalidCheckpoint(f"{label('tokenizer.ggml.tokens')} holds {n_tokens} tokens but token_embd.weight "
+                                    f"has {vocab} rows: the tokenizer and the embedding must agree")
+        for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+            if key in index.array_lengths and index.array_lengths[key] != n_tokens:
+                raise InvalidCheckpoint(f"{label(key)} holds {index.array_lengths[key]} entries: expected one per "
+                                        f"token, {n_tokens}")
+    for key in sorted(k for k in meta if TOKEN_ID_KEY.fullmatch(k)):
+        int_in(0, vocab - 1)(label(key), value(key))
+
+    p = lambda key, default=None: meta.get(f"{arch}.{key}", default)  # noqa: E731
+    n_heads, n_kv = p("attention.head_count"), p("attention.head_count_kv", p("attention.head_count"))
+    if n_heads % n_kv:
+        raise InvalidCheckpoint(f"{label(f'{arch}.attention.head_count')} = {n_heads} is not a multiple of "
+                                f"{arch}.attention.head_count_kv = {n_kv}: each KV head serves a whole group")
+    if p("attention.key_length") is None and p("embedding_length") % n_heads:
+        raise InvalidCheckpoint(f"{label(f'{arch}.embedding_length')} = {p('embedding_length')} is not a multiple "
+                                f"of {arch}.attention.head_count = {n_heads}, and no attention.key_length says the "
+                                f"head width")
+    head_dim = p("attention.key_length", p("embedding_length") // n_heads)
+    if head_dim % 2 or head_dim > MAX_HEAD_DIM:
+        raise bad_value(f"{where}: the head width ({arch}.attention.key_length, or embedding_length / head_count)",
+                   head_dim, f"an even number <= {MAX_HEAD_DIM}")
+    if p("rope.scaling.type") == "linear" and p("rope.scaling.factor") is None:
+        raise InvalidCheckpoint(f"{label(f'{arch}.rope.scaling.factor')} is missing: rope.scaling.type 'linear' "
+                                f"needs it")
+    pattern = p("attention.sliding_window_pattern")
+    if isinstance(pattern, list) and len(pattern) != p("block_count"):
+        raise InvalidCheckpoint(f"{label(f'{arch}.attention.sliding_window_pattern')} holds {len(pattern)} flags: "
+                                f"expected one per layer, {p('block_count')}")
+    _check_layer_count(where, f"metadata '{arch}.block_count'", p("block_count"), index.tensors, "blk.")
+
+    rope_freqs = None
+    if "rope_freqs.weight" in index.tensors:
+        t = index.tensors["rope_freqs.weight"]
+        if t.qtype != 0 or t.shape != (head_dim // 2,):
+            raise InvalidCheckpoint(f"{where}: tensor 'rope_freqs.weight' is type {_type_name(t.qtype)} shape "
+                                    f"{list(t.shape)}: expected F32 [{head_dim // 2}] (head_dim / 2)")
+        rope_freqs = np.frombuffer(index.raw("rope_freqs.weight"), dtype="<f4").tolist()
+        if not all(math.isfinite(x) and x > 0 for x in rope_freqs):
+            raise InvalidCheckpoint(f"{where}: tensor 'rope_freqs.weight' holds {SHOW.repr(rope_freqs)}: expected "
+                                    f"finite factors > 0")
+    keys = dict(meta)
+    keys.update({k: None for k in index.array_lengths if k not in keys})  # long arrays are audited by name
+    cfg = _wrap_family_errors(families.gguf_config, where, keys, set(index.tensors), arch, where, vocab, rope_freqs)
+    _check_tensors(where, cfg, True, {n: (_type_name(t.qtype), tuple(reversed(t.shape))) for n, t in
+                                     index.tensors.items()})
+    return cfg
+
+
+NATIVE_GGUF_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+
+
+@functools.cache
+def readable_gguf_type(name: str) -> bool:
+    """Whether the loader reads GGUF weights of type ``name``: in their encoding (``NATIVE_GGUF_TYPES``, the C
+    matmul's), or dequantized by ``gguf.quants`` (Q2_K, Q3_K, the IQ types: one block of zeros tells)."""
+    if name in NATIVE_GGUF_TYPES:
+        return True
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    try:
+        qt = GGMLQuantizationType[name]
+        quants.dequantize(np.zeros(GGML_QUANT_SIZES[qt][1], dtype=np.uint8), qt)
+    except (KeyError, NotImplementedError, ValueError):
+        return False
+    return True
+
+
+def _type_name(qtype: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(qtype).name
+    except ValueError:
+        return f"ggml type {qtype}"
+
+
+# -------------------------------------------------------------------------------------------------- HF
+def check_hf(index: HFIndex) -> ModelConfig:
+    """The ``ModelConfig`` of an HF directory whose ``config.json`` and shard headers ``index`` read, after rules
+    2-4 of the module docstring.
+
+    Raises:
+        InvalidCheckpoint, MissingTensor, UnsupportedArchitecture: as ``check_checkpoint``.
+    """
+    c = index.config
+    where = str(index.path / "config.json")
+    for key in HF_REQUIRED:
+        if key not in c:
+            raise InvalidCheckpoint(f"{where}: {key!r} is missing: a config must say it")
+    HF_RULES["model_type"](f"{where}: 'model_type'", c["model_type"])
+    if c["model_type"] not in families.HF_TYPES:
+        families.hf_config(c, where)  # raises UnsupportedArchitecture naming it
+    for key, rule in HF_RULES.items():
+        if key in c:
+            rule(f"{where}: {key!r}", c[key])
+    vocab = c["vocab_size"]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        ids = c.get(key)
+        for t in ids if isinstance(ids, list) else [ids]:
+            if t is not None and t >= vocab:
+                raise InvalidCheckpoint(f"{where}: {key!r} = {ids}: a token id must be below vocab_size {vocab}")
+    n_heads, n_kv = c["num_attention_heads"], c.get("num_key_value_heads") or c["num_attention_heads"]
+    if n_heads % n_kv:
+        raise InvalidCheckpoint(f"{where}: 'num_attention_heads' = {n_heads} is not a multiple of "
+                                f"'num_key_value_heads' = {n_kv}: each KV head serves a whole group")
+    if not c.get("head_dim") and c["hidden_size"] % n_heads:
+        raise InvalidCheckpoint(f"{where}: 'hidden_size' = {c['hidden_size']} is not a multiple of "
+                                f"'num_attention_heads' = {n_heads}, and no 'head_dim' says the head width")
+    head_dim = c.get("head_dim") or c["hidden_size"] // n_heads
+    if head_dim % 2:
+        raise bad_value(f"{where}: the head width ('head_dim', or hidden_size / num_attention_heads)", head_dim,
+                   "an even number")
+    _check_layer_count(where, "'num_hidden_layers'", c["num_hidden_layers"], index.tensors, "model.layers.")
+    cfg = _wrap_family_errors(families.hf_config, where, c, where)
+    embed = index.tensors.get(families.GLOBAL_TENSORS["embed"][1])
+    if embed is not None and len(embed.shape) == 2 and embed.shape[0] != vocab:
+        raise InvalidCheckpoint(f"{where}: 'vocab_size' = {vocab} but model.embed_tokens.weight has {embed.shape[0]} "
+                                f"rows: the embedding's rows are the vocabulary")
+    _check_tensors(str(index.path), cfg, False, {n: (t.dtype, t.shape) for n, t in index.tensors.items()})
+    return cfg
+
+
+# -------------------------------------------------------------------------------------------- tensors
+@dataclass(frozen=True)
+class Expect:
+    """What the description reads under one tensor name: its shape (torch order, outermost first), whether it is
+    a matmul weight (any type the loader reads) or a vector (norm, bias: floats only), and what it is for."""
+
+    shape: tuple[int, ...]
+    weight: bool
+    what: str
+
+
+def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False) -> dict[str, Expect]:
+    """Every tensor the family description of ``cfg`` reads, by its GGUF (``gguf``) or HF name, with its shape.
+
+    Layer ``i``'s fields are ``families.TENSOR_NAMES[cfg.arch]`` that ``families.wanted`` keeps; fused Phi-3
+    tensors are ``[q + 2 kv, hidden]`` and ``[2 I, hidden]``; the LM head only when not tied; GGUF's
+    ``rope_freqs.weight`` ``[head_dim / 2]`` when ``rope_freqs``.
+    """
+    h, q, kv, inter, d = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate, cfg.head_dim
+    names = families.TENSOR_NAMES[cfg.arch]
+    shapes = {
+        "attn_norm": (h,), "ffn_norm": (h,), "post_attn_norm": (h,), "post_ffn_norm": (h,), "q_norm": (d,),
+        "k_norm": (d,), "wq": (q + 2 * kv if names.fused_qkv else q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
+        "w_gate": (2 * inter if names.fused_gate_up else inter, h), "w_up": (inter, h), "w_down": (h, inter),
+        "bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (h,), "b_gate": (2 * inter if names.fused_gate_up else inter,),
+        "b_up": (inter,), "b_down": (h,),
+    }
+    side = 0 if gguf else 1
+    out = {}
+    for i in range(cfg.n_layers):
+        prefix = f"blk.{i}." if gguf else f"model.layers.{i}."
+        for field, pair in names.layer.items():
+            if families.wanted(cfg, field, names):
+                out[prefix + pair[side]] = Expect(shapes[field], field.startswith("w"), f"layer {i} {field}")
+    roles = {role: pair[side] for role, pair in families.GLOBAL_TENSORS.items()}
+    out[roles["embed"]] = Expect((cfg.vocab, h), True, "token embedding")
+    out[roles["norm"]] = Expect((h,), False, "final norm")
+    if not cfg.tie_embeddings:
+        out[roles["lm_head"]] = Expect((cfg.vocab, h), True, "LM head")
+    if rope_freqs:
+        out["rope_freqs.weight"] = Expect((d // 2,), False, "Llama 3 RoPE frequency factors")
+    return out
+
+
+def _check_layer_count(where: str, label: str, n_layers: int, tensors, prefix: str) -> None:
+    """``n_layers`` may not exceed the layers the file holds tensors for."""
+    found = {int(m.group(1)) for n in tensors if (m := re.match(re.escape(prefix) + r"(\d+)\.", n))}
+    held = max(found) + 1 if found else 0
+    if n_layers > held:
+        raise InvalidCheckpoint(f"{where}: {label} = {n_layers} but the file holds tensors for "
+                                + (f"layers 0-{held - 1} only" if held else "no layer"))
+
+
+def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+    """Every tensor of ``found`` (name -> (type name, torch-order shape)) against ``expected_tensors``."""
+    want = expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found)
+    for name, e in want.items():
+        if name not in found:
+            raise MissingTensor(f"{where}: tensor {name!r} ({e.what}) not found")
+        tname, shape = found[name]
+        if shape != e.shape:
+            raise InvalidCheckpoint(f"{where}: tensor {name!r} ({e.what}) has shape {list(shape)}: expected "
+                                    f"{list(e.shape)} (torch order) for this config")
+        ok = (readable_gguf_type(tname) if gguf else tname in FLOATS) if e.weight else tname in FLOATS
+        if not ok:
+            expected = ("a type the loader dequantizes" if gguf else "F32, F16 or BF16") if e.weight else \
+                f"{', '.join(FLOATS)} ({'norm' if 'norm' in e.what else 'bias'} values are read as floats)"
+            raise InvalidCheckpoint(f"{where}: tensor {name!r} ({e.what}) is {tname}: expected {expected}")
+    extra = sorted(set(found) - set(want))
+    if extra:
+        layer_of = re.compile(r"(?:blk|model\.layers)\.(\d+)\.")
+        beyond = [n for n in extra if (m := layer_of.match(n)) and int(m.group(1)) >= cfg.n_layers]
+        if beyond:
+            raise InvalidCheckpoint(f"{where}: tensor {beyond[0]!r} belongs to a layer past the config's "
+                                    f"{cfg.n_layers} layers")
+        raise UnsupportedArchitecture(f"{where}: tensor(s) {', '.join(extra[:6])}{', ...' if len(extra) > 6 else ''} "
+                                      f"are not read by the {cfg.arch} description (its config does not say what "
+                                      f"they do): refusing rather than ignoring them")
