@@ -22,6 +22,7 @@ import json
 import signal
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 from ringshm.config import DEFAULT_BLOCK_SIZE
 from ringshm.errors import ClusterRefused, RequestFailed, ResourceShortage, StageDied, StageError, StageStartupError
@@ -252,21 +253,35 @@ def _generate_batch(a: argparse.Namespace) -> int:
 
 
 def _check_engine(a: argparse.Namespace) -> None:
-    """The engine options, checked before torch is imported or any stage starts (loading takes seconds)."""
+    """The engine options and the model file, checked before torch is imported or any stage starts (loading
+    takes seconds; the checkpoint check reads only the file's header, ringshm.model.checkpoint_check)."""
     from ringshm.config import EngineConfig
+    from ringshm.model.checkpoint_check import check_checkpoint
 
     EngineConfig(**{k: v for k, v in _engine_kwargs(a).items() if k != "model" and k not in RENDEZVOUS_KEYS})
     if a.node_rank != 0:
         raise ValueError(f"--node-rank {a.node_rank}: generate / serve run the coordinator, node 0; start the other "
                          f"nodes with `ringshm worker --node-rank N`")
+    if a.model is not None and not Path(a.model).exists():
+        raise FileNotFoundError(f"--model {a.model}: the path does not exist")
+    check_checkpoint(_model_path(a))
+
+
+def _model_path(a: argparse.Namespace) -> Path:
+    from ringshm.model.packaged import default_model_path
+
+    return Path(a.model) if a.model is not None else default_model_path()
 
 
 def _check_early(a: argparse.Namespace) -> None:
     """What ``generate`` can check before any stage starts."""
     from ringshm.config import GenerationParams
+    from ringshm.model.tokenizer import check_chat_template
 
     _check_engine(a)
     GenerationParams(max_new_tokens=a.max_new_tokens, **_sampling(a))
+    if a.chat:
+        check_chat_template(_model_path(a))
     if a.max_new_tokens >= a.max_seq_len:
         raise ValueError(f"--max-new-tokens {a.max_new_tokens} leaves no room for a prompt in --max-seq-len "
                          f"{a.max_seq_len}: lower --max-new-tokens or raise --max-seq-len")
@@ -317,19 +332,19 @@ def _generate(a: argparse.Namespace) -> int:
 
 
 def _serve(a: argparse.Namespace) -> int:
-    from ringshm.server.listen import bind_listener
-
-    # Arguments and the port first, before torch and the stages: a mistake costs a second, not a model load.
-    _check_serve(a)
-    sock = bind_listener(a.host, a.port)
     # serve blocks SIGINT / SIGTERM / SIGHUP while the engine starts (ringshm.server.process.serve). Block them
-    # before torch is imported: the thread it starts inherits the mask, so a signal stays pending for the main
-    # thread (which the startup waits check, ringshm.transport.cluster.check_interrupted) instead of being
-    # dropped on a thread that ignores it.
+    # before any thread starts (torch's; numpy's BLAS pool, which the checkpoint check below imports): a thread
+    # inherits the mask, so a signal stays pending for the main thread (which the startup waits check,
+    # ringshm.transport.cluster.check_interrupted) instead of being dropped on a thread that ignores it.
     from multiprocessing import resource_tracker
+
+    from ringshm.server.listen import bind_listener
 
     resource_tracker.ensure_running()  # it unblocks the stop signals when it starts (ringshm.server.process)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+    # Arguments, the model file and the port, before torch and the stages: a mistake costs a second, not a load.
+    _check_serve(a)
+    sock = bind_listener(a.host, a.port)
     from ringshm.server.process import serve
 
     return serve(a.host, a.port, sock=sock, max_waiting=a.max_waiting, graceful_s=a.graceful_timeout,
@@ -365,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "worker":
             with _exit_on_signals():
                 return _worker(args)
-    except (ValueError, FileNotFoundError) as exc:  # bad input: a clear message, no traceback
-        print(f"ringshm: error: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as exc:  # bad input (a malformed model file too): one line, no traceback
+        print(f"ringshm: error: {' '.join(str(exc).split())}", file=sys.stderr)
         return 2
     except StageStartupError as exc:
         print(f"ringshm: error: a stage could not start: {exc}", file=sys.stderr)

@@ -199,12 +199,13 @@ def test_a_worker_that_waited_long_for_its_head_still_gets_the_heads_answer_in_t
     hello = {"wire": cluster.wire_version(), "session": "s", "nnodes": 3, "config": {"startup_timeout_s": 30},
              "model": "m", "fingerprint": "f", "max_seq_len": 64, "nonce": "n"}
     store.set(cluster.HELLO_KEY, json.dumps(hello))
-    store.wait(["ringshm/node2"], timedelta(seconds=10))
+    store.wait(["ringshm/join2"], timedelta(seconds=10))  # node 2 answered: its nonce is queued
     while time.monotonic() < t0 + wait_s + 0.5:  # node 1 has not come yet: node 2's original deadline passes
         time.sleep(0.1)
-    answer = json.loads(store.get("ringshm/node2"))
-    store.set(f"ringshm/ack2/{answer['nonce']}",
-              json.dumps({"ok": True, "proof": cluster._proof(None, f"head:2:{answer['nonce']}"), "hosts": []}))
+    theirs = store.get("ringshm/join2").decode().split("\n")[0]
+    assert json.loads(store.get(f"ringshm/node2/{theirs}"))["nonce"] == theirs
+    store.set(f"ringshm/ack2/{theirs}",
+              json.dumps({"ok": True, "proof": cluster._proof(None, f"head:2:{theirs}"), "hosts": []}))
     node2.join(10)
     assert not isinstance(box.get("node2"), Exception), box
     assert box["node2"]["session"] == "s"

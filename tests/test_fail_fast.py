@@ -70,6 +70,24 @@ def test_an_argument_error_exits_2_before_torch_loads(args, words):
     _assert_refused(out, took_s, *words)
 
 
+def test_a_model_path_that_does_not_exist_exits_2_at_once_saying_so():
+    out, took_s = _ringshm("generate", "--model", "/no/such/dir/model.gguf", "Hi")
+    _assert_refused(out, took_s, "/no/such/dir/model.gguf", "does not exist")
+    code = ("import sys; from ringshm.cli import main; rc = main(['generate', '--model', '/no/such.gguf', 'Hi']); "
+            "print(rc, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert out.stdout.split() == ["2", "False"], out
+
+
+def test_chat_with_a_model_that_has_no_chat_template_is_refused_before_the_stages_load():
+    """Gemma 3 270M's (pretrained) file carries no template: transformers' raw error came after the stages loaded."""
+    from ringshm.model.packaged import gemma3_270m_path
+
+    gemma = gemma3_270m_path()
+    out, took_s = _ringshm("generate", "--model", str(gemma), "--chat", "Hi")
+    _assert_refused(out, took_s, str(gemma), "no chat template", "without --chat")
+
+
 def test_the_argument_checks_do_not_import_torch():
     code = ("import sys; from ringshm.cli import main; rc = main(['generate', '--stages', '0', 'Hi']); "
             "assert rc == 2 and 'torch' not in sys.modules, (rc, 'torch' in sys.modules); print('ok')")

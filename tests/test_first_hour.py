@@ -42,6 +42,15 @@ def test_import_ringshm_does_not_import_torch_and_engine_names_load_lazily():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_the_errors_the_readme_names_are_importable_from_ringshm_without_torch():
+    code = ("import sys; from ringshm import (RingCorrupt, UnsupportedArchitecture, MissingTensor, InvalidCheckpoint, "
+            "MissingChatTemplate, UnsupportedQuantType, RingshmError); "
+            "assert issubclass(MissingTensor, InvalidCheckpoint) and issubclass(InvalidCheckpoint, ValueError); "
+            "assert issubclass(InvalidCheckpoint, RingshmError); assert 'torch' not in sys.modules; print('ok')")
+    out = _run("-c", code)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 def test_unknown_name_on_the_package_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'Engin'"):
         ringshm.Engin  # noqa: B018
@@ -121,18 +130,44 @@ def test_the_default_engine_fits_this_machine(model_path):
 
 
 def test_a_stage_that_cannot_load_always_reports_its_own_error_never_its_exit_code(tmp_path):
-    # Stage 0 lacks layer 0, so it fails at once; its error used to lose a race against its exit code.
+    # Stage 0 lacks layer 0, so it fails at once; its error used to lose a race against its exit code. The
+    # coordinator's checkpoint check now refuses such a file before stages start (test_engine_faults), so the
+    # stages are started here without it: the launcher alone, as a worker host starts them.
+    from ringshm.engine.coordinator import Link
+    from ringshm.runtime.launcher import StageGroup
+
     (tmp_path / "config.json").write_text(
         '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, '
         '"intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3, '
         '"vocab_size": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256, '
         '"tie_word_embeddings": true}')
     save_file({"model.embed_tokens.weight": torch.zeros(128, 64)}, str(tmp_path / "model.safetensors"))
+    cfg = EngineConfig(stages=3, prefill_chunk=64, max_rows=1, max_seq_len=256)
     for attempt in range(3):
-        with pytest.raises(StageStartupError) as info:
-            Engine(tmp_path, stages=3, **KW)
+        group = StageGroup(cfg, str(tmp_path), [range(i, i + 1) for i in range(3)], 256, hidden=64, vocab=128)
+        try:
+            with pytest.raises(StageStartupError) as info:
+                group.wait_ready(Link(group.rings[0], group.rings[-1], group.check, 10.0, 0.0), progress=False)
+        finally:
+            group.close()
         msg = str(info.value)
-        assert "MissingTensor" in msg and "exit code" not in msg, f"attempt {attempt}: {msg}"
+        assert "InvalidCheckpoint" in msg and "exit code" not in msg, f"attempt {attempt}: {msg}"
+
+
+def test_a_script_without_the_main_guard_gets_one_error_saying_what_to_add(tmp_path, model_path):
+    """Each spawned stage re-runs the script's top level and met Engine() there: a traceback per stage and the
+    script's own (~120 lines for 3 stages), "stage 0 ... exit code 1 during startup". Now the stages stop quietly
+    and the script gets one error (one stage here: two tracebacks before)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from ringshm import Engine\n\nengine = Engine({str(model_path)!r}, stages=1, progress=False, "
+                      f"max_rows=1, max_seq_len=128)\nprint(engine.generate('Hi', max_new_tokens=1).text)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    assert err.count("Traceback") == 1 and len(err.splitlines()) < 15, err
+    assert 'if __name__ == "__main__":' in err and str(script) in err, err
+    assert [s for s in list_segments() if s.startswith(f"/ringshm-{proc.pid}-")] == []
 
 
 # ---------------------------------------------------------------------------------- one small engine
@@ -164,8 +199,8 @@ def test_a_prompt_of_the_wrong_kind_raises_value_error_before_anything_is_sent(e
     (dict(temperature=float("nan")), "temperature must be a finite number"),
     (dict(temperature=float("inf")), "temperature must be a finite number"),
     (dict(top_p=float("nan")), "top_p must be a finite number"),
-    (dict(seed=True), "seed must be an int"),
-    (dict(stop=[""]), "stop must be non-empty strings"),
+    (dict(seed=True), r"seed must be None or an int in \[-2\*\*63"),
+    (dict(stop=[""]), "stop must be a non-empty string or a list of them"),
 ])
 def test_non_finite_or_mistyped_sampling_values_raise_value_error_up_front(engine, params, match):
     ops = engine.stage_ops()

@@ -177,6 +177,19 @@ def test_a_lone_surrogate_gets_400_with_a_plain_message(serve_fake, path, body):
     assert "TextEncodeInput" not in err["message"]  # no tokenizer internals
 
 
+def test_chat_with_a_model_without_a_chat_template_gets_400_saying_so_not_the_roles(serve_fake):
+    srv = serve_fake()
+    srv.aengine.engine.tokenizer.chat_template = None  # as a base model's (Gemma 3 270M's file carries none)
+    status, body, _ = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                        "max_tokens": 1})
+    assert status == 400, body
+    err = _error(body)
+    assert "no chat template" in err["message"] and "roles" not in err["message"], err
+    assert err["param"] == "messages"
+    status, body, _ = srv.post("/v1/completions", {"prompt": "Hi", "max_tokens": 1})  # plain text still works
+    assert status == 200, body
+
+
 def test_chat_content_is_tokenised_as_plain_text_so_it_cannot_forge_a_system_turn(serve_fake):
     srv = serve_fake()
     tok = srv.aengine.engine.tokenizer

@@ -56,7 +56,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ringshm.engine.async_engine import AsyncEngine
-from ringshm.errors import StageDied, StageStalled
+from ringshm.errors import MissingChatTemplate, StageDied, StageStalled
 from ringshm.model.tokenizer import encode_chat, load_tokenizer
 from ringshm.server.connection import ClientWatch
 from ringshm.server.http_errors import add_error_handlers
@@ -279,6 +279,8 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
                                           lambda tok: encode_chat(tok, messages))
             except ApiError:
                 raise
+            except MissingChatTemplate as exc:  # a base model: no template at all (say so, not "the roles")
+                raise bad_request(str(exc), "messages") from None
             except Exception as exc:  # the template refused the conversation (e.g. roles out of order)
                 log.info("chat template refused a request: %s", exc)
                 raise bad_request("messages do not fit the model's chat template (check the roles and their "

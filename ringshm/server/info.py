@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI
 
 from ringshm.engine.async_engine import AsyncEngine
+from ringshm.errors import MissingChatTemplate
 from ringshm.model.tokenizer import encode_chat
 from ringshm.server.openai_schema import (
     ApiError,
@@ -67,6 +68,8 @@ def add_info_routes(app: FastAPI, aengine: AsyncEngine, served: ServedModels, to
                                           lambda tok: encode_chat(tok, messages, body.add_generation_prompt))
             except ApiError:
                 raise
+            except MissingChatTemplate as exc:  # a base model: no template at all (say so, not "the roles")
+                raise bad_request(str(exc), "messages") from None
             except Exception:  # the template refused the conversation (e.g. roles out of order)
                 raise bad_request("messages do not fit the model's chat template (check the roles and their "
                                   "order)", "messages") from None
