@@ -35,6 +35,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from oracle_gguf import same_name_maps
 from zoo_convert import gguf_name_map, gguf_role, llama3_rope_factors, unpermute_qk, write_gguf
 from zoo_quant import make_weight, recipe_file_type, tensor_type
 
@@ -207,8 +208,9 @@ def load_transformers(hf_dir: str | Path, gguf_file: str | None = None, **kwargs
     logging.disable_progress_bar()
     logging.set_verbosity_error()
     try:
-        out = AutoModelForCausalLM.from_pretrained(str(hf_dir), gguf_file=gguf_file, dtype=torch.float32,
-                                                   attn_implementation="eager", **kwargs)
+        with same_name_maps():  # one tensor-name map per model, not one per module (tests/oracle_gguf.py)
+            out = AutoModelForCausalLM.from_pretrained(str(hf_dir), gguf_file=gguf_file, dtype=torch.float32,
+                                                       attn_implementation="eager", **kwargs)
     finally:
         logging.set_verbosity(verbosity)
         if bar:
