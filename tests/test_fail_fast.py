@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from ringshm.transport.segment import list_segments, process_start_time
@@ -99,13 +100,17 @@ def _sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # a background shell job would start with SIGINT ignored
 
 
-def _stage_pids(parent: int) -> list[int]:
-    children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+def stage_pids(parent: int) -> list[int]:
+    """The stage processes under ``parent`` (children of its fork server, ringshm.runtime.launcher)."""
+    try:
+        below = psutil.Process(parent).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
     pids = []
-    for c in children:
+    for c in below:
         try:
-            if open(f"/proc/{c}/cmdline", "rb").read().startswith(b"ringshm stage"):
-                pids.append(int(c))
+            if open(f"/proc/{c.pid}/cmdline", "rb").read().startswith(b"ringshm stage"):
+                pids.append(c.pid)
         except OSError:
             pass
     return pids
@@ -122,8 +127,10 @@ def test_a_stop_signal_while_the_stages_load_stops_them_at_once_and_says_so(comm
                             stderr=subprocess.PIPE, preexec_fn=_sigint_as_in_a_terminal, env=dict(os.environ))
     try:
         deadline = time.monotonic() + 60
-        while len(stages := _stage_pids(proc.pid)) < 3:  # spawned: they are importing torch and loading now
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()
+        while len(stages := stage_pids(proc.pid)) < 3:  # spawned: they are importing torch and loading now
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()  # stderr's end of file comes only once the process is gone
+                pytest.fail(f"3 stages did not appear: {proc.communicate()[1].decode()}")
             time.sleep(0.02)
         t0 = time.monotonic()
         proc.send_signal(sig)

@@ -22,6 +22,7 @@ from ringshm.engine.engine import Engine
 from ringshm.model.loader import read_config
 from ringshm.runtime.resources import check_memory, ring_capacities
 from ringshm.transport.segment import Segment, list_segments, process_start_time
+from test_fail_fast import stage_pids
 
 KW = dict(prefill_chunk=64, max_rows=1, max_seq_len=256, progress=False)
 pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
@@ -255,8 +256,7 @@ def test_a_signal_to_generate_closes_the_engine_and_exits_with_the_conventional_
         assert proc.stdout.read(1), "no output"  # generating: every stage is up
         segments = [s for s in list_segments() if s.startswith(f"/ringshm-{proc.pid}-")]
         assert len(segments) == 3
-        children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
-        stages = [int(c) for c in children if open(f"/proc/{c}/cmdline", "rb").read().startswith(b"ringshm stage")]
+        stages = stage_pids(proc.pid)
         assert len(stages) == 2
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)

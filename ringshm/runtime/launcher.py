@@ -1,10 +1,11 @@
-"""Stage processes and the rings between them: spawn, wait until every stage answers, watch, stop.
+"""Stage processes and the rings between them: start (from a fork server, ``process_context``), wait until every
+stage answers, watch, stop.
 
 Topology: coordinator ──ring 0──▶ stage 0 ──ring 1──▶ … ──ring N-1──▶ stage N-1 ──ring N──▶ coordinator.
 
-Device binding: ``device="cuda"`` gives stage i GPU ``i % torch.cuda.device_count()`` by setting
-``CUDA_VISIBLE_DEVICES`` for that child before it starts (spawn), so the process sees only its GPU before
-torch initialises CUDA. ``device="cpu"``: the stages share this process's CPU affinity (``cores``); before
+Device binding: ``device="cuda"`` gives stage i GPU ``i % torch.cuda.device_count()``: the stage sets
+``CUDA_VISIBLE_DEVICES`` first thing (``StageSpec.gpu``), so the process sees only its GPU before torch
+initialises CUDA. ``device="cpu"``: the stages share this process's CPU affinity (``cores``); before
 each op a stage takes ``cores // (stages computing right now)`` torch threads (``stage.ThreadPicker``), so a
 single stream's decode, which visits the stages one at a time, uses every core, and a pipelined prefill,
 which keeps them all busy, does not oversubscribe; while other processes hold the cores a stage runs on one.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import sys
 import time
 import weakref
 from contextlib import contextmanager
@@ -123,12 +125,11 @@ _CHILD_ENV = {"GOMP_SPINCOUNT": "5000"}
 
 
 @contextmanager
-def _child_env(gpu: int | None):
-    """The environment one stage child starts with (spawn copies the parent's at start): its GPU in
-    CUDA_VISIBLE_DEVICES, and libgomp's spin count (see _CHILD_ENV) unless already set."""
+def _child_env():
+    """The environment the fork server starts with, and so every stage and bridge forked from it: libgomp's
+    spin count (see _CHILD_ENV) unless already set. (Each stage's GPU is set by the stage itself, before CUDA
+    starts: StageSpec.gpu.)"""
     changes = {k: v for k, v in _CHILD_ENV.items() if k not in os.environ}
-    if gpu is not None:
-        changes["CUDA_VISIBLE_DEVICES"] = str(gpu)
     old = {k: os.environ.get(k) for k in changes}
     os.environ.update(changes)
     try:
@@ -139,6 +140,32 @@ def _child_env(gpu: int | None):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# What the fork server imports once, so that a stage or bridge forked from it starts without importing them (torch
+# alone took 2.7 s of CPU per process on this 2-vCPU VM: a 3-stage engine was ready in 5.1 s, now ~1 s after the
+# first; README, "Start-up").
+FORKSERVER_PRELOAD = ["torch", "ringshm._C", "ringshm.runtime.stage", "ringshm.model.loader",
+                      "ringshm.model.stage_model", "ringshm.transport.bridge"]
+
+
+def process_context():
+    """The multiprocessing context stages and bridges start from: ``forkserver``, whose server (one per parent
+    process, started at the first engine and kept until the parent exits) has imported FORKSERVER_PRELOAD.
+
+    A fork server, not plain ``fork``: the server is a fresh process (started by fork + exec, without the
+    caller's threads, CUDA context or locks), so forking it is safe whatever the caller does; not ``spawn``,
+    which re-imports torch in every child. Neither CUDA nor OpenMP's threads start in the server (torch starts
+    both lazily): each stage picks its GPU and thread count before its first op. The caller's main module is
+    not preloaded: each child imports it as spawn's children do (``refuse_in_spawn_bootstrap``).
+    """
+    from multiprocessing import forkserver
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORKSERVER_PRELOAD)
+    with _child_env():  # libgomp reads its spin count when torch loads it, i.e. in the server
+        forkserver.ensure_running()
+    return ctx
 
 
 # A stage process that finds itself re-running its parent's main module exits with this (EX_CONFIG).
@@ -160,16 +187,16 @@ def refuse_in_spawn_bootstrap() -> None:
     from multiprocessing import current_process
 
     if getattr(current_process(), "_inheriting", False):
-        raise SystemExit(UNGUARDED_MAIN_EXIT)
+        # os._exit, not SystemExit: a forked server's child turns any exception of its bootstrap into exit 1
+        sys.stdout.flush()
+        os._exit(UNGUARDED_MAIN_EXIT)
 
 
 def _unguarded_main_error(exc: StageDied) -> StageStartupError:
-    import sys
-
     script = getattr(sys.modules.get("__main__"), "__file__", None) or "the main script"
     return StageStartupError(
         f"stage {exc.stage} stopped while it started: it re-ran the top level of {script} and met the code that "
-        f"starts the engine there. Stages are spawned processes that import the main module again: put the code "
+        f"starts the engine there. Each stage process imports the main module again: put the code "
         f"that creates the Engine under `if __name__ == \"__main__\":`", exc.stage)
 
 
@@ -224,7 +251,7 @@ class StageGroup:
         self.bridges: list[tuple[object, int, int, int]] = []  # (process, edge, rank, remote stage)
         self._children: list = []  # stages and bridges: what the finalizer reaps
         self._finalizer = weakref.finalize(self, _cleanup, self._children, self.rings)
-        ctx = mp.get_context("spawn")
+        ctx = process_context()
         self.status = ctx.Array("d", n * N_SLOTS, lock=False)
         self.errors = ctx.Array("c", (n + 3) * ERROR_BYTES, lock=False)  # each stage's / bridge's error, if any
         cores = len(os.sched_getaffinity(0))
@@ -239,11 +266,11 @@ class StageGroup:
                                  out_ring=ring_of[i + 1].name, cores=cores,
                                  ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms,
                                  max_op_tokens=cfg.max_op_tokens, node=plan.node, block_size=cfg.block_size,
-                                 n_blocks=n_blocks, kv_dtype=cfg.kv_cache_dtype)
-                with _child_env((i - local.start) % n_gpus if n_gpus else None):
-                    p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors), daemon=True,
-                                    name=f"ringshm-stage-{i}")
-                    p.start()
+                                 n_blocks=n_blocks, kv_dtype=cfg.kv_cache_dtype,
+                                 gpu=(i - local.start) % n_gpus if n_gpus else None)
+                p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors), daemon=True,
+                                name=f"ringshm-stage-{i}")
+                p.start()
                 self.procs.append(p)
                 self._children.append(p)
             for k, (edge, rank, remote) in enumerate(plan.edges()):

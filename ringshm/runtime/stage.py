@@ -25,7 +25,7 @@ STARTING, LOADED, FAILED, EXITED = 0.0, 1.0, 2.0, 3.0
 
 @dataclass(frozen=True)
 class StageSpec:
-    """Everything a stage process needs, as plain values (pickled once by ``spawn`` at process start; the
+    """Everything a stage process needs, as plain values (pickled once at process start; the
     rings themselves carry no pickle)."""
 
     index: int
@@ -47,6 +47,7 @@ class StageSpec:
     n_blocks: int | None = None  # KV blocks in each layer's pool (the engine's KV budget); None: max_rows full rows
     kv_dtype: str = "float32"  # what the KV blocks store (EngineConfig.kv_cache_dtype)
     node: int = 0  # the host it runs on (ringshm.transport.cluster): set explicitly, never inferred from shared memory
+    gpu: int | None = None  # device="cuda": the GPU this stage binds (CUDA_VISIBLE_DEVICES, set before CUDA starts)
 
 
 def process_title(spec: StageSpec) -> str:
@@ -71,6 +72,8 @@ def stage_main(spec: StageSpec, status, errors=None) -> None:
 
     from ringshm.transport.segment import exit_with_parent
 
+    if spec.gpu is not None:  # before CUDA starts (torch starts it at the first CUDA call, not at import)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(spec.gpu)
     setproctitle(process_title(spec))
     exit_with_parent()  # a stage lives no longer than the engine or worker that started it (kill -9 included)
     # A stage belongs to its coordinator: it ends on SHUTDOWN, or when the coordinator (its ring peer) is
