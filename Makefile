@@ -73,7 +73,7 @@ demo-ring: install
 
 # One line per test file with its dots and the share done (not -q: a 10-minute run of bare dots says nothing).
 test: install test-c
-	@echo "ringshm: running the test suite (about 10 min on 2 quiet cores; the model, server and multi-host files are the slow ones)"
+	@echo "ringshm: running the test suite (about 17 min on 2 quiet cores; the model, server and multi-host files are the slow ones)"
 	$(PYTHON) -m pytest $(PYTEST_ARGS)
 
 # C-only, under AddressSanitizer + UBSan: the ring with two threads hammering it, the matmul's portable path
