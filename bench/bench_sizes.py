@@ -21,7 +21,7 @@ and ffn_down on the layers it picks and for the head) and random blocks drawn fr
 Per model, one stage of ringshm and llama.cpp with 2 threads (its own process, ``bench_peers.LlamaPeer``):
 - load: wall time from nothing to ready (ringshm: ``Engine(...)`` with its stage processes and the tokenizer;
   llama.cpp: its child process started and the model loaded). ringshm's stages fork from a fork server that
-  has imported torch (``ringshm.runtime.launcher.process_context``), started once per process: its start is
+  has imported torch (``ringshm.runtime.process_start.process_context``), started once per process: its start is
   timed on its own before the first model and printed under the table (add it to a single cold start);
 - memory: ringshm's stage RSS and PSS after the runs; llama.cpp's RSS after the runs minus its process's before
   the load (both map the file: its pages count once touched);
@@ -203,7 +203,7 @@ def test_sizes_ringshm_vs_llama_cpp(benchmark, figures):
     table = {}
 
     def run():
-        from ringshm.runtime.launcher import process_context
+        from ringshm.runtime.process_start import process_context
 
         t0 = time.perf_counter()
         process_context()

@@ -24,13 +24,8 @@ from ringshm.engine.scheduler import Scheduler, StepStats
 from ringshm.engine.spec import NGramDrafter, SpecStats
 from ringshm.engine.spec_decode import SpecDecoder
 from ringshm.errors import EngineOwned, InvalidParameter
-from ringshm.runtime.launcher import (
-    NodePlan,
-    StageGroup,
-    connect_timeout_s,
-    default_depth,
-    refuse_in_spawn_bootstrap,
-)
+from ringshm.runtime.launcher import NodePlan, StageGroup, connect_timeout_s, default_depth
+from ringshm.runtime.process_start import refuse_in_spawn_bootstrap
 from ringshm.runtime.resources import check_memory
 from ringshm.transport.cluster import DEFAULT_PORT, TOKEN_ENV, Head, Rendezvous
 
