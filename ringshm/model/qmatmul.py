@@ -50,12 +50,6 @@ ISA_NAMES = {lib.RINGSHM_ISA_PORTABLE: "portable", lib.RINGSHM_ISA_AVX2: "avx2",
 BEST_ISA: int = lib.ringshm_isa_best()
 """The path this CPU runs (cpuid): ``lib.RINGSHM_ISA_AVX512``, ``_AVX2`` or ``_PORTABLE``."""
 
-def _check(status: int, what: str) -> None:
-    """C status → exception (``ringshm.errors.check_status``: KernelError, a ValueError); the Python checks run
-    first, so reaching it means bad bytes or a bug."""
-    check_status(status, what)
-
-
 def type_name(qtype: int) -> str:
     return TYPE_NAMES.get(qtype, f"ggml type {qtype}")
 
@@ -230,12 +224,12 @@ class PackedWeight:
         self.qtype, self.n, self.k = raw.qtype, raw.n, raw.k
         self.n_padded = (raw.n + 15) // 16 * 16
         size = lib.ringshm_qmat_packed_bytes(raw.qtype, raw.n, raw.k)
-        _check(size, "PackedWeight")
+        check_status(size, "PackedWeight")
         self.packed = torch.empty(int(size), dtype=torch.uint8)
         src = raw.data.contiguous()
-        _check(lib.ringshm_qmat_pack(raw.qtype, ffi.cast("uint8_t *", src.data_ptr()), src.numel(), raw.n, raw.k,
-                                     ffi.cast("uint8_t *", self.packed.data_ptr()), self.packed.numel()),
-               "PackedWeight")
+        check_status(lib.ringshm_qmat_pack(raw.qtype, ffi.cast("uint8_t *", src.data_ptr()), src.numel(), raw.n,
+                                           raw.k, ffi.cast("uint8_t *", self.packed.data_ptr()), self.packed.numel()),
+                     "PackedWeight")
         if bias is not None:
             bias = bias.detach().to("cpu", torch.float32).contiguous()
             if tuple(bias.shape) != (raw.n,):
@@ -284,5 +278,5 @@ class PackedWeight:
                                          res_ptr, ldr,
                                          torch.get_num_threads() if threads is None else threads, isa)
         if status < 0:
-            _check(status, f"matmul {self!r}")
+            check_status(status, f"matmul {self!r}")
         return out if self.n_padded == self.n else out[:, : self.n].contiguous()
