@@ -224,11 +224,6 @@ _STATUS = {
 }
 
 
-def status_text(status: int) -> str:
-    """What a C status code means (the text ``check_status`` raises with)."""
-    return _STATUS[status][1] if status in _STATUS else f"unknown C status {status}"
-
-
 def check_status(status: int, context: str = "") -> int:
     """Return ``status`` when it is ``OK`` or ``WOULD_BLOCK`` (>= 0); raise the matching exception otherwise.
 
