@@ -83,7 +83,8 @@ class Link:
         ``timeout_s`` (default ``op_timeout_s``) bounds the wait.
 
         Raises:
-            ReplyMismatch: the reply answers another op (seq, op or segment table differ).
+            ReplyMismatch: the reply answers another op (seq, op or segment table differ, but for segments a
+                stage skipped: ``messages.same_table``).
             StageError (KVCacheOverflow for KV range errors): a stage failed the op.
             StageDied, RingTimeout: as ``send``.
         """
@@ -98,7 +99,7 @@ class Link:
             self.from_last.release()
         m.hold_until_delivered(reply, self.link_latency_ms)
         want = self.pending.popleft()
-        if reply.seq != want.seq or reply.segments != want.segments or not reply.is_reply:
+        if reply.seq != want.seq or not m.same_table(want.segments, reply.segments) or not reply.is_reply:
             raise ReplyMismatch(f"expected the reply to seq {want.seq} ({m.OP_NAMES.get(want.op)}, segments "
                                 f"{_rows(want.segments)}), got seq {reply.seq} ({m.OP_NAMES.get(reply.op)}, "
                                 f"segments {_rows(reply.segments)})")
@@ -177,7 +178,8 @@ class Stream:
     ``logprobs`` / ``prompt_logprobs``: None, or the top-k count of each generated token's / prompt token's
     logprobs (``GenerationParams``), which collect in ``token_logprobs`` (one ``TokenLogprob`` per token) and
     ``prompt_token_logprobs`` (None for the first prompt token, then one per prompt token, filled as the prefill
-    chunks are answered).
+    chunks are answered). ``skip_marked``: it ended with ops in flight and the stages were told to skip the rest
+    of it (``ringshm.engine.scheduler``).
     """
 
     index: int
@@ -205,6 +207,7 @@ class Stream:
     cache_salt: str | None = None
     n_preemptions: int = 0
     error: BaseException | None = None
+    skip_marked: bool = False
 
     @property
     def done(self) -> bool:

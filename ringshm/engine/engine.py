@@ -266,7 +266,7 @@ class Engine:
         return Scheduler(self._link, list(streams), cfg.max_rows, cfg.prefill_chunk,
                          cfg.prefill_depth if prefill_depth is None else prefill_depth,
                          self.depth if depth is None else depth, cfg.step_tokens, self._job, kv=self.kv,
-                         prefix_cache=cfg.prefix_cache)
+                         prefix_cache=cfg.prefix_cache, ended=self._group.ended)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> Iterator[TokenEvent]:
         """Generate, yielding a ``TokenEvent`` (token id and text delta) per committed token.

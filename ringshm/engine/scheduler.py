@@ -24,7 +24,10 @@ plain stream never has two ops in flight. Two windows bound what is in flight: a
 carry decode/verify segments (the pipeline's micro-batches) and at most ``prefill_depth`` ops that carry
 prefill chunks; an op with both counts against both, and a kind whose window is full waits for the next op.
 Waiting requests take free rows (``max_rows``) in arrival order; a finished or cancelled stream frees its
-row once no op of it is in flight.
+row once no op of it is in flight. A stream that ends with ops in flight (cancelled, failed, or finished with
+verify segments out) has its row marked in ``ended``, shared with the stages, so that no stage computes the rest
+of it (``ringshm.transport.messages``: ended streams are skipped); from then on none of its KV enters the prefix
+cache, since a stage may have skipped writing it. The mark is cleared when the row is given to the next stream.
 
 Every stage applies ops in arrival order, every row has its own KV, and the kernels compute each token's
 row the same way whatever else shares the op (batch invariance, ``ringshm.model.stage_model``), so every stream gets
@@ -43,7 +46,7 @@ from ringshm.engine.coordinator import Link, Stream, TokenEvent
 from ringshm.engine.kv_blocks import KVBlocks
 from ringshm.engine.logprobs import cut, sampled_logprob, split_reply
 from ringshm.engine.spec_decode import VerifyTag
-from ringshm.errors import RingTimeout
+from ringshm.errors import ReplyMismatch, RingTimeout
 from ringshm.transport import messages as m
 
 PREFILL, DECODE, VERIFY = 0, 1, 2  # what a segment is to the coordinator (the stage only sees the table)
@@ -78,8 +81,9 @@ class StepTag:
 @dataclass
 class StepStats:
     """Counters over a scheduler's life: step ops sent, segments and tokens they carried, ops that carried
-    more than one segment (batched steps), streams preempted for want of KV blocks, and the most streams that held
-    a row at once (``peak_rows``)."""
+    more than one segment (batched steps), streams preempted for want of KV blocks, the most streams that held
+    a row at once (``peak_rows``), and the segments and tokens a stage skipped because their stream had ended
+    (``skipped_segments``, ``skipped_tokens``: work a cancelled request did not cost)."""
 
     ops: int = 0
     segments: int = 0
@@ -87,6 +91,8 @@ class StepStats:
     multi_segment_ops: int = 0
     preemptions: int = 0
     peak_rows: int = 0
+    skipped_segments: int = 0
+    skipped_tokens: int = 0
 
 
 class Scheduler:
@@ -99,19 +105,24 @@ class Scheduler:
         max_rows: stream slots (streams live at once; they reserve no KV).
         prefill_chunk: most prompt tokens per prefill segment. prefill_depth: ops with prefill chunks in
             flight. depth: ops with decode/verify segments in flight. max_step_tokens: token budget of one
-            op for prefill chunks (decode and verify segments always go in). job: the job id on the wire.
+            op for prefill chunks (decode and verify segments always go in). job: the job id on the wire. ended: the per-row marks shared with the stages (a writable sequence
+            of ``max_rows`` bytes: ``StageGroup.ended``); None: nothing is skipped.
 
     Raises:
         ValueError: a limit < 1, or a stream with an empty prompt.
     """
 
     def __init__(self, link: Link, streams: list[Stream], max_rows: int, prefill_chunk: int, prefill_depth: int,
-                 depth: int, max_step_tokens: int, job: int = 0, *, kv: KVBlocks, prefix_cache: bool = True):
+                 depth: int, max_step_tokens: int, job: int = 0, *, kv: KVBlocks, prefix_cache: bool = True,
+                 ended=None):
         for name, v in (("max_rows", max_rows), ("prefill_chunk", prefill_chunk), ("prefill_depth", prefill_depth),
                         ("depth", depth), ("max_step_tokens", max_step_tokens)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
         self.link, self.job, self.kv, self.prefix_cache = link, job, kv, prefix_cache
+        if ended is not None and len(ended) < max_rows:
+            raise ValueError(f"ended holds {len(ended)} row marks, fewer than max_rows={max_rows}")
+        self.ended = ended
         self.chunk, self.prefill_depth, self.depth, self.max_step_tokens = (prefill_chunk, prefill_depth, depth,
                                                                             max_step_tokens)
         self.waiting: deque[Stream] = deque()
@@ -201,6 +212,8 @@ class Scheduler:
                 return
             self.waiting.popleft()
             s.row = self.free_rows.pop(0)
+            if self.ended is not None:  # nothing of the row's last stream is in flight: its mark is spent
+                self.ended[s.row] = 0
             s.n_prefilled = s.n_prefill_done = cached
             if s.resume_ids is None:
                 s.cached_tokens = cached
@@ -340,6 +353,12 @@ class Scheduler:
             s.n_in_flight -= 1
         events: list[TokenEvent] = []
         for seg, s, kind, v, part in zip(reply.segments, tag.streams, tag.kinds, tag.verifies, split_reply(reply)):
+            if seg.want & m.SKIPPED:
+                if not s.skip_marked:
+                    raise ReplyMismatch(f"seq {reply.seq}: a stage skipped the segment of row {seg.row} (stream "
+                                        f"{s.index}), which the coordinator had not marked ended")
+                self.stats.skipped_segments += 1
+                self.stats.skipped_tokens += seg.n_tokens
             if kind == PREFILL:
                 s.n_prefill_done += seg.n_tokens
             if s.error is None:
@@ -377,15 +396,22 @@ class Scheduler:
         """The positions an answered segment wrote from final tokens are final: the prompt's, a decode's input, a
         verify's input and accepted drafts (at most one short of the stream's tokens: the newest is fed next).
         Full blocks of final positions enter the prefix cache."""
-        if s not in self.kv:
+        if s not in self.kv or s.skip_marked:  # a stage may have skipped its KV since it was marked ended
             return
         final = min(seg.start + seg.n_tokens, len(s.prompt) + len(s.tokens) - 1 if s.tokens else len(s.prompt))
         if final > self.kv.kv_valid(s) and self.prefix_cache:
             self.kv.commit(s, _Tokens(s.prompt, s.tokens), final)
 
     def _maybe_free(self, s: Stream) -> None:
-        """Free the row and KV blocks of a finished stream once no op of it is in flight."""
-        if s.n_in_flight or s.row < 0 or s not in self.active:
+        """Free the row and KV blocks of a finished stream once no op of it is in flight; while some is, mark its
+        row ended so that the stages skip it (module docstring)."""
+        if s.row < 0 or s not in self.active:
+            return
+        if s.n_in_flight:
+            if not s.skip_marked:
+                s.skip_marked = True
+                if self.ended is not None:
+                    self.ended[s.row] = 1
             return
         self.active.remove(s)
         self.kv.release(s)

@@ -172,6 +172,10 @@ class StageGroup:
         ctx = process_context()
         self.status = ctx.Array("d", n * N_SLOTS, lock=False)
         self.errors = ctx.Array("c", (n + 3) * ERROR_BYTES, lock=False)  # each stage's / bridge's error, if any
+        # A byte per row: the coordinator marks the rows of streams that ended with ops in flight, and this host's
+        # stages skip their segments (ringshm.transport.messages). Another host's stages read their own, never
+        # marked, and skip only what a stage here already marked in the op's table.
+        self.ended = ctx.Array("B", cfg.max_rows, lock=False)
         cores = len(os.sched_getaffinity(0))
         try:
             self.rings.extend(Ring.create(capacities[i], tag=tag) for i in ring_ids)
@@ -186,7 +190,7 @@ class StageGroup:
                                  max_op_tokens=cfg.max_op_tokens, node=plan.node, block_size=cfg.block_size,
                                  n_blocks=n_blocks, kv_dtype=cfg.kv_cache_dtype,
                                  gpu=(i - local.start) % n_gpus if n_gpus else None)
-                p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors), daemon=True,
+                p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors, self.ended), daemon=True,
                                 name=f"ringshm-stage-{i}")
                 p.start()
                 self.procs.append(p)

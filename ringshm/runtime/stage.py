@@ -56,13 +56,14 @@ def process_title(spec: StageSpec) -> str:
             + (f" node {spec.node}" if spec.node else ""))
 
 
-def stage_main(spec: StageSpec, status, errors=None) -> None:
+def stage_main(spec: StageSpec, status, errors=None, ended=None) -> None:
     """Process entry point: attach the rings, load the layers, serve ops until SHUTDOWN or a dead peer.
 
     ``status``: the shared counters (``N_SLOTS`` doubles per stage). ``errors``: the shared error buffer
     (``ringshm.transport.error_buffer``, a slot per stage): a load error is written there, then the state
     becomes FAILED, before the process exits, so the coordinator always reads the stage's own error,
-    whichever it sees first. Any other exception that ends the loop (outside an op: an op's own error is an
+    whichever it sees first. ``ended``: the coordinator's per-row marks of ended streams (``apply``; a byte per
+    row, shared memory), None where this host's coordinator writes none. Any other exception that ends the loop (outside an op: an op's own error is an
     ERROR reply and the loop goes on) is written there too, and the process exits 1: a stage exits 0 only
     after SHUTDOWN or when a peer is gone.
     """
@@ -104,7 +105,7 @@ def stage_main(spec: StageSpec, status, errors=None) -> None:
             _send(rout, m.Message(m.PING).error(exc, spec.index), spec.ring_timeout_s)
             return
         status[base + SLOT_STATE] = LOADED
-        serve(model, spec, rin, rout, status)
+        serve(model, spec, rin, rout, status, ended)
         code = 0  # SHUTDOWN
     except PeerDied:
         code = 0  # upstream or downstream is gone: nothing left to serve
@@ -140,8 +141,9 @@ def _send(ring, msg, timeout_s: float) -> None:
     ring.commit(n)
 
 
-def serve(model, spec: StageSpec, rin, rout, status) -> None:
-    """The loop: peek → decode (zero-copy) → apply → encode into the output ring → release."""
+def serve(model, spec: StageSpec, rin, rout, status, ended=None) -> None:
+    """The loop: peek → decode (zero-copy) → apply (skipping what ``ended`` marks) → encode into the output ring
+    → release."""
     from ringshm.transport import messages as m
 
     base = spec.index * N_SLOTS
@@ -157,7 +159,7 @@ def serve(model, spec: StageSpec, rin, rout, status) -> None:
             threads.before_op()
             status[base + SLOT_ACTIVE] = 1.0
             try:
-                out = apply(model, msg, spec.index == spec.n_stages - 1, spec.max_op_tokens)
+                out = apply(model, msg, spec.index == spec.n_stages - 1, spec.max_op_tokens, ended)
             except Exception as exc:
                 out = msg.error(exc, spec.index)
             finally:
@@ -272,8 +274,12 @@ def _involuntary_switches() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
 
 
-def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20):
+def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None):
     """Apply one op to ``model`` and build the message to send on (hidden states, or the reply).
+
+    ``ended``: the coordinator's per-row marks of streams that ended with ops in flight (a byte per row, shared
+    memory; None: no marks on this host). A segment whose row is marked, or that an earlier stage marked
+    ``SKIPPED``, is not computed (``ringshm.transport.messages``: ended streams are skipped).
 
     Raises:
         ValueError / KVRangeError: a malformed op, a step op over ``max_op_tokens`` tokens, or a bad segment
@@ -296,6 +302,9 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20):
     targets = msg.tensors[1] if n_targets else None
     if targets is not None and (targets.dtype != torch.int64 or targets.shape != (n_targets,)):
         raise ValueError(f"the op's targets must be int64 [{n_targets}], got {targets.dtype} {tuple(targets.shape)}")
+    segments = mark_ended(msg.segments, ended)
+    if any(seg.want & m.SKIPPED for seg in segments):
+        return _apply_skipping(model, msg, segments, x, targets, tables, is_last)
     if model.device.type != "cpu":
         x = x.to(model.device)  # the one copy to the stage's device
     out = model.step(x, msg.segments, targets, tables)
@@ -303,3 +312,62 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20):
         hidden = (out if out.device.type == "cpu" else out.cpu()).contiguous()
         return msg.forward([hidden] + ([targets] if targets is not None else []) + [tables])
     return msg.reply(out.tensors())
+
+
+def mark_ended(segments: list, ended) -> list:
+    """``segments`` with each one whose row ``ended`` marks turned ``SKIPPED`` (each mark read once here);
+    ``ended`` None: unchanged."""
+    from ringshm.transport import messages as m
+
+    if ended is None:
+        return segments
+    n = len(ended)
+    return [m.Segment(s.row, s.start, s.n_tokens, m.SKIPPED) if not s.want & m.SKIPPED and 0 <= s.row < n
+            and ended[s.row] else s for s in segments]
+
+
+def _apply_skipping(model, msg, segments: list, x, targets, tables, is_last: bool):
+    """``apply`` for an op with ``SKIPPED`` segments: the model runs on the others alone (their bytes are what they
+    would be beside any batch-mates: batch invariance); the skipped ones write no KV, forward zero hidden states
+    and no target ids, and reply nothing. Returns the message to send on, its table ``segments``.
+
+    Raises:
+        ValueError: a skipped segment of < 1 token or a negative start, or block tables that do not fit the table.
+    """
+    import itertools
+
+    import torch
+
+    from ringshm.model.attention import table_len
+    from ringshm.transport import messages as m
+
+    for i, seg in enumerate(segments):
+        if seg.n_tokens < 1 or seg.start < 0:
+            raise ValueError(f"segment {i} (row {seg.row}): needs n_tokens >= 1 and start >= 0")
+    tok = [0, *itertools.accumulate(s.n_tokens for s in segments)]
+    tab = [0, *itertools.accumulate(table_len(s.start + s.n_tokens, model.block_size) for s in segments)]
+    tgt = [0, *itertools.accumulate(s.n_targets() for s in msg.segments)]  # as the op arrived
+    if tables.dtype != torch.int32 or tables.dim() != 1 or tables.numel() != tab[-1]:
+        raise ValueError(f"the op's block tables must be int32 [{tab[-1]}], got {tables.dtype} {tuple(tables.shape)}")
+    kept = [i for i, s in enumerate(segments) if not s.want & m.SKIPPED]
+    sub_targets = torch.cat([targets[tgt[i]:tgt[i + 1]] for i in kept]) if targets is not None and kept else None
+    if sub_targets is not None and not sub_targets.numel():
+        sub_targets = None
+    out = None
+    if kept:
+        sub_x = torch.cat([x[tok[i]:tok[i + 1]] for i in kept]).to(model.device)
+        sub_tables = torch.cat([tables[tab[i]:tab[i + 1]] for i in kept])
+        out = model.step(sub_x, [segments[i] for i in kept], sub_targets, sub_tables)
+    if is_last:
+        reply = msg.reply(out.tensors() if out is not None else [torch.zeros(0, dtype=torch.int64)])
+        reply.segments = segments
+        return reply
+    hidden = torch.zeros(tok[-1], model.config.hidden, dtype=model.dtype)
+    o = 0
+    for i in kept:
+        n = segments[i].n_tokens
+        hidden[tok[i]:tok[i + 1]] = out[o:o + n]
+        o += n
+    fwd = msg.forward([hidden] + ([sub_targets] if sub_targets is not None else []) + [tables])
+    fwd.segments = segments
+    return fwd

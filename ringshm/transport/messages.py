@@ -41,7 +41,20 @@ reaches, so its length follows from the segment and needs no field of its own.
                target's logprob and the top-k; that is every position, or all but the last with WANT_LAST
                (the last position's next token is the one being generated)
     bits 8-15  k, the top-k count (0 .. MAX_TOP_LOGPROBS) of both logprob kinds; 0 unless one is set
-    bits 16-31 zero
+    bit 16     SKIPPED: set by a stage, never by the coordinator (which sends bits 16-31 zero): the segment's stream
+               ended (cancelled, failed or finished) while the op was in flight, so no stage computes it (see
+               below); the segment then wants nothing else (its other bits are cleared)
+    bits 17-31 zero
+
+**Ended streams are skipped.** The coordinator marks the row of a stream that ends with ops still in flight in
+a byte array shared with the stages of its host (``ended``, one byte per row, cleared when the row is given to
+the next stream, which only happens once no op of the old one is in flight). A stage that takes an op reads the
+mark of each segment's row once; a marked segment is not computed: no KV is written for it, its rows of the
+hidden states go on as zeros, its target ids are dropped, and the table the stage forwards carries it as
+``SKIPPED``, so every later stage (another host's too) skips it as well. The reply's table is the op's with
+those segments ``SKIPPED``; the coordinator accepts exactly that difference (``same_table``), and commits nothing
+of such a stream after it marked it (its KV may be missing at any stage from then on, so none of it may enter
+the prefix cache). A client that goes away thus costs at most the ops a stage had already begun.
 
 Reply tensors, in this order, each only when some segment asks for it:
 
@@ -92,6 +105,7 @@ WANT_LOGPROBS = 8  # with LAST / ALL: the output positions' logprobs and top-k (
 WANT_PROMPT_LOGPROBS = 16  # the logprob of each position's target (the next prompt id) and the top-k
 WANT_K_SHIFT = 8  # bits 8-15: k, the top-k count of either logprob kind
 WANT_MASK = WANT_LAST | WANT_ALL | WANT_LOGITS | WANT_LOGPROBS | WANT_PROMPT_LOGPROBS | (0xFF << WANT_K_SHIFT)
+SKIPPED = 1 << 16  # set by a stage: the segment's stream ended, no stage computes it (module docstring)
 
 
 def want_k(k: int) -> int:
@@ -101,7 +115,7 @@ def want_k(k: int) -> int:
     return k << WANT_K_SHIFT
 
 MAGIC = 0x5352  # "RS"
-VERSION = 4  # the record layout above; a record of another version is refused (ProtocolError)
+VERSION = 5  # the record layout above; a record of another version is refused (ProtocolError)
 HEADER = struct.Struct("<HBBHBxIiQqqQ")
 SEGMENT = struct.Struct("<iiiI")
 TENSOR_DESC = struct.Struct("<BBxx4iQ")
@@ -148,6 +162,13 @@ class Segment(NamedTuple):
     def n_logprob_positions(self) -> int:
         """Positions the reply carries logprobs (and top-k) for: its targets, then its outputs."""
         return self.n_targets() + (self.n_outputs() if self.want & WANT_LOGPROBS else 0)
+
+
+def same_table(sent: list[Segment], got: list[Segment]) -> bool:
+    """Whether a reply's segment table answers the op's: equal, except that a segment may come back
+    ``SKIPPED`` (its stream ended while the op was in flight; module docstring)."""
+    return len(sent) == len(got) and all(
+        a == b or (b.want == SKIPPED and a[:3] == b[:3]) for a, b in zip(sent, got))
 
 
 def _align(n: int, a: int = 8) -> int:
