@@ -99,3 +99,34 @@ def test_a_skipped_segment_that_cannot_be_a_segment_is_refused(stages):
     short.tensors[-1] = short.tensors[-1][:0]
     with pytest.raises(ValueError, match="block tables must be int32"):
         apply(stages[0], short, False, ended=b"\x01")
+
+
+class _EndsAfter:
+    """Marks for 2 rows that read "not ended" for the first ``reads`` looks at row 0, then "ended" (a client that
+    leaves while a stage computes its op)."""
+
+    def __init__(self, reads: int):
+        self.left = reads
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, row: int) -> int:
+        if row != 0:
+            return 0
+        self.left -= 1
+        return int(self.left < 0)
+
+
+def test_an_op_whose_stream_ends_mid_op_stops_at_the_next_layer_and_goes_on_skipped(stages):
+    for s in stages:
+        s.reset()
+    seg = m.Segment(0, 0, N, m.WANT_LAST)
+    ends = _EndsAfter(reads=3)  # read by mark_ended, before layers 0 and 1: "running"; before layer 2: "ended"
+    fwd = apply(stages[0], _wire(_op(stages, [seg], [torch.arange(5, 5 + N)], None)), False, ended=ends)
+    assert ends.left == -2, "the op did not stop at the first layer after its stream ended"  # + mark_ended's read
+    assert fwd.segments == [m.Segment(0, 0, N, m.SKIPPED)]
+    assert torch.count_nonzero(fwd.tensors[0]) == 0 and _filled(stages[0], 0) == 0
+    # a row that never ends: the op runs whole, as without marks
+    full = apply(stages[0], _wire(_op(stages, [seg], [torch.arange(5, 5 + N)], None)), False, ended=bytearray(2))
+    assert full.segments == [seg] and _filled(stages[0], 0) == N

@@ -73,6 +73,12 @@ from ringshm.transport.messages import (
 )
 
 
+class OpAbandoned(Exception):
+    """Raised by ``StageModel.step`` when its ``abandoned`` check says every segment's stream has ended: the op
+    stopped between layers. KV of the layers it ran was written into the segments' blocks but none of their
+    positions is marked held (the streams are gone, their blocks go back unused)."""
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """A checked step op: its segment table as int tuples, starts / lens int64 ``[n_seg]``, the block tables
@@ -356,7 +362,7 @@ class StageModel:
         return StepPlan(table, starts, lens, tables, offs)
 
     def step(self, x: torch.Tensor, segments: Sequence[Sequence[int]], targets: torch.Tensor | None = None,
-             tables: torch.Tensor | None = None) -> torch.Tensor | StageOutput:
+             tables: torch.Tensor | None = None, abandoned=None) -> torch.Tensor | StageOutput:
         """Run one step op: a ragged batch of segments, each ``n ≥ 1`` positions of a stream in the blocks its
         table names.
 
@@ -374,8 +380,11 @@ class StageModel:
         ``ringshm.transport.messages``'). ``targets``: int64 ``[Σ n_targets]``, the id after each prompt position
         that ``WANT_PROMPT_LOGPROBS`` scores (only the last stage reads it). On the native path a segment's bytes
         do not depend on the other segments nor on where its blocks sit in the pool (batch invariance).
+        ``abandoned``: None, or a callable asked before each layer whether every segment's stream has ended (a
+        client that left: ``ringshm.runtime.stage.apply``); when it says so the op stops there.
 
         Raises:
+            OpAbandoned: ``abandoned()`` returned True before a layer.
             KVRangeError / ValueError: as ``check_segments`` (nothing is written), ``x`` of the wrong shape
                 or dtype for this stage, or (last stage) ``targets`` not one id per target position.
         """
@@ -383,9 +392,11 @@ class StageModel:
         op = self.check_segments(segments, h.shape[0], tables)
         plan = plan_head(op.table, [] if targets is None else targets.tolist()) if self.is_last else None
         if self.native:
-            h = self._native_layers(h, op)
+            h = self._native_layers(h, op, abandoned)
         else:
             for li, layer in enumerate(self.layers):
+                if abandoned is not None and abandoned():
+                    raise OpAbandoned(f"every stream of the op ended before layer {self.layer_range.start + li}")
                 h = self._layer(layer, li, h, lambda q, k, v, li=li: self._attend_segments(li, q, k, v, op))
         kv_mark(self.fill, self.block_size, op.tables, op.table_offs, op.starts, op.lens)
         if not self.is_last:
@@ -424,9 +435,9 @@ class StageModel:
             raise ValueError(f"stage takes hidden states of [T, {hidden}], T ≥ 1; got {tuple(x.shape)}")
         return x.to(device=self.device, dtype=self.dtype)
 
-    def _native_layers(self, h: torch.Tensor, op: StepPlan) -> torch.Tensor:
-        """Every layer on ``h [T, hidden]`` for a checked op, one ``ringshm_layer_forward`` call per layer.
-        Returns a new ``[T, hidden]`` tensor."""
+    def _native_layers(self, h: torch.Tensor, op: StepPlan, abandoned=None) -> torch.Tensor:
+        """Every layer on ``h [T, hidden]`` for a checked op, one ``ringshm_layer_forward`` call per layer (``abandoned``
+        asked before each, as in ``step``). Returns a new ``[T, hidden]`` tensor."""
         if not self.is_first:  # written in place: a later stage's input may be a read-only ring record
             h = h.clone(memory_format=torch.contiguous_format)
         t = h.shape[0]
@@ -438,6 +449,8 @@ class StageModel:
                 ffi.cast("int32_t *", op.tables.data_ptr()), i64(op.table_offs), len(op.table),
                 ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
         for li, c in enumerate(self._c_layers):
+            if abandoned is not None and abandoned():
+                raise OpAbandoned(f"every stream of the op ended before layer {self.layer_range.start + li}")
             status = lib.ringshm_layer_forward(self._c_shape, c, *args)
             if status:  # the Python checks ran first: a refusal here is a bug or a malformed tensor
                 check_status(status, f"layer {self.layer_range.start + li}: the C layer refused the op")

@@ -279,7 +279,9 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None):
 
     ``ended``: the coordinator's per-row marks of streams that ended with ops in flight (a byte per row, shared
     memory; None: no marks on this host). A segment whose row is marked, or that an earlier stage marked
-    ``SKIPPED``, is not computed (``ringshm.transport.messages``: ended streams are skipped).
+    ``SKIPPED``, is not computed (``ringshm.transport.messages``: ended streams are skipped); an op all of whose
+    rows get marked while it runs stops at the next layer and goes on as skipped (``StageModel.step``'s
+    ``abandoned``).
 
     Raises:
         ValueError / KVRangeError: a malformed op, a step op over ``max_op_tokens`` tokens, or a bad segment
@@ -287,6 +289,7 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None):
     """
     import torch
 
+    from ringshm.model.stage_model import OpAbandoned
     from ringshm.transport import messages as m
 
     if msg.op != m.STEP:
@@ -307,7 +310,14 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None):
         return _apply_skipping(model, msg, segments, x, targets, tables, is_last)
     if model.device.type != "cpu":
         x = x.to(model.device)  # the one copy to the stage's device
-    out = model.step(x, msg.segments, targets, tables)
+    kw = {}
+    if ended is not None:  # asked between layers: an op whose streams all end mid-op stops there
+        rows = [seg.row for seg in segments]
+        kw["abandoned"] = lambda: all(0 <= r < len(ended) and ended[r] for r in rows)
+    try:
+        out = model.step(x, msg.segments, targets, tables, **kw)
+    except OpAbandoned:
+        return _apply_skipping(model, msg, mark_ended(segments, ended), x, targets, tables, is_last)
     if not is_last:  # the targets and tables travel on unchanged to the last stage
         hidden = (out if out.device.type == "cpu" else out.cpu()).contiguous()
         return msg.forward([hidden] + ([targets] if targets is not None else []) + [tables])
