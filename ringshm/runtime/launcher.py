@@ -277,8 +277,9 @@ class StageGroup:
                                         f"{text}", i, remote_type)
 
     def check(self) -> None:
-        """Raise StageDied naming the first stage process that is gone; a bridge that is gone names the stage
-        across its edge (a local stage then often exits too, but only because its ring peer went)."""
+        """Raise StageDied naming the first stage process that is gone, preferring one that wrote its error (the
+        cause: a stage whose ring peer failed exits 0 a moment before the failed one is gone); a bridge that is gone
+        names the stage across its edge (a local stage then often exits too, but only because its ring peer went)."""
         for k, (p, edge, _, remote) in enumerate(self.bridges):
             if not p.is_alive():
                 text = read_error(self.errors, self.cfg.stages + k)
@@ -286,14 +287,24 @@ class StageGroup:
                     how = f"killed by signal {-p.exitcode}" if (p.exitcode or 0) < 0 else f"exit code {p.exitcode}"
                     text = f"this node's bridge of edge {edge} (pid {p.pid}) died: {how}"
                 raise StageDied(f"{self.describe(remote)} is unreachable: {text}", remote, p.exitcode)
-        for i, p in zip(self.plan.stages, self.procs):
-            if not p.is_alive():
-                code = p.exitcode
-                how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-                text = read_error(self.errors, i)  # what the stage wrote before it exited, if anything
-                layers = self.layer_ranges[i]
-                raise StageDied(f"stage {i} (pid {p.pid}, layers {layers.start}-{layers.stop - 1}) died: {how}"
-                                + (f": {text}" if text else ""), i, code)
+        stages = list(zip(self.plan.stages, self.procs))
+        dead = [(i, p) for i, p in stages if not p.is_alive()]
+        if not dead:
+            return
+        # The cause first: a stage that wrote its error. One that exited 0 without one left because its ring peer
+        # did (or on SHUTDOWN); the stage that failed may still be on its way out, its error already written.
+        culprit = next(((i, p) for i, p in dead if read_error(self.errors, i)), None)
+        if culprit is None and all(p.exitcode == 0 for _, p in dead):
+            culprit = next(((i, p) for i, p in stages if read_error(self.errors, i)), None)
+            if culprit is not None:
+                culprit[1].join(timeout=1.0)
+        i, p = culprit or dead[0]
+        code = p.exitcode
+        how = ("still exiting" if code is None else f"killed by signal {-code}" if code < 0 else f"exit code {code}")
+        text = read_error(self.errors, i)  # what the stage wrote before it exited, if anything
+        layers = self.layer_ranges[i]
+        raise StageDied(f"stage {i} (pid {p.pid}, layers {layers.start}-{layers.stop - 1}) died: {how}"
+                        + (f": {text}" if text else ""), i, code)
 
     def stage_status(self) -> list[dict]:
         """Every stage of the engine as this node sees it: ``{"stage", "node", "pid", "alive", "seen"}``.
