@@ -5,7 +5,9 @@ One server (3 stages, the default model, max_rows 8, max_waiting 64). A victim s
 measured against the same victim on the quiet server, rounds interleaved:
 
 - ``abandoned``: 30 raw requests of 1,000 token ids whose sockets close as soon as they are sent (before the fix
-  they kept their queue places and were prefilled in full): the victim's TTFT right after;
+  they kept their queue places and were prefilled in full; then the ops already in the rings were still computed):
+  the victim's TTFT right after; and the same with prompts of 1 id (``abandoned 1-id``), what 30 requests that
+  arrive at once cost on their own, whatever their prompts;
 - ``stop strings``: a streaming request beside the victim with the most stop strings a request may carry (16 of
   256 never-matching characters; 250 of 7,000 are refused with 400 now, and the time of that refusal is reported):
   the victim's ITL p50;
@@ -75,8 +77,8 @@ def _raw(url: str, body: bytes, path: str) -> socket.socket:
     return sock
 
 
-def abandoned(url: str) -> float:
-    socks = [_raw(url, json.dumps({"prompt": [(7 * i + j) % 40000 + 100 for j in range(1000)],
+def abandoned(url: str, n_ids: int = 1000) -> float:
+    socks = [_raw(url, json.dumps({"prompt": [(7 * i + j) % 40000 + 100 for j in range(n_ids)],
                                    "max_tokens": 16}).encode(), "/v1/completions") for i in range(30)]
     for s in socks:
         s.close()
@@ -150,13 +152,16 @@ def _is_open(sock: socket.socket) -> bool:
 
 def test_what_one_hostile_client_costs_the_others(server, figures, benchmark):
     victim(server)  # warm-up
-    quiet_ttft, quiet_itl, rows = [], [], {"abandoned": [], "stop strings": [], "big tokenise": [], "slowloris": []}
+    quiet_ttft, quiet_itl = [], []
+    rows = {"abandoned": [], "abandoned 1-id": [], "stop strings": [], "big tokenise": [], "slowloris": []}
     open_after = []
     for _ in range(ROUNDS):
         t, i = victim(server)
         quiet_ttft.append(t)
         quiet_itl.append(i)
         rows["abandoned"].append(abandoned(server))
+        time.sleep(1.0)
+        rows["abandoned 1-id"].append(abandoned(server, 1))
         time.sleep(1.0)
         rows["stop strings"].append(stop_strings(server))
         rows["big tokenise"].append(big_tokenise(server))
@@ -172,6 +177,7 @@ def test_what_one_hostile_client_costs_the_others(server, figures, benchmark):
     figures.record_value("victim TTFT quiet", med(quiet_ttft))
     figures.record_value("victim ITL p50 quiet", med(quiet_itl))
     for name, key in (("abandoned", "victim TTFT after 30 abandoned requests"),
+                      ("abandoned 1-id", "victim TTFT after 30 abandoned 1-id requests"),
                       ("big tokenise", "victim TTFT beside 6 x 1.9 MB /tokenize"),
                       ("slowloris", "victim TTFT beside 40 slowloris connections")):
         figures.record_value(key, med(rows[name]))
