@@ -69,29 +69,37 @@ class Figures:
 
 
 def cpu_info() -> dict:
-    """The CPU's model name and which of the SIMD levels that matter here it flags (from /proc/cpuinfo)."""
-    name, flags = "", set()
+    """The CPU's model name, vendor, family / model, which of the SIMD levels that matter here it flags (from
+    /proc/cpuinfo), and the ISA path ringshm's kernels run on it."""
+    first: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name" and not name:
-                name = value
-            elif key in ("flags", "Features") and not flags:
-                flags = set(value.split())
+            first.setdefault(key, value)
     except OSError:
         pass
+    flags = set((first.get("flags") or first.get("Features") or "").split())
     simd = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512_vnni") if f in flags]
     if any(f.startswith("amx") for f in flags):
         simd.append("amx")
-    return {"model_name": name or platform.processor() or platform.machine(), "simd": simd,
-            "cores": len(os.sched_getaffinity(0)), "machine": platform.machine()}
+    try:
+        from ringshm.model.qmatmul import BEST_ISA, ISA_NAMES
+
+        isa = ISA_NAMES[BEST_ISA]
+    except ImportError:  # the C extension is not built
+        isa = "?"
+    return {"model_name": first.get("model name") or platform.processor() or platform.machine(), "simd": simd,
+            "cores": len(os.sched_getaffinity(0)), "machine": platform.machine(),
+            "vendor": first.get("vendor_id", "?"), "family": first.get("cpu family", "?"),
+            "model": first.get("model", "?"), "isa": isa}
 
 
 def cpu_label(cpu: dict | None = None) -> str:
-    """One line naming the CPU for a table: model name, SIMD flags, cores."""
+    """One line naming the CPU for a table: model name, vendor family / model, cores, SIMD flags, ISA path."""
     cpu = cpu or cpu_info()
-    return (f"{cpu['model_name']} ({cpu['machine']}, {cpu['cores']} cores; SIMD: "
-            f"{', '.join(cpu['simd']) or 'none of avx2/avx512f/amx'})")
+    return (f"{cpu['model_name']} ({cpu['vendor']} family {cpu['family']} model {cpu['model']}, {cpu['machine']}, "
+            f"{cpu['cores']} cores; SIMD: {', '.join(cpu['simd']) or 'none of avx2/avx512f/amx'}; "
+            f"ringshm path: {cpu['isa']})")
 
 
 

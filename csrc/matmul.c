@@ -80,6 +80,58 @@ static mm_panels_fn panels_for(int isa) {
     }
 }
 
+typedef int (*fma_chains_fn)(int64_t, float *);
+
+int64_t ringshm_fma_probe(int isa, int n_threads, int64_t iters, float *sink) {
+    fma_chains_fn f = NULL;
+    switch (isa) {
+#if RINGSHM_HAVE_X86_ISAS
+    case RINGSHM_ISA_AVX512: f = ringshm_fma_chains_v4; break;
+    case RINGSHM_ISA_AVX2: f = ringshm_fma_chains_v3; break;
+#endif
+    case RINGSHM_ISA_PORTABLE: f = ringshm_fma_chains_v1; break;
+    default: break;
+    }
+    if (!f || !ringshm_isa_supported(isa)) return RINGSHM_MATMUL_ERR_TYPE;
+    if (iters < 1 || n_threads < 1) return RINGSHM_MATMUL_ERR_SHAPE;
+    int chains = 0;
+#pragma omp parallel num_threads(n_threads) reduction(max : chains)
+    {
+        float local = 0.0f;
+        chains = f(iters, &local);
+#pragma omp critical
+        sink[0] += local;
+    }
+    return (int64_t)n_threads * iters * chains * 16 * 2;
+}
+
+typedef void (*read_chains_fn)(const float *, int64_t, float *);
+
+int64_t ringshm_read_probe(int isa, int n_threads, const float *buf, int64_t n, float *sink) {
+    read_chains_fn f = NULL;
+    switch (isa) {
+#if RINGSHM_HAVE_X86_ISAS
+    case RINGSHM_ISA_AVX512: f = ringshm_read_chains_v4; break;
+    case RINGSHM_ISA_AVX2: f = ringshm_read_chains_v3; break;
+#endif
+    case RINGSHM_ISA_PORTABLE: f = ringshm_read_chains_v1; break;
+    default: break;
+    }
+    if (!f || !ringshm_isa_supported(isa)) return RINGSHM_MATMUL_ERR_TYPE;
+    if (n < 128 || n % 128 || n_threads < 1) return RINGSHM_MATMUL_ERR_SHAPE;
+    const int64_t chunks = n / 128;
+#pragma omp parallel num_threads(n_threads)
+    {
+        const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+        const int64_t c0 = chunks * t / T, c1 = chunks * (t + 1) / T;
+        float local = 0.0f;
+        if (c1 > c0) f(buf + c0 * 128, (c1 - c0) * 128, &local);
+#pragma omp critical
+        sink[0] += local;
+    }
+    return n * (int64_t)sizeof(float);
+}
+
 int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
                         const float *x, int64_t m, float *out, int64_t ldo, const float *bias, int64_t bias_len,
                         const float *residual, int64_t ldr, int n_threads, int isa) {

@@ -146,6 +146,22 @@ int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, i
                         const float *x, int64_t m, float *out, int64_t ldo, const float *bias, int64_t bias_len,
                         const float *residual, int64_t ldr, int n_threads, int isa);
 
+/* ringshm_fma_probe: the fp32 FMA peak of one ISA path (the roofline of bench/bench_roofline.py). Each of
+ * `n_threads` OpenMP threads runs `iters` rounds of independent 16-lane fma chains (enough chains to cover the
+ * fma latency on two ports: 12 zmm on AVX-512, 6 pairs of ymm on AVX2, 6 on the portable path), on values that
+ * stay finite and normal; the chains' sum goes to sink[0] so nothing is optimised away. Returns the flops
+ * executed (2 per lane per fma), or RINGSHM_MATMUL_ERR_TYPE for an ISA this CPU cannot run,
+ * RINGSHM_MATMUL_ERR_SHAPE for iters < 1 or n_threads < 1. */
+int64_t ringshm_fma_probe(int isa, int n_threads, int64_t iters, float *sink);
+
+/* ringshm_read_probe: the memory read bandwidth one ISA path can stream (the other roofline bound). The
+ * `n` floats of buf (n a multiple of 128) are split into one contiguous part per OpenMP thread (`n_threads`), and
+ * each thread sums its part, read as 4 streams, with 8 independent 16-lane add chains (loads are what limit it;
+ * the sum is exact for a buffer of ones below 2^24 per lane, which tests/test_matmul.py reads back); the total goes to
+ * sink[0]. Returns the bytes read, or RINGSHM_MATMUL_ERR_TYPE / RINGSHM_MATMUL_ERR_SHAPE as ringshm_fma_probe
+ * (n not a positive multiple of 128). */
+int64_t ringshm_read_probe(int isa, int n_threads, const float *buf, int64_t n, float *sink);
+
 /* CDEF END */
 
 #endif /* RINGSHM_MATMUL_H */

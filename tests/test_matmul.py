@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf import quants
 
 from ringshm._C import ffi, lib
+from ringshm.errors import KernelError
 from ringshm.model import dequant, kernels
 from ringshm.model import qmatmul as qm
 
@@ -184,6 +185,26 @@ def test_new_types_give_each_row_its_alone_bits_for_every_m_thread_count_and_isa
 
 def test_the_best_isa_is_one_this_cpu_runs():
     assert qm.BEST_ISA in ISAS and lib.ringshm_isa_supported(qm.BEST_ISA)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_roofline_probes_count_what_they_ran_and_refuse_bad_arguments(isa):
+    """The probes bench/bench_roofline.py times: flops = threads x iters x chains x 16 lanes x 2 (12 chains on
+    AVX-512, 6 elsewhere), bytes = the buffer's; a bad ISA, size or thread count is refused."""
+    chains = 12 if isa == qm.lib.RINGSHM_ISA_AVX512 else 6
+    assert qm.fma_probe(1000, 2, isa) == 2 * 1000 * chains * 32
+    buf = torch.ones(128 * 1001)  # 4 streams of 250 blocks of 128 floats per thread at 1 thread, and 1 left over
+    for threads in (1, 3):
+        assert qm.read_probe(buf, threads, isa) == buf.numel() * 4
+    sink = ffi.new("float[1]")
+    assert lib.ringshm_read_probe(isa, 1, ffi.cast("float *", buf.data_ptr()), buf.numel(), sink) > 0
+    assert sink[0] == buf.numel() // 16, "the probe did not read every float once"  # lane 0 of 16: its share
+    for bad in (lambda: qm.fma_probe(0, 1, isa), lambda: qm.fma_probe(10, 0, isa), lambda: qm.fma_probe(10, 1, 7),
+                lambda: qm.read_probe(torch.ones(100), 1, isa), lambda: qm.read_probe(buf, 0, isa)):
+        with pytest.raises(KernelError):
+            bad()
+    with pytest.raises(ValueError, match="contiguous CPU fp32"):
+        qm.read_probe(torch.ones(256, dtype=torch.float64), 1, isa)
 
 
 # ---- the embedding lookup and dequantization --------------------------------------------------------------

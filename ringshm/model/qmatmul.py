@@ -280,3 +280,33 @@ class PackedWeight:
         if status < 0:
             check_status(status, f"matmul {self!r}")
         return out if self.n_padded == self.n else out[:, : self.n].contiguous()
+
+
+def fma_probe(iters: int, threads: int = 1, isa: int = BEST_ISA) -> int:
+    """Run the fp32 FMA peak probe of an ISA path (``ringshm_fma_probe``, csrc/matmul.h): ``threads`` OpenMP
+    threads each run ``iters`` rounds of independent 16-lane fma chains. Time the call to get the peak in
+    flop/s (bench/bench_roofline.py). Returns the flops executed (2 per lane per fma).
+
+    Raises:
+        KernelError: an ISA this CPU cannot run, iters < 1 or threads < 1 (``ringshm.errors.check_status``).
+    """
+    sink = ffi.new("float[1]")
+    flops = lib.ringshm_fma_probe(isa, threads, iters, sink)
+    return int(check_status(flops, f"fma probe ({ISA_NAMES.get(isa, isa)}, {threads} threads)"))
+
+
+def read_probe(buf: torch.Tensor, threads: int = 1, isa: int = BEST_ISA) -> int:
+    """Run the memory read probe of an ISA path (``ringshm_read_probe``, csrc/matmul.h): ``threads`` OpenMP threads
+    sum one contiguous part each of ``buf`` (fp32, contiguous, numel a multiple of 128). Time the call on a buffer
+    larger than the last-level cache to get the bandwidth a stage can stream (bench/bench_roofline.py). Returns
+    the bytes read.
+
+    Raises:
+        ValueError: ``buf`` not a contiguous CPU fp32 tensor. KernelError: an ISA this CPU cannot run, a numel that
+            is not a positive multiple of 128, threads < 1.
+    """
+    if buf.dtype != torch.float32 or not buf.is_contiguous() or buf.device.type != "cpu":
+        raise ValueError(f"read_probe takes a contiguous CPU fp32 tensor, got {buf.dtype} on {buf.device}")
+    sink = ffi.new("float[1]")
+    nbytes = lib.ringshm_read_probe(isa, threads, ffi.cast("float *", buf.data_ptr()), buf.numel(), sink)
+    return int(check_status(nbytes, f"read probe ({ISA_NAMES.get(isa, isa)}, {threads} threads)"))
