@@ -30,9 +30,9 @@ import time
 
 import pytest
 import torch
+
 from bench_matmul import RING_BYTES, Ring, type_weight
 from conftest import cpu_label
-
 from ringshm.model import qmatmul as qm
 
 STREAM_BYTES = RING_BYTES // (128 * 4) * (128 * 4)

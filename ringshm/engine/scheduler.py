@@ -105,8 +105,9 @@ class Scheduler:
         max_rows: stream slots (streams live at once; they reserve no KV).
         prefill_chunk: most prompt tokens per prefill segment. prefill_depth: ops with prefill chunks in
             flight. depth: ops with decode/verify segments in flight. max_step_tokens: token budget of one
-            op for prefill chunks (decode and verify segments always go in). job: the job id on the wire. ended: the per-row marks shared with the stages (a writable sequence
-            of ``max_rows`` bytes: ``StageGroup.ended``); None: nothing is skipped.
+            op for prefill chunks (decode and verify segments always go in). job: the job id on the wire.
+            ended: the per-row marks shared with the stages (a writable sequence of ``max_rows`` bytes:
+            ``StageGroup.ended``); None: nothing is skipped.
 
     Raises:
         ValueError: a limit < 1, or a stream with an empty prompt.

@@ -436,8 +436,8 @@ class StageModel:
         return x.to(device=self.device, dtype=self.dtype)
 
     def _native_layers(self, h: torch.Tensor, op: StepPlan, abandoned=None) -> torch.Tensor:
-        """Every layer on ``h [T, hidden]`` for a checked op, one ``ringshm_layer_forward`` call per layer (``abandoned``
-        asked before each, as in ``step``). Returns a new ``[T, hidden]`` tensor."""
+        """Every layer on ``h [T, hidden]`` for a checked op, one ``ringshm_layer_forward`` call per layer
+        (``abandoned`` asked before each, as in ``step``). Returns a new ``[T, hidden]`` tensor."""
         if not self.is_first:  # written in place: a later stage's input may be a read-only ring record
             h = h.clone(memory_format=torch.contiguous_format)
         t = h.shape[0]

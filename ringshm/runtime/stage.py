@@ -62,10 +62,10 @@ def stage_main(spec: StageSpec, status, errors=None, ended=None) -> None:
     ``status``: the shared counters (``N_SLOTS`` doubles per stage). ``errors``: the shared error buffer
     (``ringshm.transport.error_buffer``, a slot per stage): a load error is written there, then the state
     becomes FAILED, before the process exits, so the coordinator always reads the stage's own error,
-    whichever it sees first. ``ended``: the coordinator's per-row marks of ended streams (``apply``; a byte per
-    row, shared memory), None where this host's coordinator writes none. Any other exception that ends the loop (outside an op: an op's own error is an
+    whichever it sees first. Any other exception that ends the loop (outside an op: an op's own error is an
     ERROR reply and the loop goes on) is written there too, and the process exits 1: a stage exits 0 only
-    after SHUTDOWN or when a peer is gone.
+    after SHUTDOWN or when a peer is gone. ``ended``: the coordinator's per-row marks of ended streams
+    (``apply``; a byte per row, shared memory).
     """
     import signal
 
