@@ -44,7 +44,6 @@ def test_requests_whose_clients_closed_are_cancelled_queued_or_prefilling_and_ne
     model.gate.clear()  # the stage holds every op: nothing can finish while the clients leave
     socks = [_raw_request(srv.port, {"prompt": t[:1000], "max_tokens": 16, "stream": stream}) for t in scripts[:5]]
     _poll(lambda: srv.aengine.n_running + srv.aengine.n_waiting == 5, 10, "5 requests admitted or queued")
-    ops_before = srv.aengine.step_stats.ops
     for s in socks:
         s.close()
     _poll(lambda: srv.aengine.n_running + srv.aengine.n_waiting == 0, 5, "every abandoned request cancelled")
@@ -52,7 +51,9 @@ def test_requests_whose_clients_closed_are_cancelled_queued_or_prefilling_and_ne
     status, body, _ = srv.post("/v1/completions", {"prompt": scripts[5][:6], "max_tokens": 8})
     assert status == 200 and body["choices"][0]["text"] is not None
     # 5 prompts of 1,000 ids in chunks of 4 are 1,250 prefill ops in full; only what was in flight ran
-    assert srv.aengine.step_stats.ops - ops_before <= 12, srv.aengine.step_stats.ops - ops_before
+    # (prefill_depth = 8 ops) beside the last request's 9 (2 prefill, 7 decode). Counted from 0, not from the
+    # poll above: the in-flight ops may be sent just after the 5 requests are counted.
+    assert srv.aengine.step_stats.ops <= 8 + 9, srv.aengine.step_stats
     metrics = srv.get("/metrics")[1]
     assert 'ringshm_request_finished_total{finish_reason="cancelled"} 5.0' in metrics
 
