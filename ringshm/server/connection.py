@@ -12,8 +12,11 @@ uvicorn has a keep-alive timeout between requests but no limit on reading one. `
 protocol with two more: the request line and headers must arrive within ``header_timeout_s`` of the connection
 opening (or of the first byte of a later request on it), and the body within ``body_timeout_s`` of the headers'
 end (as Apache's ``RequestReadTimeout header=.. body=..``, nginx's ``client_header_timeout``). A connection past
-either is answered 408 (when nothing of a response was sent yet) and closed. Once a request is read, its
-response may take as long as the generation does.
+either is answered 408 (when nothing of a response was sent yet) and closed by a lingering close: the write side
+first (the 408 and a FIN), then the socket after ``LINGER_S`` or when the client closes, what the client still sends
+meanwhile read and dropped. Closing at once with unread bytes of the trickle in the socket makes the kernel send a
+reset, and a reset can reach the client before it has read the 408 (nginx's ``lingering_close`` for the same
+reason). Once a request is read, its response may take as long as the generation does.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 log = logging.getLogger("ringshm.server.connection")
 HEADER_TIMEOUT_S = 10.0  # request line + headers, from the connection (or the request's first byte)
 BODY_TIMEOUT_S = 30.0  # the whole body, from the end of the headers (2 MiB at 70 KB/s)
+LINGER_S = 2.0  # how long a timed-out connection is read and drained after its 408 (nginx: lingering_timeout 5 s)
 
 
 class ClientWatch:
@@ -75,14 +79,19 @@ class ReadTimeoutH11(H11Protocol):
         super().connection_made(transport)
         self._read_phase: str | None = None
         self._read_timer: asyncio.TimerHandle | None = None
+        self._lingering: asyncio.TimerHandle | None = None
         self._track_read()
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering is not None:  # timed out and answered: what still arrives is drained
+            return
         super().data_received(data)
         self._track_read()
 
     def connection_lost(self, exc) -> None:
         self._set_read_timer(None)
+        if self._lingering is not None:
+            self._lingering.cancel()
         super().connection_lost(exc)
 
     def on_response_complete(self) -> None:
@@ -121,7 +130,12 @@ class ReadTimeoutH11(H11Protocol):
         if phase == "body":  # the app waits in receive() for the rest of the body: it reads a disconnect
             self.cycle.disconnected = True
             self.cycle.message_event.set()
-        self.transport.close()
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self.transport.write_eof()  # the 408 and a FIN; reading goes on, dropped, until the client closes
+        self.flow.resume_reading()  # uvicorn may have paused it (a body over its high-water mark)
+        self._lingering = self.loop.call_later(LINGER_S, self.transport.close)
 
 
 def read_timeout_protocol(header_timeout_s: float, body_timeout_s: float) -> type[ReadTimeoutH11]:
