@@ -80,6 +80,7 @@ setup(
         "test": [
             "pytest>=7",
             "pytest-benchmark>=4",
+            "pytest-xdist>=3",  # make test runs the files on 2 workers
             "hypothesis>=6",
             "accelerate>=0.30",  # transformers' GGUF loading (the oracle)
             "matplotlib>=3.7",  # bench plots

@@ -161,6 +161,17 @@ def assert_greedy_matches():
     return check
 
 
+def own_segments() -> set[str]:
+    """The ringshm segments on this host that this process created (by the pid in their names): what a test
+    compares before and after, since other test processes (pytest-xdist's second worker) create and remove
+    theirs meanwhile."""
+    import os
+
+    from ringshm.transport.segment import creator_of, list_segments
+
+    return {s for s in list_segments() if creator_of(s)[0] == os.getpid()}
+
+
 @pytest.fixture(scope="module")
 def no_segment_left_behind():
     """Every segment this module's process creates is gone when the module ends (modules opt in with

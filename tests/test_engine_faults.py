@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from conftest import own_segments
 from ringshm.engine.engine import Engine
 from ringshm.errors import InvalidCheckpoint, StageDied
 from ringshm.transport.segment import list_segments, process_start_time
@@ -70,12 +71,12 @@ def test_a_checkpoint_missing_its_layers_is_refused_before_any_stage_starts(tmp_
         '"vocab_size": 128, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256, '
         '"tie_word_embeddings": true}')
     save_file({"model.embed_tokens.weight": torch.zeros(128, 64)}, str(tmp_path / "model.safetensors"))
-    before = set(list_segments())
+    before = own_segments()
     t0 = time.monotonic()
     with pytest.raises(InvalidCheckpoint, match="'num_hidden_layers' = 2 but the file holds tensors for no layer"):
         Engine(tmp_path, stages=2, **KW)
     assert time.monotonic() - t0 < 2.0
-    assert set(list_segments()) <= before
+    assert own_segments() <= before
 
 
 def test_a_stage_loop_error_outside_an_op_reaches_the_coordinator_with_its_cause_and_a_nonzero_exit(
@@ -88,7 +89,7 @@ def test_a_stage_loop_error_outside_an_op_reaches_the_coordinator_with_its_cause
     sized = launcher.ring_capacities
     monkeypatch.setattr(launcher, "ring_capacities", lambda *a: [c if i != 1 else 1 << 16 for i, c in
                                                                  enumerate(sized(*a))])
-    before = set(list_segments())
+    before = own_segments()
     engine = Engine(model_path, stages=2, **KW)
     try:
         with pytest.raises(StageDied) as info:
@@ -98,4 +99,4 @@ def test_a_stage_loop_error_outside_an_op_reaches_the_coordinator_with_its_cause
         assert "exit code 1: RecordTooLarge" in msg, msg
     finally:
         engine.close()
-    assert set(list_segments()) <= before
+    assert own_segments() <= before

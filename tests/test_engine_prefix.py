@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import own_segments
 from ringshm.engine.engine import Engine
 
 SYSTEM = ("You are a careful assistant for a lighthouse museum. Answer in one or two sentences, plainly, and say "
@@ -136,9 +137,7 @@ def test_a_cache_salt_that_is_not_a_string_is_refused(cached):
                                        (dict(kv_cache_dtype="fp8"), "kv_cache_dtype must be one of"),
                                        (dict(prefix_cache="yes"), "prefix_cache must be")])
 def test_bad_kv_settings_are_refused_before_any_stage_starts(kw, match):
-    from ringshm.transport.segment import list_segments
-
-    before = set(list_segments())
+    before = own_segments()
     with pytest.raises(ValueError, match=match):
         Engine(stages=3, progress=False, **kw)
-    assert set(list_segments()) == before
+    assert own_segments() == before
