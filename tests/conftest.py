@@ -176,13 +176,11 @@ def own_segments() -> set[str]:
 def no_segment_left_behind():
     """Every segment this module's process creates is gone when the module ends (modules opt in with
     ``pytestmark = pytest.mark.usefixtures("no_segment_left_behind")``)."""
-    import os
+    from ringshm.transport.segment import Segment
 
-    from ringshm.transport.segment import Segment, creator_of, list_segments
-
-    before = set(list_segments())
+    before = own_segments()
     yield
-    leaked = [s for s in set(list_segments()) - before if creator_of(s)[0] == os.getpid()]
+    leaked = sorted(own_segments() - before)
     for name in leaked:
         Segment(name, None, 0, owner=True).unlink()
     assert not leaked, f"segments left in /dev/shm: {leaked}"
