@@ -238,6 +238,54 @@ def test_an_unsupported_field_gets_400_naming_it_unless_it_has_its_neutral_value
     assert status == 200, body
 
 
+# another server's field that changes the answer -> (a value it is refused at, a value it is accepted at)
+FOREIGN = {
+    "structured_outputs": ({"choice": ["yes", "no", "maybe"]}, {}),
+    "guided_choice": (["yes", "no"], None),
+    "guided_json": ({"type": "object"}, None),
+    "guided_regex": ("[0-9]+", None),
+    "guided_grammar": ("root ::= \"a\"", None),
+    "grammar": ("root ::= \"a\"", ""),
+    "json_schema": ({"type": "object"}, None),
+    "allowed_token_ids": ([5, 6], []),
+    "bad_words": (["green"], []),
+    "stop_token_ids": ([7], []),
+    "logits_processors": (["my.module:Processor"], None),
+    "include_stop_str_in_output": (True, False),
+    "use_beam_search": (True, False),
+    "length_penalty": (0.5, 1.0),
+    "prompt_logprobs": (1, None),
+    "typical_p": (0.9, 1),
+    "mirostat": (2, 0),
+    "repeat_penalty": (1.3, 1.0),
+    "chat_template": ("{{ messages }}", None),
+    "chat_template_kwargs": ({"enable_thinking": False}, {}),
+    "add_generation_prompt": (False, True),
+    "continue_final_message": (True, False),
+    "documents": ([{"text": "a"}], []),
+}
+
+
+@pytest.mark.parametrize("field, path", [(f, "/v1/completions") for f in sorted(FOREIGN)] + [
+    (f, "/v1/chat/completions") for f in ("structured_outputs", "chat_template_kwargs", "add_generation_prompt")])
+def test_another_servers_field_that_changes_the_answer_gets_400_naming_it_unless_neutral(serve_fake, field, path):
+    srv = serve_fake()
+    base = {"prompt": [100, 110]} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    refused, neutral = FOREIGN[field]
+    status, body, _ = srv.post(path, {**base, "max_tokens": 1, field: refused})
+    assert status == 400 and _error(body)["param"] == field, body
+    assert _error(body)["message"].startswith(field), body
+    status, body, _ = srv.post(path, {**base, "max_tokens": 1, field: neutral})
+    assert status == 200, body
+
+
+def test_unknown_fields_no_server_reads_as_changing_the_answer_are_ignored(serve_fake):
+    srv = serve_fake()
+    status, body, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 1, "priority": 3,
+                                                   "request_id": "abc", "user": "u1", "x_custom": {"a": [1]}})
+    assert status == 200, body
+
+
 # ------------------------------------------------------------------------------------------ logit controls
 EOS_SCRIPT = [100, 110, 120, 2] + list(range(300, 340))  # the fake's EOS (2) after two generated tokens
 

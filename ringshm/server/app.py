@@ -17,8 +17,10 @@ of prompts; vLLM's extensions: ``top_k``, ``repetition_penalty`` (> 0), ``min_to
 without speculation even when the server has ``--spec``. ``max_tokens`` defaults
 to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
 naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
-value (``ringshm.server.openai_schema.UNSUPPORTED``; ``response_format`` only ``{"type": "text"}``); other unknown
-fields are ignored. A request's ``model`` may be any served name (none: the first); the response echoes it.
+value (``ringshm.server.openai_schema.UNSUPPORTED``; ``response_format`` only ``{"type": "text"}``), and so
+are other servers' fields that would change the answer (``FOREIGN_FIELDS``: vLLM's ``structured_outputs`` and
+``guided_*``, llama.cpp's ``grammar``, ``chat_template_kwargs``, ...); other unknown fields are ignored.
+A request's ``model`` may be any served name (none: the first); the response echoes it.
 Message contents are tokenised as plain text (special-token spellings cannot forge turns), on a tokenizer
 thread, off the loop.
 

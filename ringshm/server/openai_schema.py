@@ -75,6 +75,40 @@ UNSUPPORTED = {
 }
 
 
+_UNCONSTRAINED = "constrained decoding is not implemented, so the answer would not follow it"
+
+# Fields other servers read that would change the answer (vLLM's extra body, llama.cpp server's sampling and
+# prompt fields). They come in as unknown fields of the body; each is refused with 400 naming it unless it is
+# absent, null or neutral, never dropped: a vLLM `structured_outputs` with a `choice` of yes / no / maybe, once
+# ignored, came back as free text. Unknown fields not named here (vLLM's `priority`, `request_id`, ...) are
+# ignored. field -> (neutral test, what to say)
+FOREIGN_FIELDS = {
+    "structured_outputs": (lambda v: not v, f"structured_outputs (vLLM's json / regex / choice / grammar) is not "
+                           f"supported: {_UNCONSTRAINED}"),
+    **{name: (lambda v: False, f"{name} (vLLM's guided decoding) is not supported: {_UNCONSTRAINED}")
+       for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
+    "grammar": (lambda v: not v, f"grammar (llama.cpp's GBNF) is not supported: {_UNCONSTRAINED}"),
+    "json_schema": (lambda v: not v, f"json_schema (llama.cpp's) is not supported: {_UNCONSTRAINED}"),
+    "allowed_token_ids": (lambda v: not v, "allowed_token_ids is not supported (logit_bias can exclude tokens)"),
+    "bad_words": (lambda v: not v, "bad_words is not supported (logit_bias can exclude their tokens)"),
+    "stop_token_ids": (lambda v: not v, "stop_token_ids is not supported (use stop strings)"),
+    "logits_processors": (lambda v: not v, "logits_processors are not supported"),
+    "include_stop_str_in_output": (lambda v: v is False, "include_stop_str_in_output is not supported (only false)"),
+    "use_beam_search": (lambda v: v is False, "use_beam_search is not supported (only false)"),
+    "length_penalty": (lambda v: v == 1, "length_penalty is not supported (it applies to beam search; use 1)"),
+    "prompt_logprobs": (lambda v: False, "prompt_logprobs is not supported (completions: echo with logprobs)"),
+    "typical_p": (lambda v: v == 1, "typical_p is not supported (use 1)"),
+    "mirostat": (lambda v: v == 0, "mirostat is not supported (use 0)"),
+    "repeat_penalty": (lambda v: v == 1, "repeat_penalty (llama.cpp's name) is not read: use repetition_penalty"),
+    "chat_template": (lambda v: False, "chat_template is not supported: the model's own template is used"),
+    "chat_template_kwargs": (lambda v: not v, "chat_template_kwargs are not supported: the model's own template "
+                             "is rendered with its defaults"),
+    "add_generation_prompt": (lambda v: v is True, "add_generation_prompt is not supported (only true)"),
+    "continue_final_message": (lambda v: v is False, "continue_final_message is not supported (only false)"),
+    "documents": (lambda v: not v, "documents are not supported"),
+}
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` (OpenAI's extra last chunk with the usage)."""
 
@@ -86,9 +120,10 @@ class StreamOptions(BaseModel):
 class RequestBody(BaseModel):
     """Fields both endpoints take. Types are strict: ``true`` is not an int, ``"8"`` not a number, and NaN /
     infinity are refused; a wrong type is a 400 naming the field. An explicit ``null`` is the field's default
-    (OpenAI's fields are nullable)."""
+    (OpenAI's fields are nullable). Unknown fields are kept (``model_extra``) for ``refuse_unsupported`` to check
+    against ``FOREIGN_FIELDS``."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
     @classmethod
@@ -141,13 +176,17 @@ class RequestBody(BaseModel):
         return out
 
     def refuse_unsupported(self) -> None:
-        """Raise a 400 naming the first field set to a value ringshm does not implement, or
-        ``stream_options`` without ``stream`` (vLLM's rule)."""
+        """Raise a 400 naming the first field set to a value ringshm does not implement (``UNSUPPORTED``, and
+        another server's field that would change the answer: ``FOREIGN_FIELDS``), or ``stream_options`` without
+        ``stream`` (vLLM's rule)."""
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options can only be given with stream: true", "stream_options")
         for name, (neutral, what) in UNSUPPORTED.items():
             if name in type(self).model_fields and not neutral(getattr(self, name)):
                 raise bad_request(what, name)
+        for name, value in (self.model_extra or {}).items():
+            if name in FOREIGN_FIELDS and not FOREIGN_FIELDS[name][0](value):
+                raise bad_request(FOREIGN_FIELDS[name][1], name)
 
 
 class _TextPart(BaseModel):
