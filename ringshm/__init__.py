@@ -52,7 +52,7 @@ _LAZY = {
     "TokenEvent": "ringshm.engine.coordinator",
     "TokenLogprob": "ringshm.engine.logprobs",
     "EngineConfig": "ringshm.config",
-    "GenerationParams": "ringshm.config",
+    "GenerationParams": "ringshm.generation_params",
     "run_worker": "ringshm.runtime.worker",
 }
 

@@ -275,7 +275,7 @@ def _model_path(a: argparse.Namespace) -> Path:
 
 def _check_early(a: argparse.Namespace) -> None:
     """What ``generate`` can check before any stage starts."""
-    from ringshm.config import GenerationParams
+    from ringshm.generation_params import GenerationParams
     from ringshm.model.tokenizer import check_chat_template
 
     _check_engine(a)
@@ -289,7 +289,7 @@ def _check_early(a: argparse.Namespace) -> None:
 
 def _check_serve(a: argparse.Namespace) -> None:
     """What ``serve`` can check before any stage starts (the listening socket is bound after this)."""
-    from ringshm.config import GenerationParams
+    from ringshm.generation_params import GenerationParams
 
     _check_engine(a)
     GenerationParams(spec=a.spec, spec_k=a.spec_k, spec_depth=a.spec_depth)

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_prompts import long_user_message
-from ringshm.config import GenerationParams
 from ringshm.engine.engine import Engine
 from ringshm.engine.sampling import Sampler
 from ringshm.engine.scheduler import Scheduler
+from ringshm.generation_params import GenerationParams
 
 SEED = 20261201
 CHUNK = 64

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from fake_stage import EOS, OracleModel
-from ringshm.config import MAX_STOP_CHARS, MAX_STOP_STRINGS, GenerationParams
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.engine.engine import new_stream
 from ringshm.engine.sampling import Sampler, StopMatcher, TextStream
 from ringshm.errors import RequestFailed
+from ringshm.generation_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, GenerationParams
 from test_serving import FakeEngine, scripts
 
 POISON = 999  # a prompt starting with this id gets a sampler that raises (FakeEngineWithPoison)

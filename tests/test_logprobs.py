@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from fake_stage import EOS, OracleModel, fake_kv, start_fake_ring
-from ringshm.config import GenerationParams
 from ringshm.engine.engine import new_stream
 from ringshm.engine.scheduler import Scheduler
+from ringshm.generation_params import GenerationParams
 from ringshm.model.head import logprob_rows
 from ringshm.transport import messages as m
 

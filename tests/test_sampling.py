@@ -142,16 +142,16 @@ def test_stop_strings_are_not_looked_for_in_the_first_min_tokens_tokens(tokenize
     ({"spec": "ngram", "logit_bias": {5: -100}}, "speculative"), ({"spec": "ngram", "min_tokens": 1}, "speculative"),
 ])
 def test_bad_logit_controls_are_refused_saying_what_to_change(kw, match):
-    from ringshm.config import GenerationParams
+    from ringshm.generation_params import GenerationParams
 
     with pytest.raises(ValueError, match=match):
         GenerationParams(**kw)
 
 
 def test_spec_with_ignore_eos_alone_is_allowed_and_logit_bias_ids_are_checked_against_the_vocabulary():
-    from ringshm.config import GenerationParams
     from ringshm.engine.engine import new_stream
     from ringshm.errors import InvalidParameter
+    from ringshm.generation_params import GenerationParams
 
     assert GenerationParams(spec="ngram", ignore_eos=True).ignore_eos
     p = GenerationParams(logit_bias={1024: -100})

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from fake_stage import GatedModel
-from ringshm.config import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from ringshm.generation_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 from test_server_abuse import LiveServer, ServerEngine, _error, _script, serve_fake  # noqa: F401 - fixture
 
 

@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from ringshm.config import GenerationParams
 from ringshm.engine.request_stream import Chunk, Request, RequestStream, copy_error, put_all
 from ringshm.engine.results import GenerationResult, result_of
 from ringshm.engine.sampling import TextStream
@@ -50,6 +49,7 @@ from ringshm.errors import (
     StageDied,
     StageStalled,
 )
+from ringshm.generation_params import GenerationParams
 
 log = logging.getLogger("ringshm.engine.async_engine")
 STEP_TIMEOUT_S = 0.05  # the longest the dispatcher waits on the ring before it looks at its inbox again

@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from ringshm.config import EngineConfig, GenerationParams, check_logit_bias
+from ringshm.config import EngineConfig
 from ringshm.engine.coordinator import Link, Stream, TokenEvent
 from ringshm.engine.kv_blocks import KVBlocks
 from ringshm.engine.request_stream import copy_error
@@ -24,6 +24,7 @@ from ringshm.engine.scheduler import Scheduler, StepStats
 from ringshm.engine.spec import NGramDrafter, SpecStats
 from ringshm.engine.spec_decode import SpecDecoder
 from ringshm.errors import EngineOwned, InvalidParameter
+from ringshm.generation_params import GenerationParams, check_logit_bias
 from ringshm.runtime.launcher import NodePlan, StageGroup, connect_timeout_s, default_depth
 from ringshm.runtime.process_start import refuse_in_spawn_bootstrap
 from ringshm.runtime.resources import check_memory
@@ -308,7 +309,7 @@ class Engine:
                 (taken as is, no special tokens added).
             max_new_tokens: most tokens to generate (>= 1).
             on_token: called with each ``TokenEvent`` as it is committed (streaming).
-            **params: the other fields of ``ringshm.config.GenerationParams``: temperature, top_k, top_p,
+            **params: the other fields of ``ringshm.generation_params.GenerationParams``: temperature, top_k, top_p,
                 seed, stop, chat, prefill_depth, spec ("ngram"), spec_k, spec_depth, spec_ngram, and the logit
                 controls logit_bias, presence_penalty, frequency_penalty, repetition_penalty, min_tokens,
                 ignore_eos, and logprobs / prompt_logprobs (top-k counts; the result's ``logprobs`` and

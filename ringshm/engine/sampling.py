@@ -31,7 +31,7 @@ class Sampler:
     logits cross the ring. All of this is per stream, over batch-invariant logits: a stream's tokens do not
     depend on its batch-mates.
 
-    Every value is one fp32 can carry (``ringshm.config``: a temperature in (0, 1e-2) samples at 1e-2, the
+    Every value is one fp32 can carry (``ringshm.generation_params``: a temperature in (0, 1e-2) samples at 1e-2, the
     repetition penalty lies in [1e-2, 1e2]), and the nucleus always keeps the most likely token (HF's
     ``min_tokens_to_keep``), so a tiny ``top_p`` is greedy-like instead of an empty set.
 
@@ -44,7 +44,7 @@ class Sampler:
                  logit_bias: dict[int, float] | None = None, presence_penalty: float = 0.0,
                  frequency_penalty: float = 0.0, repetition_penalty: float = 1.0, min_tokens: int = 0,
                  eos_ids=()):
-        from ringshm.config import check_logit_bias, check_repetition_penalty, check_temperature
+        from ringshm.generation_params import check_logit_bias, check_repetition_penalty, check_temperature
 
         temperature = check_temperature(temperature)
         if top_k < 0:
@@ -234,7 +234,7 @@ class TextStream:
     text is the new text: vLLM's incremental detokenisation, the context keeps BPE merges and leading spaces
     right at the seam; a window ending in U+FFFD waits for more bytes), and each new character goes once
     through the stop strings' automaton (``StopMatcher``). A request's stop strings are capped
-    (``ringshm.config.check_stop``), so one stream's text work stays small beside the others' on the thread
+    (``ringshm.generation_params.check_stop``), so one stream's text work stays small beside the others' on the thread
     that serves them all.
     """
 

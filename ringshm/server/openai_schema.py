@@ -12,14 +12,14 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
-from ringshm.config import (
+from ringshm.errors import EngineClosed, QueueFull, QueueTimeout, RequestFailed, StageDied, StageStalled
+from ringshm.generation_params import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_TEMPERATURE,
     MAX_TOP_LOGPROBS,
     REPETITION_PENALTY_RANGE,
 )
-from ringshm.errors import EngineClosed, QueueFull, QueueTimeout, RequestFailed, StageDied, StageStalled
 from ringshm.model.tokenizer import check_text
 
 

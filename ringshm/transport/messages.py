@@ -82,7 +82,7 @@ from typing import NamedTuple
 
 import torch
 
-from ringshm.config import MAX_TOP_LOGPROBS
+from ringshm.generation_params import MAX_TOP_LOGPROBS
 
 # ---------------------------------------------------------------------------------------------- op codes
 STEP = 2  # the compute op: a segment table and one tensor (see the module docstring)
