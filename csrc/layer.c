@@ -1,6 +1,7 @@
 /* One decoder layer in one call (see layer.h): the kernels of matmul.h and kernels.h strung together. */
 #include "layer.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -10,10 +11,12 @@ static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 /* Scratch layout, in floats, each [t, width] with rows of `width`:
  *   h [hidden] | qkv [round16(q + 2 kv)] | q [q] | k [kv] | v [kv] | attn [q] | x2 [hidden] | gu [2 I] | act [I]
- * (2 I is a multiple of 16: inter % 8 == 0). */
+ * (2 I is a multiple of 16: inter % 8 == 0). With routed experts, I is expert_inter and after act come
+ *   logits [round16(E)] | wsel [k] | isel [k] (int32) | xs [hidden] | ys [hidden] | m [hidden]
+ * per token, then order [t k] (int32), offs [E + 1] (int32) and p [E] (one token's softmax). */
 struct layout {
-    int64_t h, qkv, q, k, v, attn, x2, gu, act, total;
-    int64_t qkv_w, gu_w;
+    int64_t h, qkv, q, k, v, attn, x2, gu, act, logits, wsel, isel, xs, ys, m, order, offs, p, total;
+    int64_t qkv_w, gu_w, logits_w;
 };
 
 static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layout *l) {
@@ -21,10 +24,15 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
         s->n_kv_heads <= 0 || s->head_dim <= 0 || s->n_pos <= 0 ||
         s->n_heads % s->n_kv_heads || s->head_dim % RINGSHM_ATTN_HEAD_DIM_MULTIPLE ||
         s->head_dim > RINGSHM_ATTN_MAX_HEAD_DIM || (s->act != RINGSHM_ACT_SILU && s->act != RINGSHM_ACT_GELU_TANH) ||
-        !(s->attn_scale > 0.0f))
+        !(s->attn_scale > 0.0f) || (s->qk_norm_full != 0 && s->qk_norm_full != 1) || s->n_experts < 0 ||
+        s->n_experts > RINGSHM_MAX_EXPERTS ||
+        (s->n_experts && (s->n_experts_used < 1 || s->n_experts_used > s->n_experts || s->expert_inter <= 0 ||
+                          s->expert_inter % 16 ||
+                          (s->gating != RINGSHM_GATE_SOFTMAX && s->gating != RINGSHM_GATE_SOFTMAX_NORM))))
         return 0;
     const int64_t qd = (int64_t)s->n_heads * s->head_dim, kvd = (int64_t)s->n_kv_heads * s->head_dim;
-    l->qkv_w = round16(qd + 2 * kvd), l->gu_w = 2 * (int64_t)s->inter;
+    const int64_t inter = s->n_experts ? s->expert_inter : s->inter, k = s->n_experts_used;
+    l->qkv_w = round16(qd + 2 * kvd), l->gu_w = 2 * inter, l->logits_w = round16(s->n_experts);
     int64_t at = 0;
     l->h = at, at += t * s->hidden;
     l->qkv = at, at += t * l->qkv_w;
@@ -34,7 +42,19 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
     l->attn = at, at += t * qd;
     l->x2 = at, at += t * s->hidden;
     l->gu = at, at += t * l->gu_w;
-    l->act = at, at += t * s->inter;
+    l->act = at, at += t * inter;
+    l->logits = l->wsel = l->isel = l->xs = l->ys = l->m = l->order = l->offs = l->p = at;
+    if (s->n_experts) {
+        l->logits = at, at += t * l->logits_w;
+        l->wsel = at, at += t * k;
+        l->isel = at, at += t * k;
+        l->xs = at, at += t * s->hidden;
+        l->ys = at, at += t * s->hidden;
+        l->m = at, at += t * s->hidden;
+        l->order = at, at += t * k;
+        l->offs = at, at += s->n_experts + 1;
+        l->p = at, at += s->n_experts;
+    }
     l->total = at;
     return 1;
 }
@@ -42,9 +62,10 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
 /* Every vector of w holds what the shape reads from it: 1, else 0. A NULL optional vector has length 0. */
 static int lengths_ok(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w) {
     const int64_t hid = s->hidden, d = s->head_dim, qd = (int64_t)s->n_heads * d, kvd = (int64_t)s->n_kv_heads * d;
+    const int64_t qn = s->qk_norm_full ? qd : d, kn = s->qk_norm_full ? kvd : d;
 #define LEN_OK(ptr, len, want) ((ptr) ? (len) == (want) : (len) == 0)
     return w->attn_norm && w->ffn_norm && w->cos && w->sin && w->attn_norm_len == hid && w->ffn_norm_len == hid &&
-           LEN_OK(w->q_norm, w->q_norm_len, d) && LEN_OK(w->k_norm, w->k_norm_len, d) &&
+           LEN_OK(w->q_norm, w->q_norm_len, qn) && LEN_OK(w->k_norm, w->k_norm_len, kn) &&
            LEN_OK(w->post_attn_norm, w->post_attn_norm_len, hid) &&
            LEN_OK(w->post_ffn_norm, w->post_ffn_norm_len, hid) && LEN_OK(w->bqkv, w->bqkv_len, qd + 2 * kvd) &&
            LEN_OK(w->bo, w->bo_len, hid) && LEN_OK(w->bgate_up, w->bgate_up_len, 2 * (int64_t)s->inter) &&
@@ -61,6 +82,82 @@ int64_t ringshm_layer_work_floats(const struct ringshm_layer_shape *s, int64_t t
 /* x[i] = a[i] + b[i] over [t, hidden] (one rounded add each: the residual of a post-normed branch). */
 static void add_rows(float *x, const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = a[i] + b[i];
+}
+
+/* One token's routing (layer.h): softmax over the n logits, the k largest picked by ascending scans (the first of
+ * equal values wins), their weights (renormalised for RINGSHM_GATE_SOFTMAX_NORM). p: n floats of scratch. */
+static void route_token(const float *logits, int n, int k, int gating, float *p, float *wsel, int32_t *isel) {
+    float mx = logits[0];
+    for (int e = 1; e < n; e++) mx = logits[e] > mx ? logits[e] : mx;
+    float sum = 0.0f;
+    for (int e = 0; e < n; e++) p[e] = expf(logits[e] - mx), sum += p[e];
+    for (int e = 0; e < n; e++) p[e] = p[e] / sum;
+    for (int r = 0; r < k; r++) {
+        int best = -1;
+        for (int e = 0; e < n; e++) {
+            int taken = 0;
+            for (int q = 0; q < r; q++) taken |= isel[q] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        isel[r] = best, wsel[r] = p[best];
+    }
+    if (gating == RINGSHM_GATE_SOFTMAX_NORM) {
+        float s = 0.0f;
+        for (int r = 0; r < k; r++) s += wsel[r];
+        for (int r = 0; r < k; r++) wsel[r] = wsel[r] / s;
+    }
+}
+
+/* The routed experts' FFN on h [t, hidden] (layer.h), the result added to x2 into x. */
+static int moe_ffn(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w,
+                   const struct layout *l, float *work, const float *h, const float *x2, float *x, int64_t t,
+                   int n_threads, int isa) {
+    const int hid = s->hidden, n_e = s->n_experts, k = s->n_experts_used, ie = s->expert_inter;
+    float *logits = work + l->logits, *wsel = work + l->wsel, *xs = work + l->xs, *ys = work + l->ys;
+    float *m = work + l->m, *gu = work + l->gu, *act = work + l->act;
+    int32_t *isel = (int32_t *)(work + l->isel), *order = (int32_t *)(work + l->order);
+    int32_t *offs = (int32_t *)(work + l->offs);
+    int st;
+    if (!w->router || !w->exp_gate || !w->exp_up || !w->exp_down) return RINGSHM_KERNEL_ERR_SHAPE;
+    if ((st = ringshm_qmat_matmul(w->type_router, w->router, w->router_bytes, n_e, hid, h, t, logits, l->logits_w,
+                                  NULL, 0, NULL, 0, n_threads, isa)))
+        return st;
+    for (int64_t i = 0; i < t; i++)
+        route_token(logits + i * l->logits_w, n_e, k, s->gating, work + l->p, wsel + i * k, isel + i * k);
+    /* the (token, rank) pairs grouped by expert, tokens ascending within each: a counting sort */
+    memset(offs, 0, sizeof(int32_t) * (size_t)(n_e + 1));
+    for (int64_t i = 0; i < t * k; i++) offs[isel[i] + 1]++;
+    for (int e = 0; e < n_e; e++) offs[e + 1] += offs[e];
+    for (int64_t i = 0; i < t * k; i++) order[offs[isel[i]]++] = (int32_t)i;
+    for (int e = n_e; e > 0; e--) offs[e] = offs[e - 1]; /* the fill moved every start one group on */
+    offs[0] = 0;
+    memset(m, 0, sizeof(float) * (size_t)(t * hid));
+    for (int e = 0; e < n_e; e++) {
+        const int64_t n = offs[e + 1] - offs[e];
+        if (!n) continue;
+        const int32_t *pairs = order + offs[e];
+        for (int64_t r = 0; r < n; r++) memcpy(xs + r * hid, h + (pairs[r] / k) * hid, sizeof(float) * (size_t)hid);
+        if ((st = ringshm_qmat_matmul(w->type_exp_gate, w->exp_gate + e * w->exp_gate_bytes, w->exp_gate_bytes, ie,
+                                      hid, xs, n, gu, l->gu_w, NULL, 0, NULL, 0, n_threads, isa)) ||
+            (st = ringshm_qmat_matmul(w->type_exp_up, w->exp_up + e * w->exp_up_bytes, w->exp_up_bytes, ie, hid, xs,
+                                      n, gu + ie, l->gu_w, NULL, 0, NULL, 0, n_threads, isa)) ||
+            (st = s->act == RINGSHM_ACT_GELU_TANH ? ringshm_gelu_tanh_mul(act, gu, n, ie)
+                                                  : ringshm_silu_mul(act, gu, n, ie)) ||
+            (st = ringshm_qmat_matmul(w->type_exp_down, w->exp_down + e * w->exp_down_bytes, w->exp_down_bytes, hid,
+                                      ie, act, n, ys, hid, NULL, 0, NULL, 0, n_threads, isa)))
+            return st;
+        for (int64_t r = 0; r < n; r++) { /* experts ascending, so each token's terms add in ascending id */
+            const float wt = wsel[pairs[r]];
+            float *row = m + (pairs[r] / k) * hid;
+            const float *y = ys + r * hid;
+            for (int j = 0; j < hid; j++) {
+                const float term = wt * y[j];
+                row[j] = row[j] + term;
+            }
+        }
+    }
+    add_rows(x, x2, m, t * hid);
+    return RINGSHM_KERNEL_OK;
 }
 
 int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
@@ -108,7 +205,10 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         memcpy(k + i * kvd, qkv + i * l.qkv_w + qd, sizeof(float) * (size_t)kvd);
         memcpy(v + i * kvd, qkv + i * l.qkv_w + qd + kvd, sizeof(float) * (size_t)kvd);
     }
-    if (w->q_norm) { /* per-head RMSNorm: every head's D values are one row */
+    if (w->q_norm && s->qk_norm_full) { /* over each token's whole projection (OLMoE) */
+        if ((st = ringshm_rms_norm(q, q, w->q_norm, w->q_norm_len, t, qd, s->rms_eps))) return st;
+        if ((st = ringshm_rms_norm(k, k, w->k_norm, w->k_norm_len, t, kvd, s->rms_eps))) return st;
+    } else if (w->q_norm) { /* per-head RMSNorm: every head's D values are one row */
         if ((st = ringshm_rms_norm(q, q, w->q_norm, w->q_norm_len, t * hq, d, s->rms_eps))) return st;
         if ((st = ringshm_rms_norm(k, k, w->k_norm, w->k_norm_len, t * hkv, d, s->rms_eps))) return st;
     }
@@ -138,6 +238,10 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         return st;
     }
     if ((st = ringshm_rms_norm(h, x2, w->ffn_norm, w->ffn_norm_len, t, hid, s->rms_eps))) return st;
+    if (s->n_experts) {
+        if (post) return RINGSHM_KERNEL_ERR_SHAPE; /* no MoE family has post norms */
+        return moe_ffn(s, w, &l, work, h, x2, x, t, n_threads, isa);
+    }
     if ((st = ringshm_qmat_matmul(w->type_gate_up, w->gate_up, w->gate_up_bytes, 2 * (int64_t)s->inter, hid, h, t,
                                   gu, l.gu_w, w->bgate_up, w->bgate_up_len, NULL, 0, n_threads, isa)))
         return st;

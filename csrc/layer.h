@@ -21,6 +21,26 @@
  *     m    = act(gate) * up . Wdown^T (+ bdown)      act: silu (SwiGLU) or gelu_tanh (GeGLU)
  *     x    = x2 + m,  or with post norms  x = x2 + rms_norm(m, post_ffn_norm)                written over x
  *
+ * q_norm_full (OLMoE): the q / k norms cover each token's whole projection (q_norm [q_dim], k_norm [kv_dim])
+ * instead of each head's D values.
+ *
+ * A routed mixture of experts (shape n_experts > 0) replaces gu / m, with h = rms_norm(x2, ffn_norm):
+ *     logits = h . Wrouter^T                                           [T, E] (the matmul: every row alike)
+ *     per token, in fixed order: p = softmax(logits) (max subtracted, expf, the sum over e ascending, then one
+ *         division each); the k = n_experts_used largest p, picked one at a time by a scan over e ascending that
+ *         keeps the first of equal values (ties go to the lowest id); w_r = p of rank r, or with gating
+ *         RINGSHM_GATE_SOFTMAX_NORM w_r = p_r / (p_0 + ... + p_{k-1}) (summed in rank order)
+ *     per expert e ascending, on the rows of the tokens routed to it (ascending token order):
+ *         y = (act(h . Wgate_e^T) * (h . Wup_e^T)) . Wdown_e^T       [rows, hidden]  (width expert_inter)
+ *     m[tok] = 0, then m[tok] = m[tok] + (w * y[tok]) for each of its experts in ascending id (two roundings
+ *         each: the product, then the add; transformers' eager experts loop and index_add_)
+ *     x = x2 + m
+ * The matmuls compute each row alone (matmul.h), so a token's y for an expert is the same bits whether the
+ * expert serves it alone or beside any other tokens of any streams, and a token's m depends only on its own h:
+ * batch invariance holds through the routing. Each expert's matmuls split panels over n_threads, as every
+ * other matmul. Limits: n_experts <= RINGSHM_MAX_EXPERTS, 1 <= n_experts_used <= n_experts,
+ * expert_inter % 16 == 0 (gate and up share a row of the scratch).
+ *
  * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: starts, lens [n_seg] int64, at
  * most RINGSHM_ATTN_MAX_SEGMENTS; segment i's block table is tables[table_offs[i] .. table_offs[i + 1]) (int32,
  * kernels.h). The caller guarantees that no block is written by two segments of an op (every segment's KV is
@@ -42,6 +62,9 @@
 /* CDEF BEGIN */
 /* The MLP's gate (ringshm.config.ACTIVATIONS). */
 enum ringshm_act { RINGSHM_ACT_SILU = 0, RINGSHM_ACT_GELU_TANH = 1 };
+/* How a routed MoE weighs its top-k experts (ringshm.config.EXPERT_GATINGS). */
+enum ringshm_gating { RINGSHM_GATE_SOFTMAX = 0, RINGSHM_GATE_SOFTMAX_NORM = 1 };
+#define RINGSHM_MAX_EXPERTS 1024
 
 struct ringshm_layer_shape {
     int hidden, n_heads, n_kv_heads, head_dim, inter;
@@ -49,6 +72,9 @@ struct ringshm_layer_shape {
     float rms_eps;
     int act;          /* enum ringshm_act */
     float attn_scale; /* the factor on q . k */
+    int qk_norm_full; /* 1: q / k norms over the whole projection (OLMoE), 0: per head */
+    int n_experts;    /* routed experts (0: the dense FFN gate_up / down) */
+    int n_experts_used, expert_inter, gating; /* top-k, one expert's width, enum ringshm_gating */
 };
 
 /* One layer's weights (packed, matmul.h), RoPE tables and KV cache; pointers stay owned by the caller. */
@@ -73,6 +99,12 @@ struct ringshm_layer_weights {
     int64_t bqkv_len, bo_len, bgate_up_len, bdown_len;
     int64_t attn_norm_len, ffn_norm_len, q_norm_len, k_norm_len, post_attn_norm_len, post_ffn_norm_len;
     int64_t cos_len, sin_len;
+    /* Routed experts (shape n_experts > 0; gate_up / down unused): the router [E, hidden] packed, and per role
+     * the E experts' packed weights one after another, exp_*_bytes apart (one expert's packed size, which the
+     * matmul checks); the caller guarantees E of them behind each pointer. */
+    int type_router, type_exp_gate, type_exp_up, type_exp_down;
+    const uint8_t *router, *exp_gate, *exp_up, *exp_down;
+    int64_t router_bytes, exp_gate_bytes, exp_up_bytes, exp_down_bytes;
     int window;                                                 /* sliding-window keys, 0: none */
     struct ringshm_kv_pool kv;                                  /* this layer's blocks (kernels.h) */
 };

@@ -15,6 +15,11 @@ from ringshm.generation_params import MAX_SPEC_K
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU (Llama) or GeGLU with tanh-GELU (Gemma)
 ROPE_SCALINGS = ("linear", "llama3")  # what RopeScaling.kind may be; others (yarn, dynamic, longrope) are refused
+EXPERT_GATINGS = ("softmax", "softmax_norm")
+"""How a routed MoE layer weighs its top-k experts (``ModelConfig.expert_gating``): both take the softmax over every
+expert's router logit and keep the k largest probabilities (ties to the lowest expert id); ``softmax_norm`` then
+divides each by their sum (Qwen3-MoE's ``norm_topk_prob``), ``softmax`` keeps them as they are (OLMoE)."""
+MAX_EXPERTS = 1024  # routed experts per layer (csrc/layer.h's RINGSHM_MAX_EXPERTS; DeepSeek V3: 256, Qwen3.5: 512)
 
 
 @dataclass(frozen=True)
@@ -58,13 +63,18 @@ class ModelConfig:
 
         h = norm(x) · (norm_offset + attn_norm)                           RMSNorm; Gemma's HF weights are (1 + w)
         q, k, v = h · Wq/Wk/Wvᵀ (+ biases: attention_bias)
-        q, k = rmsnorm_per_head(q, k) (qk_norm: Qwen 3, Gemma 3)
+        q, k = rmsnorm_per_head(q, k) (qk_norm: Qwen 3, Gemma 3), or over the whole projection (qk_norm_full: OLMoE)
         a = attention(rope(q), rope(k), v), scale attn_scale (0: 1/sqrt(head_dim)), a sliding window of
             window(layer) keys on sliding layers (0: every earlier key)
         a = a · Woᵀ (+ o_bias);   post_norms: a = norm(a) · post_attn_norm (Gemma 2/3 "sandwich" norms)
         x = x + a
         h = norm(x) · ffn_norm;  g, u = h · Wgate/Wupᵀ (+ mlp_bias)
         m = (act(g) * u) · Wdownᵀ (+ mlp_bias);  act: silu (SwiGLU) or gelu_tanh (GeGLU)
+        or, with n_experts > 0 (a routed mixture of experts on every layer; no dense FFN):
+            p = softmax(h · Wrouterᵀ) over the n_experts (fp32);  E = the n_experts_used largest p (ties: lowest id)
+            w_e = p_e, or p_e / Σ_{E} p (expert_gating "softmax_norm")
+            m = Σ_{e in E, ascending id} w_e · ((act(h · Wgate_eᵀ) * (h · Wup_eᵀ)) · Wdown_eᵀ)   widths
+                expert_intermediate; each term one rounded product, added in that order from 0
         post_norms: m = norm(m) · post_ffn_norm
         x = x + m
 
@@ -83,7 +93,7 @@ class ModelConfig:
             activation, a ``sliding_layers`` of the wrong length, or sliding layers without a window.
     """
 
-    arch: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"
+    arch: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe"
     n_layers: int
     hidden: int
     n_heads: int
@@ -112,6 +122,11 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     rope_freq_factors: tuple[float, ...] = ()  # GGUF rope_freqs.weight: inv_freq[i] / factors[i] (Llama 3)
     rope_local_theta: float = 0.0  # sliding layers' RoPE base (Gemma 3); 0: rope_theta
+    qk_norm_full: bool = False  # the q / k norms cover the whole projection ([q_dim], [kv_dim]: OLMoE), not a head
+    n_experts: int = 0  # routed experts per layer (0: a dense FFN)
+    n_experts_used: int = 0  # top-k experts per token
+    expert_intermediate: int = 0  # one expert's FFN width (HF moe_intermediate_size)
+    expert_gating: str = "softmax_norm"  # EXPERT_GATINGS
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab",
@@ -139,6 +154,17 @@ class ModelConfig:
                              f"{len(self.rope_freq_factors)}")
         if self.embed_scale <= 0 or self.attn_scale < 0 or self.logit_softcap < 0:
             raise ValueError("ModelConfig.embed_scale must be > 0, attn_scale and logit_softcap >= 0")
+        if self.n_experts and not (0 < self.n_experts <= MAX_EXPERTS and 0 < self.n_experts_used <= self.n_experts
+                                   and self.expert_intermediate > 0 and self.expert_gating in EXPERT_GATINGS):
+            raise ValueError(f"ModelConfig: a routed MoE needs 0 < n_experts <= {MAX_EXPERTS}, 0 < n_experts_used <= "
+                             f"n_experts, expert_intermediate > 0 and expert_gating in {EXPERT_GATINGS}; got "
+                             f"{self.n_experts}, {self.n_experts_used}, {self.expert_intermediate}, "
+                             f"{self.expert_gating!r}")
+
+    @property
+    def moe(self) -> bool:
+        """Whether every layer's FFN is a routed mixture of experts (``n_experts`` > 0)."""
+        return self.n_experts > 0
 
     @property
     def q_dim(self) -> int:

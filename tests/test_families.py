@@ -97,13 +97,17 @@ COMPUTED = [
     ("llama", dict(tie_word_embeddings=True)),
     ("qwen2", dict(tie_word_embeddings=False)),
     ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+    ("qwen3moe", dict(norm_topk_prob=False)),  # top-k weights as they are (HF only: llama.cpp's always renormalise)
+    ("qwen3moe", dict(moe_intermediate_size=40)),  # experts not whole 16-float vectors: the torch path
+    ("olmoe", dict(intermediate_size=40)),  # the same, with OLMoE's whole-projection q / k norms
 ]
+HF_ONLY = {"sliding_window", "norm_topk_prob"}  # settings llama.cpp's converter does not carry over
 
 
 @pytest.mark.parametrize("family, overrides", COMPUTED, ids=[f"{f}-{next(iter(o))}" for f, o in COMPUTED])
 def test_a_setting_ringshm_computes_gives_the_oracles_tokens(zoo, family, overrides, assert_greedy_matches):
     model = zoo(family, "f32", **overrides)
-    for path in (model.hf_dir,) if "sliding_window" in overrides else (model.hf_dir, model.gguf_path):
+    for path in (model.hf_dir,) if HF_ONLY & set(overrides) else (model.hf_dir, model.gguf_path):
         try:
             stages = _stages(path, ())
         except Exception as exc:  # noqa: BLE001 - a refusal is allowed only if it names the field
@@ -123,6 +127,13 @@ REFUSED = [
     ("phi3", "partial_rotary_factor", 0.5, "partial_rotary_factor"),
     ("llama", "hidden_act", "gelu", "hidden_act"),
     ("llama", "some_new_switch", 1, "some_new_switch"),  # a field no release of ringshm has heard of
+    ("qwen3moe", "mlp_only_layers", [1], "mlp_only_layers"),  # a dense layer among routed ones
+    ("qwen3moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
+    ("olmoe", "clip_qkv", 8.0, "clip_qkv"),
+    ("qwen3moe", "model_type", "qwen3_next", "Gated DeltaNet"),  # MoE families not computed: by name, with why
+    ("qwen3moe", "model_type", "deepseek_v3", "MLA"),
+    ("qwen3moe", "model_type", "gpt_oss", "MXFP4"),
+    ("qwen3moe", "model_type", "qwen2_moe", "shared expert"),
 ]
 
 

@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import load_file
 
-from zoo import FAMILIES, WINDOW, load_transformers, prompt_ids
+from zoo import FAMILIES, MOE_FAMILIES, WINDOW, load_transformers, prompt_ids
 from zoo_convert import gguf_name_map, llama3_rope_factors, permute_qk
 from zoo_quant import dequantize_f64, tensor_type
 
@@ -43,15 +43,19 @@ EXPECTED_KEYS = {
                                                      "final_logit_softcapping"],
     "phi3": _BASE_KEYS + ["rope.scaling.original_context_length", "rope.dimension_count",
                           "attention.sliding_window"],
+    "qwen3moe": _BASE_KEYS + _HEAD_DIM_KEYS + ["expert_count", "expert_used_count", "expert_feed_forward_length"],
+    "olmoe": _BASE_KEYS + ["expert_count", "expert_used_count"],
 }
 GENERAL_KEYS = {"general.architecture", "general.type", "general.name", "general.size_label", "general.file_type",
                 "general.quantization_version"}
 ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-        "gemma3": "gemma3", "gemma3_softcap": "gemma3", "phi3": "phi3"}
+        "gemma3": "gemma3", "gemma3_softcap": "gemma3", "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe"}
 
 _LLAMA_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
 _GEMMA3_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
                  "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm"]
+_MOE_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output", "ffn_norm",
+              "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"]
 # (per-layer names without ".weight", whole-model names): what llama.cpp's tensor map makes of each family
 EXPECTED_TENSORS = {
     "llama": (_LLAMA_LAYER, ["token_embd.weight", "output_norm.weight", "output.weight"]),
@@ -64,6 +68,8 @@ EXPECTED_TENSORS = {
     "gemma3_softcap": (_GEMMA3_LAYER, ["token_embd.weight", "output_norm.weight"]),
     "phi3": (["attn_norm", "attn_qkv", "attn_output", "ffn_norm", "ffn_up", "ffn_down"],
              ["token_embd.weight", "output_norm.weight", "output.weight"]),
+    "qwen3moe": (_MOE_LAYER, ["token_embd.weight", "output_norm.weight", "output.weight"]),
+    "olmoe": (_MOE_LAYER, ["token_embd.weight", "output_norm.weight", "output.weight"]),
 }
 # Q4_K_M spot checks (llama-quantize): use_more_bits layers are 2, 3 of 4 and 2, 5 of 6; the LM head (or a tied
 # embedding) Q6_K; qwen2's rows of 320 / 640 take the fallbacks Q5_0 (for Q4_K) and Q8_0 (for Q6_K).
@@ -79,6 +85,12 @@ Q4_K_M_TYPES = {
                "token_embd.weight": Q.Q6_K, "blk.0.post_ffw_norm.weight": Q.F32},
     "phi3": {"blk.0.attn_qkv.weight": Q.Q4_K, "blk.2.attn_qkv.weight": Q.Q6_K, "blk.0.ffn_up.weight": Q.Q4_K,
              "output.weight": Q.Q6_K},
+    # experts as the dense roles (ffn_down_exps more bits on layers 2, 3), the router never quantized
+    "qwen3moe": {"blk.0.ffn_gate_inp.weight": Q.F32, "blk.0.ffn_gate_exps.weight": Q.Q4_K,
+                 "blk.0.ffn_up_exps.weight": Q.Q4_K, "blk.1.ffn_down_exps.weight": Q.Q4_K,
+                 "blk.2.ffn_down_exps.weight": Q.Q6_K, "blk.2.attn_v.weight": Q.Q6_K, "output.weight": Q.Q6_K},
+    "olmoe": {"blk.3.ffn_gate_inp.weight": Q.F32, "blk.3.ffn_down_exps.weight": Q.Q6_K,
+              "blk.0.attn_q_norm.weight": Q.F32},
 }
 
 
@@ -127,6 +139,12 @@ def test_gguf_has_the_converters_names_types_and_keys(zoo, family):
         n_qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * d
         assert list(tensors["blk.0.attn_qkv.weight"].shape) == [h, n_qkv]
         assert list(tensors["blk.0.ffn_up.weight"].shape) == [h, 2 * cfg.intermediate_size]
+    elif family in MOE_FAMILIES:  # [cols, rows, experts] in ggml order
+        n_exp, ie = cfg.num_experts, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        assert list(tensors["blk.0.ffn_gate_inp.weight"].shape) == [h, n_exp]
+        assert list(tensors["blk.0.ffn_gate_exps.weight"].shape) == [h, ie, n_exp]
+        assert list(tensors["blk.0.ffn_down_exps.weight"].shape) == [ie, h, n_exp]
+        assert meta[f"{arch}.expert_count"] == n_exp and meta[f"{arch}.expert_used_count"] == cfg.num_experts_per_tok
     else:
         assert list(tensors["blk.0.attn_q.weight"].shape) == [h, cfg.num_attention_heads * d]
         assert list(tensors["blk.0.ffn_down.weight"].shape) == [cfg.intermediate_size, h]
@@ -150,14 +168,20 @@ def test_gguf_tensors_decode_to_the_hf_tensors_bit_for_bit(zoo, family):
     tensors = {t.name: t for t in _reader(model).tensors}
     seen = set()
     for hf_name, w in hf.items():
-        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        expert = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", hf_name)
+        if expert:  # one expert's slice of the layer's 3-D tensor
+            gname = names.get_name(f"{expert[1]}.{expert[3]}")
+            gname += ".weight"
+        else:
+            gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         t = tensors[gname]
-        decoded = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
+        data = t.data[int(expert[2])] if expert else t.data
+        decoded = gguf.quants.dequantize(data, t.tensor_type).reshape(w.shape)
         expected = _converter_transform(family, cfg, hf_name, w.numpy())
         assert decoded.dtype == np.float32 and w.dtype == torch.float32
         assert np.array_equal(decoded.view(np.uint32), expected.view(np.uint32)), f"{family}: {gname} != {hf_name}"
         # exact: an independent fp64 decode gives the same numbers, so any correct dequantizer gives these bits
-        assert np.array_equal(dequantize_f64(t.data, t.tensor_type).reshape(w.shape), decoded.astype(np.float64))
+        assert np.array_equal(dequantize_f64(data, t.tensor_type).reshape(w.shape), decoded.astype(np.float64))
         seen.add(gname)
     extra = set(tensors) - seen
     assert extra == ({"rope_freqs.weight"} if family == "llama3" else set())
@@ -168,12 +192,13 @@ def test_gguf_tensors_decode_to_the_hf_tensors_bit_for_bit(zoo, family):
 # Config fields transformers' GGUF reader cannot rebuild from these files: the vocab size and special token ids
 # (it takes them from the tokenizer keys, and the zoo writes none), head_dim (qwen3: it ignores
 # attention.key_length), Gemma's query_pre_attn_scalar and final_logit_softcapping, llama3 RoPE scaling (it does
-# not read rope_freqs.weight).
+# not read rope_freqs.weight), Qwen3-MoE's expert width (it ignores expert_feed_forward_length) and its
+# norm_topk_prob (llama.cpp's qwen3moe always renormalises; no key says so).
 _NOT_FROM_GGUF = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "head_dim", "query_pre_attn_scalar",
-                  "final_logit_softcapping")
+                  "final_logit_softcapping", "moe_intermediate_size", "norm_topk_prob")
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f != "olmoe"])  # transformers reads no olmoe GGUF
 def test_transformers_gguf_reader_recovers_the_hf_weights_bit_for_bit(zoo, family):
     """An independent reverse of the converter: transformers' GGUF loader (un-permutes llama Q/K, subtracts
     Gemma's 1, maps llama.cpp names back) gets every HF tensor back exactly, and the same logits."""

@@ -16,7 +16,10 @@ tokenizer: prompts are token ids.
 
 Families: ``llama`` (Llama 2 style), ``llama3`` (RoPE ``llama3`` scaling), ``mistral``, ``qwen2`` (q/k/v
 biases, hidden 320), ``qwen3`` (q/k RMSNorm), ``gemma3`` (6 layers, 5 local with window 16 + 1 global),
-``gemma3_softcap`` (final logit soft-cap 15), ``phi3`` (fused qkv and gate_up).
+``gemma3_softcap`` (final logit soft-cap 15), ``phi3`` (fused qkv and gate_up); the mixtures of experts
+``qwen3moe`` (16 experts, top 4, renormalised) and ``olmoe`` (16 experts, top 4, not renormalised; q / k norms
+over the whole projection, 4 KV heads), expert width 256, written as transformers saves them (one tensor per
+expert) and as the converter merges them (3-D ``ffn_*_exps``; the router ``ffn_gate_inp`` stays F32).
 
 Tied embeddings (no ``output.weight``): llama3, qwen2, qwen3, gemma3. Sizes: hidden 256, 4 query heads,
 2 KV heads (gemma3: 1), head_dim 64, intermediate 512, vocab 512, 4 layers (gemma3: 6).
@@ -87,6 +90,20 @@ def _gemma3(**kw):
                                "pad_token_id": 0, "tie_word_embeddings": True, **kw})
 
 
+def _qwen3moe(**kw):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**{**_COMMON, "head_dim": 64, "rope_theta": 1e6, "rms_norm_eps": 1e-6, **_MOE,
+                             "moe_intermediate_size": 256, "norm_topk_prob": True, **kw})
+
+
+def _olmoe(**kw):
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(**{**_COMMON, "num_key_value_heads": 4, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+                          "pad_token_id": 1, **_MOE, "intermediate_size": 256, "norm_topk_prob": False, **kw})
+
+
 def _phi3(**kw):
     from transformers import Phi3Config
 
@@ -94,6 +111,9 @@ def _phi3(**kw):
                          "original_max_position_embeddings": 512, "sliding_window": None, **kw})
 
 
+# 16 experts, top 4, expert width 256 (a multiple of 256: K-quant rows of down do not fall back; 16, not 8:
+# llama-quantize gives 8-expert models Q8_0 attn_k / attn_v)
+_MOE = {"num_experts": 16, "num_experts_per_tok": 4}
 _COMMON = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
            "num_key_value_heads": 2, "vocab_size": 512, "max_position_embeddings": 512, "bos_token_id": 1,
            "eos_token_id": 2, "tie_word_embeddings": False}
@@ -140,7 +160,10 @@ FAMILIES: dict[str, Family] = {
     "gemma3_softcap": Family(lambda **kw: _gemma3(final_logit_softcapping=15.0, **kw), "gemma3", norm_shift=1.0,
                              std=_GEMMA3_STD, norms=_GEMMA3_NORMS),
     "phi3": Family(_phi3, "phi3"),
+    "qwen3moe": Family(_qwen3moe, "qwen3moe"),
+    "olmoe": Family(_olmoe, "olmoe"),
 }
+MOE_FAMILIES = ("qwen3moe", "olmoe")
 
 
 class Greedy(NamedTuple):
@@ -251,6 +274,9 @@ def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0, 
     if config.to_dict().get("rope_parameters", {}).get("rope_type") == "llama3":
         gguf_tensors.append(("rope_freqs.weight", llama3_rope_factors(config), gguf.GGMLQuantizationType.F32))
     for hf_name, shape in shapes.items():
+        if ".mlp.experts." in hf_name:  # routed experts: 3-D in GGUF, one 2-D tensor per expert in HF
+            _add_experts(hf_name, shape, spec, recipe, n_layers, tied, rng, gguf_tensors, hf_tensors)
+            continue
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, f"{family}: no GGUF name for {hf_name}"
         role, layer = gguf_role(gname)
@@ -275,6 +301,28 @@ def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0, 
     gguf_path = root / "model.gguf"
     write_gguf(gguf_path, spec.arch, config, recipe_file_type(recipe), f"ringshm-zoo-{family}", gguf_tensors)
     return ZooModel(family, recipe, seed, hf_dir, gguf_path, config, {n: t for n, _, t in gguf_tensors})
+
+
+def _add_experts(hf_name: str, shape: tuple[int, ...], spec: Family, recipe: str, n_layers: int, tied: bool,
+                 rng: np.random.Generator, gguf_tensors: list, hf_tensors: dict) -> None:
+    """One layer's routed experts, as the converter writes them from a checkpoint on disk: transformers' fused
+    ``mlp.experts.gate_up_proj`` ``[E, 2 I, hidden]`` becomes GGUF ``ffn_gate_exps`` and ``ffn_up_exps``
+    ``[E, I, hidden]`` and HF ``mlp.experts.{e}.gate_proj`` / ``up_proj`` ``[I, hidden]`` (what ``save_pretrained``
+    writes and released checkpoints hold); ``mlp.experts.down_proj`` becomes ``ffn_down_exps`` and ``down_proj``."""
+    prefix, part = hf_name.split(".mlp.experts.")
+    layer = int(prefix.split(".")[-1])
+    n_exp = shape[0]
+    if part == "gate_up_proj":
+        roles = (("ffn_gate_exps", "gate_proj", shape[1] // 2), ("ffn_up_exps", "up_proj", shape[1] // 2))
+    else:
+        roles = (("ffn_down_exps", "down_proj", shape[1]),)
+    for role, hf_part, rows in roles:
+        qtype = tensor_type(recipe, role, layer, n_layers, shape[2], 3, tied)
+        raw, vals = make_weight(qtype, (n_exp * rows, shape[2]), spec.std["linear"], rng)
+        gguf_tensors.append((f"blk.{layer}.{role}.weight", raw.reshape(n_exp, rows, -1), qtype))
+        for e in range(n_exp):
+            hf_tensors[f"{prefix}.mlp.experts.{e}.{hf_part}.weight"] = torch.from_numpy(
+                np.ascontiguousarray(vals[e * rows:(e + 1) * rows], dtype=np.float32))
 
 
 def _hf_shapes(config) -> dict[str, tuple[int, ...]]:

@@ -44,6 +44,12 @@ transforms it applies to HF tensors (read at ggml-org/llama.cpp: ``convert_hf_to
   query at position p sees keys p-15 … p in both (HF ``kv > q - window``, llama.cpp ``q - kv < n_swa``).
   Tied: no ``output.weight``. ``gemma3_softcap``: the same with ``final_logit_softcapping`` 15 (HF caps the
   logits; today's llama.cpp applies the cap only in its graph without sliding-window layers).
+- qwen3moe → ``qwen3moe`` (``Qwen3MoeModel``, a ``Qwen2MoeModel``), olmoe → ``olmoe`` (``OlmoeModel``): no
+  reorder; ``expert_count``, ``expert_used_count``, and for qwen3moe ``expert_feed_forward_length``
+  (``moe_intermediate_size``; OLMoE's experts are ``intermediate_size`` wide); each layer's experts stacked into
+  ``ffn_{gate,up,down}_exps`` ``[E, rows, cols]``; the router ``ffn_gate_inp`` F32. No key for the gating:
+  llama.cpp renormalises qwen3moe's top-k weights and not olmoe's, fixed per arch. OLMoE's q / k norms are
+  ``attn_q_norm`` ``[hidden]`` and ``attn_k_norm`` ``[kv_dim]``.
 - phi3 → ``phi3``, no reorder; fused ``attn_qkv`` (q rows, then k, then v) and fused ``ffn_up`` (gate rows,
   then up: ``[2 * intermediate, hidden]``), no ``ffn_gate``. Keys: ``rope.scaling.original_context_length``,
   ``rope.dimension_count``, ``attention.sliding_window`` (0 when the config has none).
@@ -174,6 +180,11 @@ def write_gguf(path: Path, arch: str, config, file_type: gguf.LlamaFileType, mod
         if arch == "llama":
             w.add_vocab_size(hp["vocab_size"])
             w.add_rope_dimension_count(head_dim)
+        if arch in ("qwen3moe", "olmoe"):  # Qwen2MoeModel / OlmoeModel (and TextModel's expert keys)
+            w.add_expert_count(hp.get("num_experts", hp.get("num_local_experts")))
+            w.add_expert_used_count(hp["num_experts_per_tok"])
+            if hp.get("moe_intermediate_size"):
+                w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
         if arch == "gemma3":
             if hp.get("final_logit_softcapping"):
                 w.add_final_logit_softcapping(hp["final_logit_softcapping"])

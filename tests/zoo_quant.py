@@ -13,7 +13,9 @@ Two jobs, both for ``tests/zoo.py``:
      layers ``use_more_bits`` picks (``i < n/8 or i >= 7n/8 or (i - n/8) % 3 == 2``, integer division: for 4
      layers that is 2 and 3, for 6 layers 2 and 5, for Gemma 3 270M's 18 layers 0, 1, 4, 7, 10, 13, 15, 16, 17);
      the LM head, or the token embedding when the model ties them (no ``output.weight``), in Q6_K, or Q8_0
-     when its row width is not a multiple of 256.
+     when its row width is not a multiple of 256. Routed experts follow the dense roles (``ffn_down_exps`` as
+     ``ffn_down``); the MoE router ``ffn_gate_inp`` stays F32 in every recipe (the converter and llama-quantize
+     never quantize it).
    - In every quantized recipe (``--pure`` too) a K-quant whose row width (ggml ``ne[0]``, the input dim) is not
      a multiple of 256 falls back as llama-quantize's ``tensor_type_fallback`` does: Q4_K → Q5_0, Q5_K → Q5_1,
      Q6_K → Q8_0, Q2_K / Q3_K → Q4_0 (F16 if even that does not fit).
@@ -102,7 +104,7 @@ def tensor_type(recipe: str, role: str, layer: int | None, n_layers: int, row_wi
     ``output.weight``, so ``token_embd`` is also the LM head.
     """
     base = RECIPES[recipe][1]
-    if n_dims < 2 or role.endswith(("_norm", ".bias")):
+    if n_dims < 2 or role.endswith(("_norm", ".bias")) or role == "ffn_gate_inp":  # the MoE router: never quantized
         return Q.F32
     if recipe in ("f32", "f16", "bf16", "q8_0"):
         return base
@@ -111,7 +113,7 @@ def tensor_type(recipe: str, role: str, layer: int | None, n_layers: int, row_wi
         is_head = role == "output" or (tied and role == "token_embd")
         if is_head:
             return Q.Q8_0 if row_width % 256 else Q.Q6_K
-        if role in ("attn_v", "attn_qkv", "ffn_down") and use_more_bits(layer, n_layers):
+        if role in ("attn_v", "attn_qkv", "ffn_down", "ffn_down_exps") and use_more_bits(layer, n_layers):
             qtype = Q.Q6_K
     if row_width % GGML_QUANT_SIZES[qtype][0]:
         qtype = _FALLBACK.get(qtype, qtype)

@@ -291,18 +291,24 @@ class Expect:
     what: str
 
 
-def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False) -> dict[str, Expect]:
+def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
+                     merged_gate_up_exps: bool = False) -> dict[str, Expect]:
     """Every tensor the family description of ``cfg`` reads, by its GGUF (``gguf``) or HF name, with its shape.
 
     Layer ``i``'s fields are ``families.TENSOR_NAMES[cfg.arch]`` that ``families.wanted`` keeps; fused Phi-3
     tensors are ``[q + 2 kv, hidden]`` and ``[2 I, hidden]``; the LM head only when not tied; GGUF's
-    ``rope_freqs.weight`` ``[head_dim / 2]`` when ``rope_freqs``.
+    ``rope_freqs.weight`` ``[head_dim / 2]`` when ``rope_freqs``. Routed experts (``cfg.moe``): the router
+    ``[E, hidden]``; in GGUF ``[E, I_e, hidden]`` gate and up (or, ``merged_gate_up_exps``, one
+    ``ffn_gate_up_exps`` ``[E, 2 I_e, hidden]``) and ``[E, hidden, I_e]`` down; in HF one 2-D tensor per expert.
     """
     h, q, kv, inter, d = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate, cfg.head_dim
+    n_e, ie = cfg.n_experts, cfg.expert_intermediate
     names = families.TENSOR_NAMES[cfg.arch]
     shapes = {
-        "attn_norm": (h,), "ffn_norm": (h,), "post_attn_norm": (h,), "post_ffn_norm": (h,), "q_norm": (d,),
-        "k_norm": (d,), "wq": (q + 2 * kv if names.fused_qkv else q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
+        "attn_norm": (h,), "ffn_norm": (h,), "post_attn_norm": (h,), "post_ffn_norm": (h,),
+        "q_norm": (q,) if cfg.qk_norm_full else (d,), "k_norm": (kv,) if cfg.qk_norm_full else (d,),
+        "w_router": (n_e, h), "w_exp_gate": (n_e, ie, h), "w_exp_up": (n_e, ie, h), "w_exp_down": (n_e, h, ie),
+        "wq": (q + 2 * kv if names.fused_qkv else q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
         "w_gate": (2 * inter if names.fused_gate_up else inter, h), "w_up": (inter, h), "w_down": (h, inter),
         "bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (h,), "b_gate": (2 * inter if names.fused_gate_up else inter,),
         "b_up": (inter,), "b_down": (h,),
@@ -312,8 +318,18 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False) -> 
     for i in range(cfg.n_layers):
         prefix = f"blk.{i}." if gguf else f"model.layers.{i}."
         for field, pair in names.layer.items():
-            if families.wanted(cfg, field, names):
-                out[prefix + pair[side]] = Expect(shapes[field], field.startswith("w"), f"layer {i} {field}")
+            if not families.wanted(cfg, field, names):
+                continue
+            what = f"layer {i} {field}"
+            if field in families.EXPERT_FIELDS and not gguf:  # one [rows, cols] tensor per expert
+                out.update({prefix + pair[1].format(e=e): Expect(shapes[field][1:], True, f"{what} expert {e}")
+                            for e in range(n_e)})
+            elif field in ("w_exp_gate", "w_exp_up") and merged_gate_up_exps:
+                if field == "w_exp_gate":
+                    out[prefix + families.GGUF_MERGED_GATE_UP_EXPS] = Expect((n_e, 2 * ie, h), True,
+                                                                              f"layer {i} w_exp_gate_up")
+            else:
+                out[prefix + pair[side]] = Expect(shapes[field], field.startswith("w"), what)
     roles = {role: pair[side] for role, pair in families.GLOBAL_TENSORS.items()}
     out[roles["embed"]] = Expect((cfg.vocab, h), True, "token embedding")
     out[roles["norm"]] = Expect((h,), False, "final norm")
@@ -335,7 +351,8 @@ def _check_layer_count(where: str, label: str, n_layers: int, tensors, prefix: s
 
 def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Every tensor of ``found`` (name -> (type name, torch-order shape)) against ``expected_tensors``."""
-    want = expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found)
+    merged = gguf and cfg.moe and f"blk.0.{families.GGUF_MERGED_GATE_UP_EXPS}" in found
+    want = expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found, merged_gate_up_exps=merged)
     for name, e in want.items():
         if name not in found:
             raise MissingTensor(f"{where}: tensor {name!r} ({e.what}) not found")

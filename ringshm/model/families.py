@@ -11,7 +11,18 @@ reads the description; nothing here computes.
                                          post norms, GeGLU (tanh-GELU), q/k norms, sliding layers with their
                                          own RoPE base, attention scale query_pre_attn_scalar^-1/2, logit cap
     phi3     phi3            phi3        fused qkv and gate_up tensors, a sliding window on every layer
+    qwen3moe qwen3_moe       qwen3moe    Qwen 3's attention; every FFN a routed mixture of experts (top-k of a
+                                         softmax, renormalised when norm_topk_prob: GGUF files always are)
+    olmoe    olmoe           olmoe       routed experts, top-k of a softmax, not renormalised; q / k RMSNorm over
+                                         the whole projection ([q_dim], [kv_dim]), not per head
     (* llama.cpp writes Mistral checkpoints as arch "llama")
+
+A routed expert's weights: in GGUF one 3-D tensor per role and layer, ``ffn_{gate,up,down}_exps`` (``[E, rows,
+cols]``, torch order; newer converters may merge gate and up into ``ffn_gate_up_exps`` ``[E, 2 I, hidden]``, rows
+[gate | up]), the router ``ffn_gate_inp`` ``[E, hidden]``; in an HF directory one 2-D tensor per expert,
+``mlp.experts.{e}.{gate,up,down}_proj.weight`` (what ``save_pretrained`` writes and the released checkpoints
+hold), the router ``mlp.gate.weight``. Other MoE families are refused by name with what they need
+(``UNSUPPORTED_MOE``).
 
 **A setting that changes the math is computed or refused by name, never ignored.** Every field of an HF
 ``config.json`` is either read here, or listed in ``HARMLESS_HF_FIELDS`` (training-only, bookkeeping, or known to
@@ -28,11 +39,29 @@ from dataclasses import dataclass
 from ringshm.config import ROPE_SCALINGS, ModelConfig, RopeScaling
 from ringshm.errors import UnsupportedArchitecture
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe")
 HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-            "phi3": "phi3"}
+            "phi3": "phi3", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-              "phi3": "phi3"}
+              "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe"}
+MOE_FAMILIES = ("qwen3moe", "olmoe")
+# MoE checkpoints ringshm does not compute, by HF model_type and GGUF arch, with what they would need.
+UNSUPPORTED_MOE = {
+    "qwen3_next": "linear-attention (Gated DeltaNet) layers and a shared expert",
+    "qwen3next": "linear-attention (Gated DeltaNet) layers and a shared expert",
+    "qwen3_5_moe": "linear-attention (Gated DeltaNet) layers and a shared expert",
+    "qwen35moe": "linear-attention (Gated DeltaNet) layers and a shared expert",
+    "qwen2_moe": "a shared expert beside the routed ones", "qwen2moe": "a shared expert beside the routed ones",
+    "deepseek_v2": "multi-head latent attention (MLA) and shared experts",
+    "deepseek_v3": "multi-head latent attention (MLA) and shared experts",
+    "deepseek2": "multi-head latent attention (MLA) and shared experts",
+    "gpt_oss": "MXFP4 experts, attention sinks, YaRN RoPE, biased router and experts, a clamped SwiGLU",
+    "gpt-oss": "MXFP4 experts, attention sinks, YaRN RoPE, biased router and experts, a clamped SwiGLU",
+    "mixtral": "per-expert 2-D GGUF tensors and a top-k-then-softmax router (not built yet)",
+    "granitemoe": "muP multipliers (residual, logits) and a top-k-then-softmax router (not built yet)",
+    "granitemoeshared": "a shared expert and muP multipliers",
+    "phimoe": "sparsemixer routing", "jetmoe": "mixture-of-attention heads", "dbrx": "clipped fused qkv",
+}
 GGUF_PERMUTED_QK = {"llama", "mistral"}  # llama.cpp's converter reorders these arches' q/k rows (loader docstring)
 
 # Fields that never change what an inference computes: training-only (dropout, initialisation), bookkeeping,
@@ -79,7 +108,16 @@ _LLAMA_LAYER = {
     "b_down": ("ffn_down.bias", "mlp.down_proj.bias"),
     "q_norm": ("attn_q_norm.weight", "self_attn.q_norm.weight"),
     "k_norm": ("attn_k_norm.weight", "self_attn.k_norm.weight"),
+    # a routed MoE's FFN (n_experts > 0) in place of w_gate / w_up / w_down: the router [E, hidden] and, per
+    # expert e, gate / up [expert_intermediate, hidden], down [hidden, expert_intermediate]. GGUF holds each role
+    # as one 3-D tensor [E, rows, cols]; HF one tensor per expert ({e} in the name)
+    "w_router": ("ffn_gate_inp.weight", "mlp.gate.weight"),
+    "w_exp_gate": ("ffn_gate_exps.weight", "mlp.experts.{e}.gate_proj.weight"),
+    "w_exp_up": ("ffn_up_exps.weight", "mlp.experts.{e}.up_proj.weight"),
+    "w_exp_down": ("ffn_down_exps.weight", "mlp.experts.{e}.down_proj.weight"),
 }
+GGUF_MERGED_GATE_UP_EXPS = "ffn_gate_up_exps.weight"  # newer converters: gate and up of every expert in one tensor
+EXPERT_FIELDS = ("w_exp_gate", "w_exp_up", "w_exp_down")
 _GEMMA3_LAYER = {
     **_LLAMA_LAYER,
     # Gemma's names: HF post_attention_layernorm is the norm *after* attention; pre_feedforward the FFN's input
@@ -96,6 +134,7 @@ TENSOR_NAMES = {
     "llama": TensorNames(_LLAMA_LAYER), "mistral": TensorNames(_LLAMA_LAYER), "qwen2": TensorNames(_LLAMA_LAYER),
     "qwen3": TensorNames(_LLAMA_LAYER), "gemma3": TensorNames(_GEMMA3_LAYER),
     "phi3": TensorNames(_PHI3_LAYER, fused_qkv=True, fused_gate_up=True),
+    "qwen3moe": TensorNames(_LLAMA_LAYER), "olmoe": TensorNames(_LLAMA_LAYER),
 }
 GLOBAL_TENSORS = {  # role -> (GGUF name, HF name)
     "embed": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -106,15 +145,20 @@ GLOBAL_TENSORS = {  # role -> (GGUF name, HF name)
 
 def wanted(cfg: ModelConfig, field: str, names: TensorNames) -> bool:
     """Whether layer tensor ``field`` (a ``LayerWeights`` field) belongs to ``cfg``'s description: the fused
-    parts of Phi-3 are read as one, biases and q/k / post norms only where the config has them."""
+    parts of Phi-3 are read as one, biases and q/k / post norms only where the config has them, the dense FFN or
+    the router and experts (``cfg.moe``)."""
     if field in ("wk", "wv") and names.fused_qkv or field == "w_up" and names.fused_gate_up:
+        return False
+    if field in ("w_router", *EXPERT_FIELDS):
+        return cfg.moe
+    if field in ("w_gate", "w_up", "w_down") and cfg.moe:
         return False
     if field in ("bq", "bk", "bv"):
         return cfg.attention_bias
     if field == "bo":
         return cfg.o_bias
     if field in ("b_gate", "b_up", "b_down"):
-        return cfg.mlp_bias and not (names.fused_gate_up and field == "b_up")
+        return cfg.mlp_bias and not cfg.moe and not (names.fused_gate_up and field == "b_up")
     if field in ("q_norm", "k_norm"):
         return cfg.qk_norm
     if field in ("post_attn_norm", "post_ffn_norm"):
@@ -139,6 +183,10 @@ def hf_config(c: dict, where: str) -> ModelConfig:
     """
     model_type = c.get("model_type")
     family = HF_TYPES.get(model_type)
+    if model_type in UNSUPPORTED_MOE:
+        raise UnsupportedArchitecture(f"{where}: model_type {model_type!r} is a mixture-of-experts family ringshm "
+                                      f"does not compute: it needs {UNSUPPORTED_MOE[model_type]} (supported MoE: "
+                                      f"qwen3_moe, olmoe)")
     if family is None:
         raise UnsupportedArchitecture(f"{where}: model_type {model_type!r} is not supported (supported: "
                                       f"{', '.join(HF_TYPES)})")
@@ -170,8 +218,10 @@ def hf_config(c: dict, where: str) -> ModelConfig:
     kw.update(_hf_rope(c, family, used, where))
     kw.update(_hf_biases(c, family, used, where))
     kw.update(_hf_windows(c, family, n_layers, used, where))
-    if family in ("qwen3", "gemma3"):
+    if family in ("qwen3", "gemma3", "qwen3moe", "olmoe"):
         kw["qk_norm"] = True
+    if family in MOE_FAMILIES:
+        kw.update(_hf_experts(c, family, used, where))
     if family == "gemma3":
         if get("use_bidirectional_attention"):
             raise _refuse(where, "use_bidirectional_attention", True, "an embedding model, not a decoder")
@@ -188,6 +238,28 @@ def hf_config(c: dict, where: str) -> ModelConfig:
         raise UnsupportedArchitecture(f"{where}: field(s) {', '.join(unknown)} of a {model_type} config are not "
                                       f"read by ringshm and may change the math: refusing rather than ignoring them")
     return ModelConfig(**kw)
+
+
+def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
+    """The routed-expert fields of a Qwen3-MoE / OLMoE ``config.json``; refuses what is not computed, by name."""
+    used.update(("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                 "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits", "clip_qkv"))
+    n_experts = c.get("num_experts", c.get("num_local_experts"))
+    if not n_experts:
+        raise _refuse(where, "num_experts", n_experts, "a routed MoE needs experts")
+    if c.get("mlp_only_layers"):
+        raise _refuse(where, "mlp_only_layers", c["mlp_only_layers"], "every layer routed only")
+    if int(c.get("decoder_sparse_step", 1)) != 1:
+        raise _refuse(where, "decoder_sparse_step", c["decoder_sparse_step"], "every layer routed only")
+    if c.get("clip_qkv") is not None:
+        raise _refuse(where, "clip_qkv", c["clip_qkv"])
+    inter = c.get("moe_intermediate_size") if family == "qwen3moe" else c.get("intermediate_size")
+    out = dict(n_experts=int(n_experts), n_experts_used=int(c.get("num_experts_per_tok") or 0),
+               expert_intermediate=int(inter or 0),
+               expert_gating="softmax_norm" if c.get("norm_topk_prob", False) else "softmax")
+    if family == "olmoe":  # q / k norms over the whole projection (OlmoeAttention's q_norm [hidden])
+        out["qk_norm_full"] = True
+    return out
 
 
 def _f32(x: float) -> float:
@@ -251,7 +323,7 @@ def _hf_windows(c: dict, family: str, n_layers: int, used: set, where: str) -> d
                  "_sliding_window_pattern"))
     window = c.get("sliding_window")
     layer_types = c.get("layer_types")
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen3moe"):
         if c.get("use_sliding_window"):
             raise _refuse(where, "use_sliding_window", True, "Qwen's per-layer sliding windows are not computed")
         return {}
@@ -277,6 +349,7 @@ HARMLESS_GGUF_KEYS = frozenset({
     "rope.freq_base", "rope.dimension_count", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "attention.sliding_window", "final_logit_softcapping",
     "rope.scaling.finetuned", "attention.sliding_window_pattern", "rope.freq_base_swa",
+    "expert_count", "expert_used_count", "expert_feed_forward_length",
 })
 
 
@@ -289,10 +362,15 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
         UnsupportedArchitecture: another arch, a missing key, an ``<arch>.*`` key not read here and not known to
             be harmless, or a value ringshm does not compute (each named).
     """
-    family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3"}.get(arch)
+    family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3",
+              "qwen3moe": "qwen3moe", "olmoe": "olmoe"}.get(arch)
+    if arch in UNSUPPORTED_MOE:
+        raise UnsupportedArchitecture(f"{where}: GGUF architecture {arch!r} is a mixture-of-experts family ringshm "
+                                      f"does not compute: it needs {UNSUPPORTED_MOE[arch]} (supported MoE: qwen3moe, "
+                                      f"olmoe)")
     if family is None:
         raise UnsupportedArchitecture(f"{where}: GGUF architecture {arch!r} is not supported (supported: llama, "
-                                      f"qwen2, qwen3, gemma3, phi3)")
+                                      f"qwen2, qwen3, gemma3, phi3, qwen3moe, olmoe)")
 
     def need(key: str):
         value = meta.get(f"{arch}.{key}")
@@ -322,6 +400,11 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
               eos_token_ids=() if eos is None else (int(eos),),
               attention_bias="blk.0.attn_q.bias" in tensor_names, o_bias="blk.0.attn_output.bias" in tensor_names,
               mlp_bias="blk.0.ffn_down.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names)
+    if family in MOE_FAMILIES:
+        kw.update(_gguf_experts(meta, tensor_names, arch, family, where, need))
+    elif f"{arch}.expert_count" in meta or "blk.0.ffn_gate_inp.weight" in tensor_names:
+        raise _refuse(where, f"{arch}.expert_count", meta.get(f"{arch}.expert_count"),
+                      f"experts in a {arch} file: ringshm computes them for qwen3moe and olmoe only")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if rope_freqs is not None:
         kw["rope_freq_factors"] = tuple(float(x) for x in rope_freqs)
@@ -358,3 +441,22 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
         raise UnsupportedArchitecture(f"{where}: GGUF key(s) {', '.join(f'{arch}.{k}' for k in unknown)} are not read "
                                       f"by ringshm and may change the math: refusing rather than ignoring them")
     return ModelConfig(**kw)
+
+
+def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, where: str, need) -> dict:
+    """The routed-expert fields of a qwen3moe / olmoe GGUF. llama.cpp fixes the gating per arch (its
+    ``build_moe_ffn`` calls: qwen3moe renormalises the top-k weights, olmoe does not), so a file says only the
+    counts; an ``expert_weights_norm`` / ``expert_gating_func`` / shared-expert key is refused by name."""
+    for key in ("expert_weights_norm", "expert_gating_func", "expert_weights_scale", "expert_shared_count",
+                "expert_shared_feed_forward_length"):
+        if f"{arch}.{key}" in meta:
+            raise _refuse(where, f"{arch}.{key}", meta[f"{arch}.{key}"], f"llama.cpp's {arch} does not read it")
+    if any(".ffn_gate_shexp." in n or ".ffn_up_shexp." in n or ".exp_probs_b." in n for n in tensor_names):
+        raise _refuse(where, "shared expert / expert bias tensors", "present", f"a {arch} file has none")
+    out = dict(n_experts=int(need("expert_count")), n_experts_used=int(need("expert_used_count")),
+               expert_intermediate=int(meta.get(f"{arch}.expert_feed_forward_length")
+                                       or need("feed_forward_length")),
+               expert_gating="softmax_norm" if family == "qwen3moe" else "softmax")
+    if family == "olmoe":
+        out["qk_norm_full"] = True
+    return out

@@ -48,7 +48,12 @@ class LayerWeights:
     ``w_down`` ``[hidden, intermediate]``; ``bq``/``bk``/``bv`` only for architectures with attention bias,
     ``bo`` with an output bias, ``b_gate``/``b_up``/``b_down`` with MLP biases; ``q_norm``/``k_norm`` fp32
     ``[head_dim]`` with per-head q/k norms; ``post_attn_norm``/``post_ffn_norm`` fp32 ``[hidden]`` with post
-    norms (``ModelConfig``). Every RMSNorm weight already holds ``norm_offset + w``.
+    norms (``ModelConfig``), ``[q_dim]`` / ``[kv_dim]`` when they cover the whole projection. Every RMSNorm weight
+    already holds ``norm_offset + w``.
+
+    A routed MoE layer (``ModelConfig.moe``) has no ``w_gate`` / ``w_up`` / ``w_down`` (None) but ``w_router``
+    ``[n_experts, hidden]`` and, per expert ``e`` (lists of ``n_experts``), ``w_exp_gate[e]`` / ``w_exp_up[e]``
+    ``[expert_intermediate, hidden]`` and ``w_exp_down[e]`` ``[hidden, expert_intermediate]``.
     """
 
     attn_norm: torch.Tensor
@@ -57,9 +62,9 @@ class LayerWeights:
     wv: RawWeight
     wo: RawWeight
     ffn_norm: torch.Tensor
-    w_gate: RawWeight
-    w_up: RawWeight
-    w_down: RawWeight
+    w_gate: RawWeight | None = None
+    w_up: RawWeight | None = None
+    w_down: RawWeight | None = None
     bq: torch.Tensor | None = None
     bk: torch.Tensor | None = None
     bv: torch.Tensor | None = None
@@ -71,6 +76,10 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     post_attn_norm: torch.Tensor | None = None
     post_ffn_norm: torch.Tensor | None = None
+    w_router: RawWeight | None = None
+    w_exp_gate: list[RawWeight] | None = None
+    w_exp_up: list[RawWeight] | None = None
+    w_exp_down: list[RawWeight] | None = None
 
 
 @dataclass
@@ -202,8 +211,12 @@ class Checkpoint:
             prefix = f"blk.{i}." if self.gguf else f"model.layers.{i}."
             w = {}
             for f, pair in names.layer.items():
-                if families.wanted(cfg, f, names):
-                    name = prefix + pair[side]
+                if not families.wanted(cfg, f, names):
+                    continue
+                name = prefix + pair[side]
+                if f in families.EXPERT_FIELDS:
+                    w[f] = self._experts(prefix, f, pair[side], loaded)
+                else:
                     w[f] = get_raw(name) if f.startswith("w") else self._norm(get(name), f)
             if names.fused_qkv:  # rows [q | k | v] of one tensor
                 qkv = w.pop("wq")
@@ -229,6 +242,26 @@ class Checkpoint:
             if not is_first:
                 out.embed = None  # held only as the tied head
         _say_nonfinite(r, loaded)
+        return out
+
+    def _experts(self, prefix: str, field: str, name: str, loaded: list) -> list[RawWeight]:
+        """One layer's routed experts of one role (``families.EXPERT_FIELDS``) as a ``RawWeight`` per expert: GGUF's
+        3-D tensor cut by expert (views of its map; a merged ``ffn_gate_up_exps`` cut into its gate and up rows),
+        or HF's per-expert tensors."""
+        cfg = self.config
+        if not self.gguf:
+            out = [self.source.get_raw(prefix + name.format(e=e)) for e in range(cfg.n_experts)]
+            loaded.extend((prefix + name.format(e=e), w) for e, w in enumerate(out))
+            return out
+        merged = prefix + families.GGUF_MERGED_GATE_UP_EXPS
+        if field != "w_exp_down" and self.source.has(merged):
+            ie = cfg.expert_intermediate
+            rows = torch.arange(0, ie) if field == "w_exp_gate" else torch.arange(ie, 2 * ie)
+            out = [w.rows(rows) for w in self.source.get_raw_experts(merged)]
+            name = families.GGUF_MERGED_GATE_UP_EXPS
+        else:
+            out = self.source.get_raw_experts(prefix + name)
+        loaded.extend((f"{prefix}{name} expert {e}", w) for e, w in enumerate(out))
         return out
 
     def _say_expanded(self, r: range, is_first: bool, is_last: bool) -> None:

@@ -16,7 +16,7 @@ import re
 import reprlib
 from collections.abc import Callable
 
-from ringshm.config import ROPE_SCALINGS
+from ringshm.config import MAX_EXPERTS, ROPE_SCALINGS
 from ringshm.errors import InvalidCheckpoint
 from ringshm.model.gguf_index import MAX_ARRAY_LEN
 
@@ -81,6 +81,12 @@ def string(null: bool = False) -> Check:
 def _str_list(label, v):
     if v is not None and (not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
         raise bad_value(label, v, "a list of strings, or null")
+
+
+def _int_list(label, v):
+    if v is not None and (not isinstance(v, list) or len(v) > MAX_LAYERS or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < MAX_LAYERS for x in v)):
+        raise bad_value(label, v, f"a list of layer indices (at most {MAX_LAYERS}), or null")
 
 
 def _sub(label: str, key) -> str:
@@ -177,12 +183,24 @@ HF_RULES: dict[str, Check] = {
     "attn_logit_softcapping": number_in(0, MAX_FACTOR, null=True),
     "use_bidirectional_attention": boolean(True),
     "partial_rotary_factor": number_in(0, 1),
+    "num_experts": int_in(1, MAX_EXPERTS, True),
+    "num_local_experts": int_in(1, MAX_EXPERTS, True),
+    "num_experts_per_tok": int_in(1, MAX_EXPERTS, True),
+    "moe_intermediate_size": int_in(1, MAX_INTERMEDIATE, True),
+    "norm_topk_prob": boolean(True),
+    "decoder_sparse_step": int_in(1, MAX_LAYERS, True),
+    "mlp_only_layers": _int_list,
+    "clip_qkv": number_in(0, MAX_FACTOR, null=True),
+    "output_router_logits": boolean(True),
 }
 HF_REQUIRED = ("model_type", "num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
                "vocab_size")
 
 # GGUF metadata under "<arch>.": every key families.gguf_config reads; required ones in GGUF_REQUIRED.
 GGUF_RULES: dict[str, Check] = {
+    "expert_count": int_in(1, MAX_EXPERTS),
+    "expert_used_count": int_in(1, MAX_EXPERTS),
+    "expert_feed_forward_length": int_in(1, MAX_INTERMEDIATE),
     "context_length": int_in(1, MAX_CONTEXT),
     "embedding_length": int_in(1, MAX_HIDDEN),
     "block_count": int_in(1, MAX_LAYERS),

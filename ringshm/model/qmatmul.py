@@ -282,6 +282,36 @@ class PackedWeight:
         return out if self.n_padded == self.n else out[:, : self.n].contiguous()
 
 
+class PackedExperts:
+    """The routed experts of one role and layer: ``E`` weights ``[n, k]`` of one encoding, each packed as
+    ``PackedWeight`` packs it, one after another in ``packed`` (``stride`` bytes apart: csrc/layer.h's
+    ``exp_*`` fields). Experts of different encodings (an HF directory's may differ) are all widened to F32.
+
+    Raises:
+        ValueError: no experts, or experts of different shapes (the message says which).
+    """
+
+    def __init__(self, raws: Sequence[RawWeight]) -> None:
+        if not raws or len({(r.n, r.k) for r in raws}) != 1:
+            raise ValueError(f"PackedExperts takes one or more experts of one shape, got "
+                             f"{sorted({(r.n, r.k) for r in raws})}")
+        if len({r.qtype for r in raws}) > 1:
+            raws = [r.to_f32() for r in raws]
+        self.qtype, self.n, self.k, self.n_experts = raws[0].qtype, raws[0].n, raws[0].k, len(raws)
+        size = lib.ringshm_qmat_packed_bytes(self.qtype, self.n, self.k)
+        self.stride = int(check_status(size, "PackedExperts"))
+        self.packed = torch.empty(self.stride * len(raws), dtype=torch.uint8)
+        for e, raw in enumerate(raws):
+            src = raw.data.contiguous()
+            check_status(lib.ringshm_qmat_pack(self.qtype, ffi.cast("uint8_t *", src.data_ptr()), src.numel(),
+                                               self.n, self.k, ffi.cast("uint8_t *", self.packed.data_ptr())
+                                               + e * self.stride, self.stride), f"PackedExperts expert {e}")
+
+    def __repr__(self) -> str:
+        return (f"PackedExperts({self.n_experts} x {type_name(self.qtype)}, n={self.n}, k={self.k}, "
+                f"{self.packed.numel()} bytes)")
+
+
 def fma_probe(iters: int, threads: int = 1, isa: int = BEST_ISA) -> int:
     """Run the fp32 FMA peak probe of an ISA path (``ringshm_fma_probe``, csrc/matmul.h): ``threads`` OpenMP
     threads each run ``iters`` rounds of independent 16-lane fma chains. Time the call to get the peak in

@@ -70,9 +70,10 @@ class GGUFSource:
         n_el = 1
         for d in t.shape:
             n_el *= d
-        if native and (len(t.shape) != 2 or native_ok(t.qtype, t.shape[1], t.shape[0])):
-            return (t.n_bytes if len(t.shape) == 2 else n_el * 4), False
-        return int(n_el * width), len(t.shape) == 2
+        weight = len(t.shape) in (2, 3)  # a matmul's [N, K], or routed experts' [E, N, K]
+        if native and (not weight or native_ok(t.qtype, t.shape[1], t.shape[0])):
+            return (t.n_bytes if weight else n_el * 4), False
+        return int(n_el * width), weight
 
     def get(self, name: str) -> torch.Tensor:
         t = self.index.tensors[name]
@@ -89,6 +90,19 @@ class GGUFSource:
                 data = torch.from_numpy(self.index.raw(name))
             return RawWeight.from_bytes(t.qtype, n, k, data)
         return RawWeight.from_tensor(self.get(name))
+
+    def get_raw_experts(self, name: str) -> list[RawWeight]:
+        """A 3-D tensor of routed experts (GGUF ``[K, N, E]``, innermost first) as one ``[N, K]`` weight per expert:
+        views of the memory map where the matmul reads the type, else each expert dequantized to F32."""
+        t = self.index.tensors[name]
+        k, n, e = t.shape  # 3-D (the checkpoint check)
+        if native_ok(t.qtype, n, k):
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+                data = torch.from_numpy(self.index.raw(name)).reshape(e, -1)
+            return [RawWeight.from_bytes(t.qtype, n, k, data[i]) for i in range(e)]
+        full = self.get(name)  # [E, N, K] fp32
+        return [RawWeight.from_tensor(full[i]) for i in range(e)]
 
 
 class HFSource:

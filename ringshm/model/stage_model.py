@@ -30,7 +30,9 @@ Which positions each block holds is ``fill`` ``[n_blocks]``:
 Layer math (Llama; Qwen2 adds q/k/v biases), per layer on the residual stream ``x [T, hidden]``:
     x += Wo · attention(rope(Wq · norm(x)), kv_append(rope(Wk · norm(x)), Wv · norm(x)))
     x += Wdown · (silu(Wgate · norm(x)) * (Wup · norm(x)))
-Q, K and V are one fused matmul (``wqkv``), gate and up another (``w_gate_up``): fewer, larger GEMMs.
+Q, K and V are one fused matmul (``wqkv``), gate and up another (``w_gate_up``): fewer, larger GEMMs. A routed MoE
+layer (``ModelConfig.moe``) replaces the last line with its router and experts (``ringshm.config.ModelConfig``'s
+formula; csrc/layer.h for the order of every sum, which keeps each token's bits independent of its batch-mates).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ from ringshm.model.attention import (
 )
 from ringshm.model.head import StageOutput, head_outputs, plan_head
 from ringshm.model.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
-from ringshm.model.qmatmul import BEST_ISA, PackedWeight, RawWeight, concat_rows, embed_rows
+from ringshm.model.qmatmul import BEST_ISA, PackedExperts, PackedWeight, RawWeight, concat_rows, embed_rows
 from ringshm.model.rope import rope_inv_freq
 from ringshm.transport.messages import (
     MAX_TOP_LOGPROBS,
@@ -105,8 +107,10 @@ class _Layer:
     def __init__(self, w: LayerWeights, native: bool, dtype: torch.dtype, device: torch.device) -> None:
         bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
         b_gate_up = None if w.b_gate is None else torch.cat([w.b_gate, w.b_up], dim=0)
-        w_gate_up = concat_rows([w.w_gate, w.w_up])
+        self.moe = w.w_router is not None  # routed experts in place of the dense FFN
+        w_gate_up = None if self.moe else concat_rows([w.w_gate, w.w_up])
         self.wk = self.wv = None  # K and V apart from Q (native, encodings differ)
+        self.w_router = self.exp_gate = self.exp_up = self.exp_down = None
         if native:
             def f32(t):
                 return None if t is None else t.to("cpu", torch.float32).contiguous()
@@ -120,8 +124,15 @@ class _Layer:
             else:
                 self.wqkv = PackedWeight(concat_rows([w.wq, w.wk, w.wv]), bqkv)
                 self.bqkv = self.wqkv.bias
-            self.wo, self.w_down = PackedWeight(w.wo, w.bo), PackedWeight(w.w_down, w.b_down)
-            self.w_gate_up = PackedWeight(w_gate_up, b_gate_up)
+            self.wo = PackedWeight(w.wo, w.bo)
+            if self.moe:
+                self.w_gate_up = self.w_down = None
+                self.w_router = PackedWeight(w.w_router)
+                self.exp_gate, self.exp_up, self.exp_down = (PackedExperts(e) for e in (w.w_exp_gate, w.w_exp_up,
+                                                                                        w.w_exp_down))
+            else:
+                self.w_down = PackedWeight(w.w_down, w.b_down)
+                self.w_gate_up = PackedWeight(w_gate_up, b_gate_up)
             return
 
         def dense(t):
@@ -134,23 +145,35 @@ class _Layer:
         self.wo, self.bo = dense(w.wo), dense(w.bo)
         self.w_gate_up, self.b_gate_up = dense(w_gate_up), dense(b_gate_up)
         self.w_down, self.b_down = dense(w.w_down), dense(w.b_down)
+        if self.moe:  # [E, hidden]; [E, I_e, hidden] gate and up; [E, hidden, I_e] down
+            self.w_router = dense(w.w_router)
+            self.exp_gate, self.exp_up, self.exp_down = (torch.stack([dense(x) for x in e]) for e in (
+                w.w_exp_gate, w.w_exp_up, w.w_exp_down))
 
     def bind(self, kv: KVPool, cos: torch.Tensor, sin: torch.Tensor, window: int):
         """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights, this
         layer's KV pool, RoPE tables and window; the tensors stay owned here and by the model."""
         c = ffi.new("struct ringshm_layer_weights *")
         split = self.wk is not None
-        parts = (("qkv", self.wqkv), ("o", self.wo), ("gate_up", self.w_gate_up), ("down", self.w_down))
+        parts = (("qkv", self.wqkv), ("o", self.wo))
+        parts += (("router", self.w_router),) if self.moe else (("gate_up", self.w_gate_up), ("down", self.w_down))
         for field, pw in parts + ((("wk", self.wk), ("wv", self.wv)) if split else ()):
             setattr(c, f"type_{field}", pw.qtype)
             setattr(c, field, ffi.cast("uint8_t *", pw.packed.data_ptr()))
             setattr(c, f"{field}_bytes", pw.nbytes)
+        if self.moe:  # E packed experts per role, one expert's bytes apart
+            for field, pe in (("exp_gate", self.exp_gate), ("exp_up", self.exp_up), ("exp_down", self.exp_down)):
+                setattr(c, f"type_{field}", pe.qtype)
+                setattr(c, field, ffi.cast("uint8_t *", pe.packed.data_ptr()))
+                setattr(c, f"{field}_bytes", pe.stride)
 
         c.qkv_split = int(split)
-        for field, t in (("bqkv", self.bqkv), ("bo", self.wo.bias), ("bgate_up", self.w_gate_up.bias),
-                         ("bdown", self.w_down.bias), ("attn_norm", self.attn_norm), ("ffn_norm", self.ffn_norm),
-                         ("q_norm", self.q_norm), ("k_norm", self.k_norm), ("post_attn_norm", self.post_attn_norm),
-                         ("post_ffn_norm", self.post_ffn_norm), ("cos", cos), ("sin", sin)):
+        dense_ffn = not self.moe
+        for field, t in (("bqkv", self.bqkv), ("bo", self.wo.bias),
+                         ("bgate_up", self.w_gate_up.bias if dense_ffn else None),
+                         ("bdown", self.w_down.bias if dense_ffn else None), ("attn_norm", self.attn_norm),
+                         ("ffn_norm", self.ffn_norm), ("q_norm", self.q_norm), ("k_norm", self.k_norm),
+                         ("post_attn_norm", self.post_attn_norm), ("post_ffn_norm", self.post_ffn_norm), ("cos", cos), ("sin", sin)):
             # the pointer and the elements behind it: the C layer reads no vector past its length (layer.h)
             setattr(c, field, ffi.NULL if t is None else ffi.cast("float *", t.data_ptr()))
             setattr(c, f"{field}_len", 0 if t is None else t.numel())
@@ -208,7 +231,7 @@ class StageModel:
         # the C path (module docstring); its kernels take whole 16-float vectors of these dims
         self.native = (self.device.type == "cpu" and dtype == torch.float32 and config.hidden % 16 == 0
                        and config.intermediate % 8 == 0 and config.head_dim % 16 == 0
-                       and config.head_dim <= MAX_HEAD_DIM)
+                       and config.head_dim <= MAX_HEAD_DIM and config.expert_intermediate % 16 == 0)
         self.norm = self.lm_head = self.embed = None
         if is_first:  # native: the encoded rows (a view of the file's map); else a dense table
             self.embed = weights.embed if self.native else weights.embed.dequantize().to(self.device, dtype)
@@ -237,7 +260,11 @@ class StageModel:
                 hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=n_kv, head_dim=d,
                 inter=config.intermediate, n_pos=max_seq_len, rms_eps=config.rms_eps,
                 attn_scale=config.attention_scale,
-                act=lib.RINGSHM_ACT_GELU_TANH if config.activation == "gelu_tanh" else lib.RINGSHM_ACT_SILU))
+                act=lib.RINGSHM_ACT_GELU_TANH if config.activation == "gelu_tanh" else lib.RINGSHM_ACT_SILU,
+                qk_norm_full=int(config.qk_norm_full), n_experts=config.n_experts,
+                n_experts_used=config.n_experts_used, expert_inter=config.expert_intermediate,
+                gating=lib.RINGSHM_GATE_SOFTMAX_NORM if config.expert_gating == "softmax_norm"
+                else lib.RINGSHM_GATE_SOFTMAX))
             self._work = torch.empty(0, dtype=torch.float32)  # the layers' scratch, grown to the largest op
 
     @classmethod
@@ -476,14 +503,37 @@ class StageModel:
         q = q.reshape(t, cfg.n_heads, cfg.head_dim)  # [T, Hq, D]
         k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
         v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        if layer.q_norm is not None:  # per head: each head's D values normalised on their own
+        if layer.q_norm is not None and cfg.qk_norm_full:  # over the whole projection (OLMoE)
+            q = self._rms_norm(q.reshape(t, -1), layer.q_norm).float().reshape(q.shape)
+            k = self._rms_norm(k.reshape(t, -1), layer.k_norm).float().reshape(k.shape)
+        elif layer.q_norm is not None:  # per head: each head's D values normalised on their own
             q, k = self._rms_norm(q, layer.q_norm).float(), self._rms_norm(k, layer.k_norm).float()
         a = attend(q, k, v).reshape(t, cfg.q_dim)  # [T, Hq*D]
         o = F.linear(a.to(self.dtype), layer.wo, layer.bo)  # [T, hidden]
         x = x + (self._rms_norm(o, layer.post_attn_norm) if layer.post_attn_norm is not None else o)
+        if layer.moe:
+            return x + self._experts(layer, self._rms_norm(x, layer.ffn_norm))
         gate_up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up, layer.b_gate_up)  # [T, 2I]
         m = F.linear(kernels.act_mul_reference(gate_up, cfg.activation), layer.w_down, layer.b_down)
         return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m)
+
+    def _experts(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+        """The routed experts' FFN on ``h [T, hidden]`` (torch path; ``ModelConfig``'s formula, transformers' eager
+        order: experts ascending, each term added into zeros). Returns ``[T, hidden]``."""
+        cfg = self.config
+        p = torch.softmax(F.linear(h, layer.w_router).float(), dim=-1)  # [T, E]
+        weights, experts = torch.topk(p, cfg.n_experts_used, dim=-1)  # [T, k]
+        if cfg.expert_gating == "softmax_norm":
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(h)
+        for e in range(cfg.n_experts):
+            tok, rank = torch.where(experts == e)
+            if tok.numel():
+                xs = h[tok]
+                y = F.linear(kernels.act_mul_reference(torch.cat([F.linear(xs, layer.exp_gate[e]), F.linear(
+                    xs, layer.exp_up[e])], dim=-1), cfg.activation), layer.exp_down[e])
+                out.index_add_(0, tok, y * weights[tok, rank, None].to(y.dtype))
+        return out
 
     def _attend_segments(self, li: int, q, k, v, op: StepPlan) -> torch.Tensor:
         """RoPE, KV-append and attention of every segment through its table (torch path): ``q [T, Hq, D]``,

@@ -1,0 +1,240 @@
+"""Routed mixture-of-experts families (issue 29) on the zoo's tiny models (``tests/zoo.py``: 16 experts, top 4):
+Qwen3-MoE (top-k weights renormalised) and OLMoE (not; q / k norms over the whole projection).
+
+``tests/test_families.py`` already runs every zoo family, these included, against transformers fp32 from the HF
+directory and the GGUF, at 1 and 2 stages, chunked, and beside batch-mates. Here, what is particular to experts:
+
+- the test prompts do not sit on router near-ties (the k-th and (k+1)-th router logits stay apart), so an
+  equal-to-the-oracle result is not luck and a divergence would not be a routing tie;
+- a stream's logits are the same bits alone, beside batch-mates that route every token to the same experts as
+  it (each expert then serves several tokens of one op), beside strangers, and in a step of tokens that route to
+  disjoint experts (each expert serving one token);
+- a GGUF that merges gate and up (``ffn_gate_up_exps``, newer converters) gives the same bits as the split one;
+- through the engine's stage processes (2 stages, prefix-cache hits, batched) the tokens equal the in-process
+  ones;
+- MoE families ringshm does not compute are refused by name with what they need.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from ringshm.errors import UnsupportedArchitecture
+from ringshm.model.loader import Checkpoint
+from ringshm.model.reference import greedy_generate
+from ringshm.model.stage_model import StageModel
+from ringshm.transport.messages import WANT_LAST, WANT_LOGITS
+from zoo import MOE_FAMILIES, prompt_ids
+from zoo_convert import write_gguf
+
+pytestmark = pytest.mark.usefixtures("torch_one_thread")
+
+PROMPT_LEN, N_NEW, MAX_SEQ = 16, 32, 64
+# The least router-logit gap l_k - l_(k+1) (k-th largest minus the next) the oracle-compared prompts may show.
+# Measured on these models: ringshm's layer inputs differ from the oracle's by at most 1.5e-6 relative (rounding
+# order), the router logits reach about 7 in magnitude, so the two engines' logits differ by ~1e-5 at most: a gap
+# over 1e-4 cannot flip an expert.
+ROUTER_GAP = 1e-4
+
+
+def _stage(path, rows: int = 6) -> StageModel:
+    ckpt = Checkpoint.open(path)
+    cfg = ckpt.config
+    return StageModel(cfg, (0, cfg.n_layers), True, True, rows, MAX_SEQ,
+                      weights=ckpt.load_stage((0, cfg.n_layers), True, True))
+
+
+def _router_gaps(model, ids: list[int]) -> torch.Tensor:
+    """The oracle's router-logit gap between the k-th and (k+1)-th expert (k = experts per token; the softmax keeps
+    the order, so this is what decides the k-th pick) at every position of ``ids`` and every layer, fp32
+    ``[n_layers, len(ids)]``."""
+    k = model.config.num_experts_per_tok
+    with torch.inference_mode():
+        out = model.oracle()(torch.tensor([ids]), output_router_logits=True)
+    gaps = []
+    for logits in out.router_logits:  # per layer [T, E]
+        top = logits.float().topk(k + 1, dim=-1).values
+        gaps.append(top[:, k - 1] - top[:, k])
+    return torch.stack(gaps)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_test_prompts_keep_the_kth_expert_apart_from_the_next(zoo, family):
+    model = zoo(family)
+    least = []
+    for seed in (0, 1):  # the prompts test_families compares with the oracle (ringshm-to-ringshm ones need no gap)
+        prompt = prompt_ids(PROMPT_LEN, model.config.vocab_size, seed)
+        ids = prompt + model.oracle_greedy(prompt, N_NEW).tokens.tolist()
+        least.append(float(_router_gaps(model, ids).min()))
+    print(f"{family}: least router-logit gap l_k - l_(k+1) per prompt: {[f'{g:.1e}' for g in least]}")
+    assert min(least) > ROUTER_GAP
+
+
+def _run(stage: StageModel, prompts: list[list[int]], n_steps: int) -> list[list[bytes]]:
+    """Prefill ``prompts`` (row r = prompt r) in one step op, then ``n_steps`` greedy decode ops of every row at
+    once; returns each row's last-position logits (raw bytes) after the prefill and every decode."""
+    stage.reset()
+    out = stage.step(torch.tensor([t for p in prompts for t in p]),
+                     [(r, 0, len(p), WANT_LAST | WANT_LOGITS) for r, p in enumerate(prompts)])
+    logits = [[out.logits[r].numpy().tobytes()] for r in range(len(prompts))]
+    tokens = out.token_ids.tolist()
+    for i in range(n_steps):
+        out = stage.step(torch.tensor(tokens), [(r, len(p) + i, 1, WANT_LAST | WANT_LOGITS)
+                                                for r, p in enumerate(prompts)])
+        tokens = out.token_ids.tolist()
+        for r in range(len(prompts)):
+            logits[r].append(out.logits[r].numpy().tobytes())
+    return logits
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_a_streams_logits_are_the_same_bits_alone_in_a_crowd_on_its_experts_and_beside_strangers(zoo, family):
+    stage = _stage(zoo(family).gguf_path)
+    prompt = prompt_ids(PROMPT_LEN, stage.config.vocab, 10)
+    alone = _run(stage, [prompt], 8)[0]
+    # five streams of the same prompt: every token of the op routes to the experts stream 0's token routes to,
+    # so each of those experts runs on five rows at once
+    crowd = _run(stage, [prompt] * 5, 8)
+    assert all(c == alone for c in crowd)
+    strangers = [prompt] + [prompt_ids(PROMPT_LEN - r, stage.config.vocab, 30 + r) for r in range(1, 5)]
+    assert _run(stage, strangers, 8)[0] == alone
+
+
+def _layer0_experts(model, token: int) -> set[int]:
+    """The experts layer 0 routes a lone ``token`` at position 0 to (the oracle's router): at position 0 the layer's
+    input is the token's embedding alone."""
+    with torch.inference_mode():
+        logits = model.oracle()(torch.tensor([[token]]), output_router_logits=True).router_logits[0]
+    return set(logits[0].topk(model.config.num_experts_per_tok).indices.tolist())
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_tokens_routed_to_disjoint_experts_get_the_bits_they_get_alone(zoo, family):
+    model = zoo(family)
+    stage = _stage(model.gguf_path)
+    picked, used = [], set()
+    for token in range(3, stage.config.vocab):  # greedily: tokens whose layer-0 experts no earlier pick uses
+        experts = _layer0_experts(model, token)
+        if not experts & used:
+            picked.append(token)
+            used |= experts
+        if len(picked) == 3:
+            break
+    assert len(picked) == 3, "no three tokens with disjoint layer-0 experts"
+    together = _run(stage, [[t] for t in picked], 4)
+    for t, got in zip(picked, together):
+        assert got == _run(stage, [[t]], 4)[0]
+
+
+def test_a_gguf_with_gate_and_up_merged_gives_the_split_files_bits(zoo, tmp_path):
+    model = zoo("qwen3moe")
+    reader = gguf.GGUFReader(str(model.gguf_path))
+    tensors = []
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.endswith("ffn_up_exps.weight"):
+            continue
+        if t.name.endswith("ffn_gate_exps.weight"):  # [E, I, row bytes] and the up rows after each expert's gate
+            up = np.array(next(u.data for u in reader.tensors if u.name == t.name.replace("gate", "up")))
+            tensors.append((t.name.replace("ffn_gate_exps", "ffn_gate_up_exps"), np.concatenate([data, up], axis=1),
+                            t.tensor_type))
+        else:
+            tensors.append((t.name, data, t.tensor_type))
+    merged = tmp_path / "merged.gguf"
+    write_gguf(merged, "qwen3moe", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "merged", tensors)
+    prompts = [prompt_ids(PROMPT_LEN, model.config.vocab_size, s) for s in (10, 11)]
+    assert _run(_stage(merged), prompts, 4) == _run(_stage(model.gguf_path), prompts, 4)
+
+
+def test_the_engine_serves_moe_over_two_stage_processes_with_prefix_hits_byte_identical(zoo):
+    from ringshm.engine.engine import Engine
+
+    model = zoo("olmoe")
+    stage = _stage(model.gguf_path)
+    shared = prompt_ids(40, stage.config.vocab, 21)  # a full KV block (32) the later prompts hit in the cache
+    prompts = [shared + prompt_ids(6 + i, stage.config.vocab, 22 + i) for i in range(3)]
+    want = []
+    for p in prompts:
+        stage.reset()
+        want.append(greedy_generate([stage], torch.tensor(p), 16).tolist())
+    with Engine(model=str(model.gguf_path), stages=2, max_rows=4, max_seq_len=MAX_SEQ, prefill_chunk=8,
+                progress=False) as engine:
+        first = engine.generate(prompts[0], max_new_tokens=16, ignore_eos=True)
+        rest = engine.generate_batch(prompts[1:], max_new_tokens=16, ignore_eos=True)
+    assert first.n_cached_tokens == 0 and all(r.n_cached_tokens == 32 for r in rest.results)
+    assert [first.token_ids] + [r.token_ids for r in rest.results] == want
+
+
+def _gguf_of_arch(path, arch: str) -> None:
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("arch, named", [("deepseek2", "MLA"), ("qwen3next", "Gated DeltaNet"),
+                                         ("gpt-oss", "MXFP4"), ("qwen2moe", "shared expert")])
+def test_an_moe_gguf_ringshm_does_not_compute_is_refused_by_name(tmp_path, arch, named):
+    _gguf_of_arch(tmp_path / "m.gguf", arch)
+    with pytest.raises(UnsupportedArchitecture, match=f"{arch}.*{named}"):
+        Checkpoint.open(tmp_path / "m.gguf")
+
+
+def test_experts_in_a_dense_arch_are_refused_by_name(zoo, tmp_path):
+    model = zoo("qwen3moe")
+    reader = gguf.GGUFReader(str(model.gguf_path))
+    tensors = [(t.name, np.array(t.data), t.tensor_type) for t in reader.tensors]
+    cfg = model.config.to_dict()
+    from transformers import Qwen3Config
+
+    dense = Qwen3Config(**{k: v for k, v in cfg.items() if k in Qwen3Config().to_dict()})
+    path = tmp_path / "dense.gguf"
+    write_gguf(path, "qwen3", dense, gguf.LlamaFileType.MOSTLY_Q4_K_M, "experts-in-qwen3", tensors)
+    with pytest.raises(UnsupportedArchitecture, match="expert"):
+        Checkpoint.open(path)
+
+
+def _rewrite(model, path, **config_changes) -> None:
+    """The zoo model's GGUF tensors under a header written from its config with ``config_changes``."""
+    reader = gguf.GGUFReader(str(model.gguf_path))
+    tensors = [(t.name, np.array(t.data), t.tensor_type) for t in reader.tensors]
+    cfg = copy.deepcopy(model.config)
+    for key, value in config_changes.items():  # through the config's attribute map (num_experts is an alias)
+        setattr(cfg, key, value)
+    write_gguf(path, "qwen3moe", cfg, gguf.LlamaFileType.MOSTLY_Q4_K_M, "hostile", tensors)
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(num_experts_per_tok=17), "n_experts_used"),  # more experts per token than there are
+    (dict(num_experts=10**6), "expert_count"),  # a count far past any model: refused before anything is sized
+    (dict(num_experts=32), "ffn_gate_inp"),  # the tensors hold 16 experts, the header says 32
+    (dict(moe_intermediate_size=512), "ffn_gate_exps"),  # the experts' width disagrees with the header
+])
+def test_an_moe_file_whose_header_lies_about_its_experts_is_refused_naming_what(zoo, tmp_path, changes, named):
+    from ringshm.errors import InvalidCheckpoint
+
+    _rewrite(zoo("qwen3moe"), tmp_path / "m.gguf", **changes)
+    with pytest.raises(InvalidCheckpoint, match=named):
+        Checkpoint.open(tmp_path / "m.gguf")
+
+
+def test_an_hf_moe_missing_one_experts_tensor_is_refused_naming_it(zoo, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ringshm.errors import MissingTensor
+
+    shutil.copytree(zoo("olmoe").hf_dir, tmp_path / "hf")
+    tensors = load_file(tmp_path / "hf" / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.7.up_proj.weight"]
+    save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(MissingTensor, match=r"model\.layers\.1\.mlp\.experts\.7\.up_proj\.weight"):
+        Checkpoint.open(tmp_path / "hf")
