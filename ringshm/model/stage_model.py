@@ -173,7 +173,8 @@ class _Layer:
                          ("bgate_up", self.w_gate_up.bias if dense_ffn else None),
                          ("bdown", self.w_down.bias if dense_ffn else None), ("attn_norm", self.attn_norm),
                          ("ffn_norm", self.ffn_norm), ("q_norm", self.q_norm), ("k_norm", self.k_norm),
-                         ("post_attn_norm", self.post_attn_norm), ("post_ffn_norm", self.post_ffn_norm), ("cos", cos), ("sin", sin)):
+                         ("post_attn_norm", self.post_attn_norm), ("post_ffn_norm", self.post_ffn_norm),
+                         ("cos", cos), ("sin", sin)):
             # the pointer and the elements behind it: the C layer reads no vector past its length (layer.h)
             setattr(c, field, ffi.NULL if t is None else ffi.cast("float *", t.data_ptr()))
             setattr(c, f"{field}_len", 0 if t is None else t.numel())
