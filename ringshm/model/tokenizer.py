@@ -102,9 +102,14 @@ def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None = None):
 
     def build(source: Path, **kw):
         """transformers' tokenizer; its own errors on malformed tokenizer data (KeyError, TypeError, OSError,
-        ...) as one InvalidCheckpoint line naming the checkpoint."""
+        ...) as one InvalidCheckpoint line naming the checkpoint. A GGUF of an architecture transformers' GGUF
+        reader does not know (olmoe) is built by the fast tokenizer class directly: ``AutoTokenizer`` would read
+        a model config from the file first, and only the ``tokenizer.*`` keys matter."""
+        cls = AutoTokenizer
+        if kw.get("gguf_file") and not _transformers_reads_arch(path):
+            from transformers import PreTrainedTokenizerFast as cls
         try:
-            return AutoTokenizer.from_pretrained(str(source), **kw)
+            return cls.from_pretrained(str(source), **kw)
         except Exception as exc:
             what = "tokenizer files" if path.is_dir() else "GGUF tokenizer metadata"
             raise InvalidCheckpoint(f"{path}: transformers could not build a tokenizer from its {what} "
@@ -137,6 +142,16 @@ def load_tokenizer(model_path: str | Path, cache_dir: str | Path | None = None):
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return tok
+
+
+def _transformers_reads_arch(path: Path) -> bool:
+    """Whether transformers' GGUF reader knows the architecture of the GGUF at ``path`` (its supported list)."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    from ringshm.model.gguf_index import GGUFIndex
+
+    arch = GGUFIndex.open(path).meta.get("general.architecture")
+    return {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}.get(arch, arch) in GGUF_SUPPORTED_ARCHITECTURES
 
 
 def check_text(text: str, what: str = "prompt") -> None:

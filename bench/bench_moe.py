@@ -1,0 +1,263 @@
+"""Mixture-of-experts models at the sizes people run (issue 29), figures only: ringshm at 1 and 2 stages against
+llama.cpp (2 threads) on the same Q4_K_M files.
+
+Models (random weights, Q4_K_M, built once under ``~/.cache/ringshm-bench/``, SmolLM2's tokenizer and 49,152-token
+vocabulary in place of the models' own 151,936 / 50,304: the embedding is looked up, and only the LM head's size
+changes the decode cost):
+
+    olmoe-7b        OLMoE-1B-7B's body: 16 layers, hidden 2048, 16 MHA heads of 128, 64 experts of 1024, top 8,
+                    not renormalised, q / k norms over the whole projection (~4 GB)
+    qwen3moe-30b    Qwen3-30B-A3B's body: 48 layers, hidden 2048, 32 / 4 heads of 128, 128 experts of 768, top 8,
+                    renormalised (~17 GB); only with ``RINGSHM_BENCH_30B=1`` (it needs the disk, ~10 min to write,
+                    and most of a 23 GiB machine's memory)
+
+Tensor types are llama-quantize's Q4_K_M (``tests/zoo_quant.tensor_type``: experts Q4_K, ``ffn_down_exps`` and
+``attn_v`` Q6_K on its more-bits layers, the head Q6_K, the router F32), blocks drawn from a pool of valid
+random blocks; the router weights are random too, so tokens spread over the experts about evenly.
+
+Per model, one after another (never both resident: a 17 GB model cannot be held twice):
+- ringshm at 1 stage, then 2 stages: load (``Engine(...)`` to ready), each stage's anonymous RSS (its private
+  copy of the packed weights; the file's page cache is shared and reclaimable) and PSS, decode tok/s of one stream
+  (32 tokens after 16), aggregate decode tok/s of 8 streams at once (the sum of each stream's 1 / TPOT), TTFT of
+  a 512-token prompt (one step op);
+- llama.cpp (2 threads, its own process): load, RSS growth, decode tok/s, TTFT 512.
+The physical bound of decode is the bandwidth (``qmatmul.read_probe``, 2 threads, 1 GiB) over the bytes one token
+reads: every non-expert weight plus k / E of the experts' (and the embedding row).
+
+    RINGSHM_BENCH_30B=1 python -m pytest bench/bench_moe.py --benchmark-only -s -p no:cacheprovider
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench_peers import LlamaPeer  # skips this module where llama.cpp is not installed
+from bench_sizes import CACHE, POOL_BLOCKS, _tokenizer_fields
+from conftest import cpu_info, cpu_label
+
+sys.path.append(str(Path(__file__).resolve().parents[1] / "tests"))  # after bench/: its conftest first
+from zoo_quant import make_weight, tensor_type  # noqa: E402  (the tests' llama-quantize type rules)
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+N_NEW, N_PROMPT, N_LONG, N_STREAMS = 32, 16, 512, 8
+SHAPES = {  # name: (arch, layers, hidden, heads, kv heads, head dim, experts, used, expert width)
+    "olmoe-7b": ("olmoe", 16, 2048, 16, 16, 128, 64, 8, 1024),
+    "qwen3moe-30b": ("qwen3moe", 48, 2048, 32, 4, 128, 128, 8, 768),
+}
+
+
+def build(name: str, tokenizer_src: Path) -> Path:
+    """Write (once) a random-weight MoE of ``SHAPES[name]`` as a Q4_K_M GGUF, streaming one tensor at a time (the
+    writer holds only the tensor table: a 17 GB file is never in memory)."""
+    import gguf
+
+    path = CACHE / f"{name}-q4_k_m.gguf"
+    if path.is_file():
+        return path
+    CACHE.mkdir(parents=True, exist_ok=True)
+    arch, n_layers, hidden, heads, kv_heads, head_dim, n_exp, used, width = SHAPES[name]
+    vocab = len(gguf.GGUFReader(str(tokenizer_src)).fields["tokenizer.ggml.tokens"].contents())
+    rng = np.random.default_rng(0)
+    pools: dict = {}
+    norm = np.ones(hidden, dtype=np.float32)
+
+    def tensors():
+        """(name, role, layer, shape in torch order) in file order; role None: an F32 vector of ones."""
+        yield "token_embd.weight", "token_embd", None, (vocab, hidden)
+        for i in range(n_layers):
+            q, kv = heads * head_dim, kv_heads * head_dim
+            yield f"blk.{i}.attn_norm.weight", None, i, (hidden,)
+            for role, rows, cols in (("attn_q", q, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
+                                     ("attn_output", hidden, q)):
+                yield f"blk.{i}.{role}.weight", role, i, (rows, cols)
+            yield f"blk.{i}.attn_q_norm.weight", None, i, (q if arch == "olmoe" else head_dim,)
+            yield f"blk.{i}.attn_k_norm.weight", None, i, (kv if arch == "olmoe" else head_dim,)
+            yield f"blk.{i}.ffn_norm.weight", None, i, (hidden,)
+            yield f"blk.{i}.ffn_gate_inp.weight", "ffn_gate_inp", i, (n_exp, hidden)
+            yield f"blk.{i}.ffn_gate_exps.weight", "ffn_gate_exps", i, (n_exp, width, hidden)
+            yield f"blk.{i}.ffn_up_exps.weight", "ffn_up_exps", i, (n_exp, width, hidden)
+            yield f"blk.{i}.ffn_down_exps.weight", "ffn_down_exps", i, (n_exp, hidden, width)
+        yield "output_norm.weight", None, None, (hidden,)
+        yield "output.weight", "output", None, (vocab, hidden)
+
+    def data(role, layer, shape):
+        if role is None:
+            return np.ones(shape, dtype=np.float32), gguf.GGMLQuantizationType.F32
+        qtype = tensor_type("q4_k_m", role, layer, n_layers, shape[-1], len(shape), False)
+        if qtype == gguf.GGMLQuantizationType.F32:  # the router: std 1 / sqrt(hidden), logits of about unit size
+            return rng.normal(0, hidden ** -0.5, size=shape).astype(np.float32), qtype
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        if qtype not in pools:
+            raw, _ = make_weight(qtype, (POOL_BLOCKS // 16, 16 * block), 0.02, rng)
+            pools[qtype] = raw.reshape(POOL_BLOCKS, block_bytes)
+        rows = int(np.prod(shape[:-1]))
+        pick = rng.integers(0, POOL_BLOCKS, size=rows * shape[-1] // block)
+        return pools[qtype][pick].reshape(*shape[:-1], shape[-1] // block * block_bytes), qtype
+
+    tmp = path.with_suffix(".tmp")
+    w = gguf.GGUFWriter(str(tmp), arch)
+    w.add_name(f"ringshm-bench-{name}")
+    w.add_block_count(n_layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(width)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(1e6 if arch == "qwen3moe" else 10000.0)
+    w.add_layer_norm_rms_eps(1e-6 if arch == "qwen3moe" else 1e-5)
+    if arch == "qwen3moe":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_expert_feed_forward_length(width)
+    w.add_expert_count(n_exp)
+    w.add_expert_used_count(used)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for key, val, vtype, sub in _tokenizer_fields(tokenizer_src):
+        w.add_key_value(key, val, vtype, sub)
+    plan = list(tensors())
+    for tname, role, layer, shape in plan:  # the table first (shapes and types), then the data in the same order
+        qtype = gguf.GGMLQuantizationType.F32 if role is None else tensor_type(
+            "q4_k_m", role, layer, n_layers, shape[-1], len(shape), False)
+        block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        n_bytes = int(np.prod(shape[:-1])) * shape[-1] // block * block_bytes
+        if qtype == gguf.GGMLQuantizationType.F32:
+            w.add_tensor_info(tname, shape, np.dtype(np.float32), n_bytes, raw_dtype=qtype)
+        else:  # uint8 bytes: the writer takes the byte shape
+            w.add_tensor_info(tname, (*shape[:-1], shape[-1] // block * block_bytes), np.dtype(np.uint8), n_bytes,
+                              raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for tname, role, layer, shape in plan:
+        w.write_tensor_data(data(role, layer, shape)[0])
+    w.close()
+    tmp.rename(path)
+    return path
+
+
+def active_bytes(path: Path) -> float:
+    """Bytes one decoded token reads: every tensor but the experts and the embedding, k / E of the experts, one
+    embedding row (the GGUF's own sizes)."""
+    from ringshm.model.gguf_index import GGUFIndex
+
+    index = GGUFIndex.open(path)
+    arch = index.meta["general.architecture"]
+    frac = index.meta[f"{arch}.expert_used_count"] / index.meta[f"{arch}.expert_count"]
+    total = 0.0
+    for name, t in index.tensors.items():
+        if "_exps." in name:
+            total += t.n_bytes * frac
+        elif name == "token_embd.weight":
+            total += t.n_bytes / t.shape[1]
+        else:
+            total += t.n_bytes
+    return total
+
+
+def _anon_mb(pid: int) -> tuple[float, float]:
+    """(anonymous RSS, PSS) of a process in MB (/proc: RssAnon, smaps_rollup Pss)."""
+    def field(path: str, key: str) -> float:
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024 / 1e6
+        return float("nan")
+
+    return field(f"/proc/{pid}/status", "RssAnon"), field(f"/proc/{pid}/smaps_rollup", "Pss")
+
+
+def measure_ringshm(path: Path, stages: int) -> dict:
+    from ringshm.engine.engine import Engine
+
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(100, 40000, N_PROMPT)]
+    prompts = [[int(t) for t in rng.integers(100, 40000, N_PROMPT)] for _ in range(N_STREAMS)]
+    long = [int(t) for t in rng.integers(100, 40000, N_LONG)]
+    t0 = time.perf_counter()
+    with Engine(model=str(path), stages=stages, max_rows=N_STREAMS, max_seq_len=1024, prefill_chunk=N_LONG,
+                progress=False, prefix_cache=False) as engine:
+        out = {"load_s": time.perf_counter() - t0, "stage_anon_pss_mb": [_anon_mb(p) for p in engine.pids]}
+        engine.generate(prompt, max_new_tokens=4, stop=None, ignore_eos=True)  # warm: first-touch of the scratch
+        r = engine.generate(prompt, max_new_tokens=N_NEW, stop=None, ignore_eos=True)
+        out["decode_tok_s"] = 1 / r.tpot_s
+        batch = engine.generate_batch(prompts, max_new_tokens=N_NEW, stop=None, ignore_eos=True)
+        out["aggregate_tok_s"] = sum(1 / x.tpot_s for x in batch.results)
+        out["ttft_512_s"] = engine.generate(long, max_new_tokens=1, stop=None).ttft_s
+        out["stage_anon_pss_mb_after"] = [_anon_mb(p) for p in engine.pids]
+    return out
+
+
+def measure_llama(path: Path) -> dict:
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(100, 40000, N_PROMPT)]
+    long = [int(t) for t in rng.integers(100, 40000, N_LONG)]
+    t0 = time.perf_counter()
+    peer = LlamaPeer(str(path), 2)
+    out = {"load_s": time.perf_counter() - t0}
+    try:
+        peer.call("decode", prompt, 4)
+        out["decode_tok_s"] = 1 / peer.call("decode", prompt, N_NEW)["tpot_s"]
+        out["ttft_512_s"] = peer.call("prefill", long)["ttft_s"]
+        out["rss_mb"] = (peer.call("rss")["rss"] - peer.info["rss_base"]) / 1e6
+    finally:
+        peer.close()
+    return out
+
+
+def test_moe_ringshm_vs_llama_cpp(benchmark, figures):
+    import torch
+
+    from ringshm.model import qmatmul as qm
+    from ringshm.model.packaged import default_model_path
+
+    names = ["olmoe-7b"] + (["qwen3moe-30b"] if os.environ.get("RINGSHM_BENCH_30B") == "1" else [])
+    found = {n: build(n, default_model_path()) for n in names}
+    buf = torch.ones(1 << 28, dtype=torch.float32)
+    qm.read_probe(buf, 2)
+    t0 = time.perf_counter()
+    n_read = qm.read_probe(buf, 2)
+    bandwidth = n_read / (time.perf_counter() - t0)
+    del buf
+    table: dict = {}
+
+    def run():
+        for name, path in found.items():
+            table[name] = {"ringshm_1": measure_ringshm(path, 1), "ringshm_2": measure_ringshm(path, 2),
+                           "llama": measure_llama(path), "active_gb": active_bytes(path) / 1e9,
+                           "file_gb": path.stat().st_size / 1e9}
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    lines = [f"mixture-of-experts models (bench_moe.py), CPU: {cpu_label()}; bandwidth {bandwidth / 1e9:.1f} GB/s "
+             f"(read_probe, 2 threads)",
+             f"{'model':>13} {'engine':>10} | {'load s':>6} | {'anon RSS / PSS MB per stage':>28} | "
+             f"{'decode tok/s':>12} {'8 streams':>9} | {'TTFT 512 s':>10}"]
+    for name, t in table.items():
+        bound = bandwidth / (t["active_gb"] * 1e9)
+        for key, label in (("ringshm_1", "ringshm 1"), ("ringshm_2", "ringshm 2")):
+            r = t[key]
+            mem = ", ".join(f"{a:.0f} / {p:.0f}" for a, p in r["stage_anon_pss_mb_after"])
+            lines.append(f"{name:>13} {label:>10} | {r['load_s']:6.1f} | {mem:>28} | {r['decode_tok_s']:12.2f} "
+                         f"{r['aggregate_tok_s']:9.2f} | {r['ttft_512_s']:10.2f}")
+        ll = t["llama"]
+        lines.append(f"{name:>13} {'llama.cpp':>10} | {ll['load_s']:6.1f} | {ll['rss_mb']:>21.0f} (RSS) | "
+                     f"{ll['decode_tok_s']:12.2f} {'':>9} | {ll['ttft_512_s']:10.2f}")
+        r1 = t["ringshm_1"]
+        lines.append(f"{'':>13} file {t['file_gb']:.1f} GB, {t['active_gb']:.2f} GB read per token: bound "
+                     f"{bound:.2f} tok/s; decode ringshm / llama.cpp {r1['decode_tok_s'] / ll['decode_tok_s']:.2f}, "
+                     f"8 streams / 1 {r1['aggregate_tok_s'] / r1['decode_tok_s']:.2f}, TTFT ringshm / llama.cpp "
+                     f"{r1['ttft_512_s'] / ll['ttft_512_s']:.2f}; of the bound: ringshm "
+                     f"{r1['decode_tok_s'] / bound:.2f}, llama.cpp {ll['decode_tok_s'] / bound:.2f}")
+        figures.record_value(f"moe.{name}.decode.ringshm", 1 / r1["decode_tok_s"])
+        figures.record_value(f"moe.{name}.decode.llama", 1 / ll["decode_tok_s"])
+        figures.ratio(f"{name}: decode tok/s ringshm / llama.cpp", f"moe.{name}.decode.llama",
+                      f"moe.{name}.decode.ringshm")
+    figures.summary.extend(lines)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "moe.json").write_text(json.dumps({"cpu": cpu_info(), "bandwidth": bandwidth, "table": table},
+                                                     indent=1))
