@@ -65,7 +65,6 @@ def build(name: str, tokenizer_src: Path) -> Path:
     vocab = len(gguf.GGUFReader(str(tokenizer_src)).fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(0)
     pools: dict = {}
-    norm = np.ones(hidden, dtype=np.float32)
 
     def tensors():
         """(name, role, layer, shape in torch order) in file order; role None: an F32 vector of ones."""

@@ -402,9 +402,12 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
               mlp_bias="blk.0.ffn_down.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names)
     if family in MOE_FAMILIES:
         kw.update(_gguf_experts(meta, tensor_names, arch, family, where, need))
-    elif f"{arch}.expert_count" in meta or "blk.0.ffn_gate_inp.weight" in tensor_names:
-        raise _refuse(where, f"{arch}.expert_count", meta.get(f"{arch}.expert_count"),
-                      f"experts in a {arch} file: ringshm computes them for qwen3moe and olmoe only")
+    elif f"{arch}.expert_count" in meta or any(".ffn_gate_inp." in n for n in tensor_names):
+        what = next((f"tensor {n!r}" for n in sorted(tensor_names) if ".ffn_gate_inp." in n),
+                    f"key {arch}.expert_count")
+        raise UnsupportedArchitecture(f"{where}: {what}: routed experts in a {arch} file are not read by ringshm's "
+                                      f"{arch} description (it computes experts for qwen3moe and olmoe"
+                                      f"{'; Mixtral-style llama files are not supported yet' if arch == 'llama' else ''})")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if rope_freqs is not None:
         kw["rope_freq_factors"] = tuple(float(x) for x in rope_freqs)

@@ -131,6 +131,13 @@ class GGUFIndex:
                                     f"({t.offset + t.n_bytes} > {self._mmap.shape[0]} bytes)")
         return self._mmap[t.offset : t.offset + t.n_bytes]
 
+    def drop_pages(self) -> None:
+        """Unmap this process's view of the file's pages (``madvise(MADV_DONTNEED)`` over the whole map): its RSS
+        and PSS stop counting them, the page cache keeps them (shared, reclaimable), and a later read of a view
+        faults them back in. For a stage that has packed its weights and reads the file only for embedding rows."""
+        if self._mmap is not None and hasattr(self._mmap, "_mmap") and hasattr(mmap, "MADV_DONTNEED"):
+            self._mmap._mmap.madvise(mmap.MADV_DONTNEED)
+
 
 class _Walk:
     """One pass over a mapped header; every read is checked against the file's end and the header cap."""

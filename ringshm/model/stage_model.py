@@ -279,7 +279,8 @@ class StageModel:
 
         ``layer_range`` defaults to all layers; ``is_first``/``is_last`` default to whether the range
         touches layer 0 / the last layer. ``max_seq_len`` is capped at the model's context length.
-        Pass an already opened ``checkpoint`` to skip re-parsing the file.
+        Pass an already opened ``checkpoint`` to skip re-parsing the file. A GGUF's pages are dropped from this
+        process once the weights are packed (``GGUFIndex.drop_pages``): the embedding faults its rows back in.
 
         Raises:
             the errors of ``Checkpoint.open`` and ``Checkpoint.load_stage``.
@@ -290,8 +291,11 @@ class StageModel:
         first = r.start == 0 if is_first is None else is_first
         last = r.stop == cfg.n_layers if is_last is None else is_last
         weights = ckpt.load_stage(r, first, last)
-        return cls(cfg, r, first, last, max_rows, min(max_seq_len, cfg.max_seq_len), dtype, device, weights,
-                   block_size, n_blocks, kv_dtype)
+        stage = cls(cfg, r, first, last, max_rows, min(max_seq_len, cfg.max_seq_len), dtype, device, weights,
+                    block_size, n_blocks, kv_dtype)
+        if ckpt.gguf:  # every weight is packed (or dequantized) now: the file's pages need not stay in this process
+            ckpt.source.index.drop_pages()
+        return stage
 
     # ---- rows without tables (in-process use)
     # ------------------------------------------------------------------------------
