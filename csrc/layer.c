@@ -11,11 +11,13 @@ static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
 /* Scratch layout, in floats, each [t, width] with rows of `width`:
  *   h [hidden] | qkv [round16(q + 2 kv)] | q [q] | k [kv] | v [kv] | attn [q] | x2 [hidden] | gu [2 I] | act [I]
- * (2 I is a multiple of 16: inter % 8 == 0). With routed experts, I is expert_inter and after act come
- *   logits [round16(E)] | wsel [k] | isel [k] (int32) | xs [hidden] | ys [hidden] | m [hidden]
- * per token, then order [t k] (int32), offs [E + 1] (int32) and p [E] (one token's softmax). */
+ * (2 I is a multiple of 16: inter % 8 == 0). With routed experts (k of them per token), gu and act hold a row per
+ * (token, rank) pair, t k rows of 2 expert_inter and expert_inter, and after act come
+ *   logits [t, round16(E)] | wsel [t k] | isel [t k] (int32) | xs [t k, hidden] | ys [t k, hidden] | m [t, hidden]
+ *   | order [t k] (int32) | where [t k] (int32) | offs [E + 1] (int32) | active [E] (int32) | p [E]
+ * (p: one token's softmax; the int32 arrays take a float's room each). */
 struct layout {
-    int64_t h, qkv, q, k, v, attn, x2, gu, act, logits, wsel, isel, xs, ys, m, order, offs, p, total;
+    int64_t h, qkv, q, k, v, attn, x2, gu, act, logits, wsel, isel, xs, ys, m, order, where, offs, active, p, total;
     int64_t qkv_w, gu_w, logits_w;
 };
 
@@ -26,12 +28,14 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
         s->head_dim > RINGSHM_ATTN_MAX_HEAD_DIM || (s->act != RINGSHM_ACT_SILU && s->act != RINGSHM_ACT_GELU_TANH) ||
         !(s->attn_scale > 0.0f) || (s->qk_norm_full != 0 && s->qk_norm_full != 1) || s->n_experts < 0 ||
         s->n_experts > RINGSHM_MAX_EXPERTS ||
-        (s->n_experts && (s->n_experts_used < 1 || s->n_experts_used > s->n_experts || s->expert_inter <= 0 ||
+        (s->n_experts && (s->n_experts_used < 1 || s->n_experts_used > s->n_experts ||
+                          s->n_experts_used > RINGSHM_MAX_EXPERTS_USED || s->expert_inter <= 0 ||
                           s->expert_inter % 16 ||
                           (s->gating != RINGSHM_GATE_SOFTMAX && s->gating != RINGSHM_GATE_SOFTMAX_NORM))))
         return 0;
     const int64_t qd = (int64_t)s->n_heads * s->head_dim, kvd = (int64_t)s->n_kv_heads * s->head_dim;
     const int64_t inter = s->n_experts ? s->expert_inter : s->inter, k = s->n_experts_used;
+    const int64_t rows = s->n_experts ? t * k : t; /* rows of gu and act */
     l->qkv_w = round16(qd + 2 * kvd), l->gu_w = 2 * inter, l->logits_w = round16(s->n_experts);
     int64_t at = 0;
     l->h = at, at += t * s->hidden;
@@ -41,18 +45,20 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
     l->v = at, at += t * kvd;
     l->attn = at, at += t * qd;
     l->x2 = at, at += t * s->hidden;
-    l->gu = at, at += t * l->gu_w;
-    l->act = at, at += t * inter;
-    l->logits = l->wsel = l->isel = l->xs = l->ys = l->m = l->order = l->offs = l->p = at;
+    l->gu = at, at += rows * l->gu_w;
+    l->act = at, at += rows * inter;
+    l->logits = l->wsel = l->isel = l->xs = l->ys = l->m = l->order = l->where = l->offs = l->active = l->p = at;
     if (s->n_experts) {
         l->logits = at, at += t * l->logits_w;
         l->wsel = at, at += t * k;
         l->isel = at, at += t * k;
-        l->xs = at, at += t * s->hidden;
-        l->ys = at, at += t * s->hidden;
+        l->xs = at, at += t * k * s->hidden;
+        l->ys = at, at += t * k * s->hidden;
         l->m = at, at += t * s->hidden;
         l->order = at, at += t * k;
+        l->where = at, at += t * k;
         l->offs = at, at += s->n_experts + 1;
+        l->active = at, at += s->n_experts;
         l->p = at, at += s->n_experts;
     }
     l->total = at;
@@ -108,15 +114,41 @@ static void route_token(const float *logits, int n, int k, int gating, float *p,
     }
 }
 
-/* The routed experts' FFN on h [t, hidden] (layer.h), the result added to x2 into x. */
+/* One expert's FFN on its n rows (pairs [lo, lo + n) of the grouped order): gather h, gate and up, act, down into
+ * ys. n_threads split its panels (1: the calling thread). */
+static int run_expert(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w,
+                      const struct layout *l, float *work, const float *h, int e, int64_t lo, int64_t n,
+                      int n_threads, int isa) {
+    const int hid = s->hidden, k = s->n_experts_used, ie = s->expert_inter;
+    const int32_t *pairs = (const int32_t *)(work + l->order) + lo;
+    float *xs = work + l->xs + lo * hid, *gu = work + l->gu + lo * 2 * ie, *act = work + l->act + lo * ie;
+    float *ys = work + l->ys + lo * hid;
+    int st;
+    for (int64_t r = 0; r < n; r++) memcpy(xs + r * hid, h + (pairs[r] / k) * hid, sizeof(float) * (size_t)hid);
+    if ((st = ringshm_qmat_matmul(w->type_exp_gate, w->exp_gate + e * w->exp_gate_bytes, w->exp_gate_bytes, ie, hid,
+                                  xs, n, gu, 2 * ie, NULL, 0, NULL, 0, n_threads, isa)) ||
+        (st = ringshm_qmat_matmul(w->type_exp_up, w->exp_up + e * w->exp_up_bytes, w->exp_up_bytes, ie, hid, xs, n,
+                                  gu + ie, 2 * ie, NULL, 0, NULL, 0, n_threads, isa)) ||
+        (st = s->act == RINGSHM_ACT_GELU_TANH ? ringshm_gelu_tanh_mul(act, gu, n, ie) : ringshm_silu_mul(act, gu, n, ie)))
+        return st;
+    return ringshm_qmat_matmul(w->type_exp_down, w->exp_down + e * w->exp_down_bytes, w->exp_down_bytes, hid, ie, act,
+                               n, ys, hid, NULL, 0, NULL, 0, n_threads, isa);
+}
+
+/* The routed experts' FFN on h [t, hidden] (layer.h), the result added to x2 into x. The (token, rank) pairs are
+ * grouped by expert (a counting sort, tokens ascending within each); every pair has its own rows of xs / gu / act
+ * / ys, so experts never share scratch. With at least as many active experts as threads, each thread runs whole
+ * experts (dynamic schedule, most rows first) on one thread each; with fewer, the experts run one after another,
+ * their panels split over the threads. Either way every expert row is the matmul's row-invariant result. Then
+ * each token sums its k terms in ascending expert id. */
 static int moe_ffn(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w,
                    const struct layout *l, float *work, const float *h, const float *x2, float *x, int64_t t,
                    int n_threads, int isa) {
-    const int hid = s->hidden, n_e = s->n_experts, k = s->n_experts_used, ie = s->expert_inter;
-    float *logits = work + l->logits, *wsel = work + l->wsel, *xs = work + l->xs, *ys = work + l->ys;
-    float *m = work + l->m, *gu = work + l->gu, *act = work + l->act;
+    const int hid = s->hidden, n_e = s->n_experts, k = s->n_experts_used;
+    float *logits = work + l->logits, *wsel = work + l->wsel, *ys = work + l->ys, *m = work + l->m;
     int32_t *isel = (int32_t *)(work + l->isel), *order = (int32_t *)(work + l->order);
-    int32_t *offs = (int32_t *)(work + l->offs);
+    int32_t *offs = (int32_t *)(work + l->offs), *active = (int32_t *)(work + l->active);
+    int32_t *where = (int32_t *)(work + l->where);
     int st;
     if (!w->router || !w->exp_gate || !w->exp_up || !w->exp_down) return RINGSHM_KERNEL_ERR_SHAPE;
     if ((st = ringshm_qmat_matmul(w->type_router, w->router, w->router_bytes, n_e, hid, h, t, logits, l->logits_w,
@@ -124,39 +156,61 @@ static int moe_ffn(const struct ringshm_layer_shape *s, const struct ringshm_lay
         return st;
     for (int64_t i = 0; i < t; i++)
         route_token(logits + i * l->logits_w, n_e, k, s->gating, work + l->p, wsel + i * k, isel + i * k);
-    /* the (token, rank) pairs grouped by expert, tokens ascending within each: a counting sort */
     memset(offs, 0, sizeof(int32_t) * (size_t)(n_e + 1));
     for (int64_t i = 0; i < t * k; i++) offs[isel[i] + 1]++;
     for (int e = 0; e < n_e; e++) offs[e + 1] += offs[e];
-    for (int64_t i = 0; i < t * k; i++) order[offs[isel[i]]++] = (int32_t)i;
+    for (int64_t i = 0; i < t * k; i++) where[i] = offs[isel[i]]++, order[where[i]] = (int32_t)i;
     for (int e = n_e; e > 0; e--) offs[e] = offs[e - 1]; /* the fill moved every start one group on */
     offs[0] = 0;
-    memset(m, 0, sizeof(float) * (size_t)(t * hid));
-    for (int e = 0; e < n_e; e++) {
-        const int64_t n = offs[e + 1] - offs[e];
-        if (!n) continue;
-        const int32_t *pairs = order + offs[e];
-        for (int64_t r = 0; r < n; r++) memcpy(xs + r * hid, h + (pairs[r] / k) * hid, sizeof(float) * (size_t)hid);
-        if ((st = ringshm_qmat_matmul(w->type_exp_gate, w->exp_gate + e * w->exp_gate_bytes, w->exp_gate_bytes, ie,
-                                      hid, xs, n, gu, l->gu_w, NULL, 0, NULL, 0, n_threads, isa)) ||
-            (st = ringshm_qmat_matmul(w->type_exp_up, w->exp_up + e * w->exp_up_bytes, w->exp_up_bytes, ie, hid, xs,
-                                      n, gu + ie, l->gu_w, NULL, 0, NULL, 0, n_threads, isa)) ||
-            (st = s->act == RINGSHM_ACT_GELU_TANH ? ringshm_gelu_tanh_mul(act, gu, n, ie)
-                                                  : ringshm_silu_mul(act, gu, n, ie)) ||
-            (st = ringshm_qmat_matmul(w->type_exp_down, w->exp_down + e * w->exp_down_bytes, w->exp_down_bytes, hid,
-                                      ie, act, n, ys, hid, NULL, 0, NULL, 0, n_threads, isa)))
-            return st;
-        for (int64_t r = 0; r < n; r++) { /* experts ascending, so each token's terms add in ascending id */
-            const float wt = wsel[pairs[r]];
-            float *row = m + (pairs[r] / k) * hid;
-            const float *y = ys + r * hid;
+    int n_active = 0;
+    for (int e = 0; e < n_e; e++)
+        if (offs[e + 1] > offs[e]) active[n_active++] = e;
+    for (int a = 1; a < n_active; a++) { /* most rows first (ties: lower id), for the dynamic schedule */
+        const int e = active[a];
+        int b = a;
+        for (; b > 0 && offs[active[b - 1] + 1] - offs[active[b - 1]] < offs[e + 1] - offs[e]; b--)
+            active[b] = active[b - 1];
+        active[b] = e;
+    }
+    if (n_threads > 1 && n_active >= n_threads) {
+        int first = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(n_threads)
+        for (int a = 0; a < n_active; a++) {
+            const int e = active[a];
+            const int rc = run_expert(s, w, l, work, h, e, offs[e], offs[e + 1] - offs[e], 1, isa);
+            if (rc) {
+#pragma omp critical(ringshm_moe_status)
+                if (!first) first = rc;
+            }
+        }
+        if (first) return first;
+    } else {
+        for (int a = 0; a < n_active; a++) {
+            const int e = active[a];
+            if ((st = run_expert(s, w, l, work, h, e, offs[e], offs[e + 1] - offs[e], n_threads, isa))) return st;
+        }
+    }
+#pragma omp parallel for schedule(static) num_threads(n_threads > 1 ? n_threads : 1)
+    for (int64_t i = 0; i < t; i++) { /* m = 0 + w y over the token's experts in ascending id, then x = x2 + m */
+        int rank[RINGSHM_MAX_EXPERTS_USED];
+        for (int r = 0; r < k; r++) { /* its ranks sorted by expert id (k is small: an insertion sort) */
+            int b = r;
+            for (; b > 0 && isel[i * k + rank[b - 1]] > isel[i * k + r]; b--) rank[b] = rank[b - 1];
+            rank[b] = r;
+        }
+        float *row = m + i * hid;
+        memset(row, 0, sizeof(float) * (size_t)hid);
+        for (int q = 0; q < k; q++) {
+            const int64_t pair = i * k + rank[q];
+            const float wt = wsel[pair];
+            const float *y = ys + (int64_t)where[pair] * hid;
             for (int j = 0; j < hid; j++) {
                 const float term = wt * y[j];
                 row[j] = row[j] + term;
             }
         }
+        for (int j = 0; j < hid; j++) x[i * hid + j] = x2[i * hid + j] + row[j];
     }
-    add_rows(x, x2, m, t * hid);
     return RINGSHM_KERNEL_OK;
 }
 

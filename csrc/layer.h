@@ -37,9 +37,12 @@
  *     x = x2 + m
  * The matmuls compute each row alone (matmul.h), so a token's y for an expert is the same bits whether the
  * expert serves it alone or beside any other tokens of any streams, and a token's m depends only on its own h:
- * batch invariance holds through the routing. Each expert's matmuls split panels over n_threads, as every
- * other matmul. Limits: n_experts <= RINGSHM_MAX_EXPERTS, 1 <= n_experts_used <= n_experts,
- * expert_inter % 16 == 0 (gate and up share a row of the scratch).
+ * batch invariance holds through the routing. Threads: with at least n_threads experts active, each expert runs
+ * whole on one thread (a dynamic schedule over the experts, most rows first); with fewer, one expert at a time
+ * with its panels split over the threads. Neither changes a bit (the matmul's rows do not depend on the thread
+ * count). Limits: n_experts <= RINGSHM_MAX_EXPERTS, 1 <= n_experts_used <= min(n_experts,
+ * RINGSHM_MAX_EXPERTS_USED), expert_inter % 16 == 0 (gate and up share a row of the scratch). Scratch grows with
+ * t k rows of hidden + 3 expert_inter + hidden floats (a 512-token chunk of Qwen3-30B-A3B: ~105 MB).
  *
  * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: starts, lens [n_seg] int64, at
  * most RINGSHM_ATTN_MAX_SEGMENTS; segment i's block table is tables[table_offs[i] .. table_offs[i + 1]) (int32,
@@ -65,6 +68,7 @@ enum ringshm_act { RINGSHM_ACT_SILU = 0, RINGSHM_ACT_GELU_TANH = 1 };
 /* How a routed MoE weighs its top-k experts (ringshm.config.EXPERT_GATINGS). */
 enum ringshm_gating { RINGSHM_GATE_SOFTMAX = 0, RINGSHM_GATE_SOFTMAX_NORM = 1 };
 #define RINGSHM_MAX_EXPERTS 1024
+#define RINGSHM_MAX_EXPERTS_USED 64
 
 struct ringshm_layer_shape {
     int hidden, n_heads, n_kv_heads, head_dim, inter;

@@ -20,6 +20,7 @@ EXPERT_GATINGS = ("softmax", "softmax_norm")
 expert's router logit and keep the k largest probabilities (ties to the lowest expert id); ``softmax_norm`` then
 divides each by their sum (Qwen3-MoE's ``norm_topk_prob``), ``softmax`` keeps them as they are (OLMoE)."""
 MAX_EXPERTS = 1024  # routed experts per layer (csrc/layer.h's RINGSHM_MAX_EXPERTS; DeepSeek V3: 256, Qwen3.5: 512)
+MAX_EXPERTS_USED = 64  # experts per token (RINGSHM_MAX_EXPERTS_USED; the released models: 2 to 10)
 
 
 @dataclass(frozen=True)
@@ -154,10 +155,11 @@ class ModelConfig:
                              f"{len(self.rope_freq_factors)}")
         if self.embed_scale <= 0 or self.attn_scale < 0 or self.logit_softcap < 0:
             raise ValueError("ModelConfig.embed_scale must be > 0, attn_scale and logit_softcap >= 0")
-        if self.n_experts and not (0 < self.n_experts <= MAX_EXPERTS and 0 < self.n_experts_used <= self.n_experts
+        if self.n_experts and not (0 < self.n_experts <= MAX_EXPERTS
+                                   and 0 < self.n_experts_used <= min(self.n_experts, MAX_EXPERTS_USED)
                                    and self.expert_intermediate > 0 and self.expert_gating in EXPERT_GATINGS):
             raise ValueError(f"ModelConfig: a routed MoE needs 0 < n_experts <= {MAX_EXPERTS}, 0 < n_experts_used <= "
-                             f"n_experts, expert_intermediate > 0 and expert_gating in {EXPERT_GATINGS}; got "
+                             f"min(n_experts, {MAX_EXPERTS_USED}), expert_intermediate > 0 and expert_gating in {EXPERT_GATINGS}; got "
                              f"{self.n_experts}, {self.n_experts_used}, {self.expert_intermediate}, "
                              f"{self.expert_gating!r}")
 

@@ -16,7 +16,7 @@ import re
 import reprlib
 from collections.abc import Callable
 
-from ringshm.config import MAX_EXPERTS, ROPE_SCALINGS
+from ringshm.config import MAX_EXPERTS, MAX_EXPERTS_USED, ROPE_SCALINGS
 from ringshm.errors import InvalidCheckpoint
 from ringshm.model.gguf_index import MAX_ARRAY_LEN
 
@@ -185,7 +185,7 @@ HF_RULES: dict[str, Check] = {
     "partial_rotary_factor": number_in(0, 1),
     "num_experts": int_in(1, MAX_EXPERTS, True),
     "num_local_experts": int_in(1, MAX_EXPERTS, True),
-    "num_experts_per_tok": int_in(1, MAX_EXPERTS, True),
+    "num_experts_per_tok": int_in(1, MAX_EXPERTS_USED, True),
     "moe_intermediate_size": int_in(1, MAX_INTERMEDIATE, True),
     "norm_topk_prob": boolean(True),
     "decoder_sparse_step": int_in(1, MAX_LAYERS, True),
@@ -199,7 +199,7 @@ HF_REQUIRED = ("model_type", "num_attention_heads", "hidden_size", "num_hidden_l
 # GGUF metadata under "<arch>.": every key families.gguf_config reads; required ones in GGUF_REQUIRED.
 GGUF_RULES: dict[str, Check] = {
     "expert_count": int_in(1, MAX_EXPERTS),
-    "expert_used_count": int_in(1, MAX_EXPERTS),
+    "expert_used_count": int_in(1, MAX_EXPERTS_USED),
     "expert_feed_forward_length": int_in(1, MAX_INTERMEDIATE),
     "context_length": int_in(1, MAX_CONTEXT),
     "embedding_length": int_in(1, MAX_HIDDEN),
