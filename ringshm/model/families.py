@@ -405,9 +405,9 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
     elif f"{arch}.expert_count" in meta or any(".ffn_gate_inp." in n for n in tensor_names):
         what = next((f"tensor {n!r}" for n in sorted(tensor_names) if ".ffn_gate_inp." in n),
                     f"key {arch}.expert_count")
+        mixtral = "; Mixtral-style llama files are not supported yet" if arch == "llama" else ""
         raise UnsupportedArchitecture(f"{where}: {what}: routed experts in a {arch} file are not read by ringshm's "
-                                      f"{arch} description (it computes experts for qwen3moe and olmoe"
-                                      f"{'; Mixtral-style llama files are not supported yet' if arch == 'llama' else ''})")
+                                      f"{arch} description (it computes experts for qwen3moe and olmoe{mixtral})")
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if rope_freqs is not None:
         kw["rope_freq_factors"] = tuple(float(x) for x in rope_freqs)
