@@ -160,8 +160,8 @@ class ModelConfig:
                                    and self.expert_intermediate > 0 and self.expert_gating in EXPERT_GATINGS):
             raise ValueError(f"ModelConfig: a routed MoE needs 0 < n_experts <= {MAX_EXPERTS}, 0 < n_experts_used <= "
                              f"min(n_experts, {MAX_EXPERTS_USED}), expert_intermediate > 0 and expert_gating in "
-                             f"{EXPERT_GATINGS}; got {self.n_experts}, {self.n_experts_used}, {self.expert_intermediate}, "
-                             f"{self.expert_gating!r}")
+                             f"{EXPERT_GATINGS}; got {self.n_experts}, {self.n_experts_used}, "
+                             f"{self.expert_intermediate}, {self.expert_gating!r}")
 
     @property
     def moe(self) -> bool:
