@@ -31,7 +31,9 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
         (s->n_experts && (s->n_experts_used < 1 || s->n_experts_used > s->n_experts ||
                           s->n_experts_used > RINGSHM_MAX_EXPERTS_USED || s->expert_inter <= 0 ||
                           s->expert_inter % 16 ||
-                          (s->gating != RINGSHM_GATE_SOFTMAX && s->gating != RINGSHM_GATE_SOFTMAX_NORM))))
+                          (s->gating != RINGSHM_GATE_SOFTMAX && s->gating != RINGSHM_GATE_SOFTMAX_NORM &&
+                           s->gating != RINGSHM_GATE_TOPK_SOFTMAX))) ||
+        !(s->residual_scale > 0.0f) || !(s->residual_scale < 1e30f))
         return 0;
     const int64_t qd = (int64_t)s->n_heads * s->head_dim, kvd = (int64_t)s->n_kv_heads * s->head_dim;
     const int64_t inter = s->n_experts ? s->expert_inter : s->inter, k = s->n_experts_used;
@@ -93,11 +95,15 @@ static void add_rows(float *x, const float *a, const float *b, int64_t n) {
 /* One token's routing (layer.h): softmax over the n logits, the k largest picked by ascending scans (the first of
  * equal values wins), their weights (renormalised for RINGSHM_GATE_SOFTMAX_NORM). p: n floats of scratch. */
 static void route_token(const float *logits, int n, int k, int gating, float *p, float *wsel, int32_t *isel) {
-    float mx = logits[0];
-    for (int e = 1; e < n; e++) mx = logits[e] > mx ? logits[e] : mx;
-    float sum = 0.0f;
-    for (int e = 0; e < n; e++) p[e] = expf(logits[e] - mx), sum += p[e];
-    for (int e = 0; e < n; e++) p[e] = p[e] / sum;
+    if (gating == RINGSHM_GATE_TOPK_SOFTMAX) { /* pick on the logits; the softmax over the k picked */
+        memcpy(p, logits, sizeof(float) * (size_t)n);
+    } else {
+        float mx = logits[0];
+        for (int e = 1; e < n; e++) mx = logits[e] > mx ? logits[e] : mx;
+        float sum = 0.0f;
+        for (int e = 0; e < n; e++) p[e] = expf(logits[e] - mx), sum += p[e];
+        for (int e = 0; e < n; e++) p[e] = p[e] / sum;
+    }
     for (int r = 0; r < k; r++) {
         int best = -1;
         for (int e = 0; e < n; e++) {
@@ -111,6 +117,19 @@ static void route_token(const float *logits, int n, int k, int gating, float *p,
         float s = 0.0f;
         for (int r = 0; r < k; r++) s += wsel[r];
         for (int r = 0; r < k; r++) wsel[r] = wsel[r] / s;
+    } else if (gating == RINGSHM_GATE_TOPK_SOFTMAX) { /* rank 0 holds the largest logit */
+        const float mx = wsel[0];
+        float s = 0.0f;
+        for (int r = 0; r < k; r++) wsel[r] = expf(wsel[r] - mx), s += wsel[r];
+        for (int r = 0; r < k; r++) wsel[r] = wsel[r] / s;
+    }
+}
+
+/* x[i] = a[i] + b[i] * scale over n floats: a branch scaled before its residual add (two roundings). */
+static void add_scaled_rows(float *x, const float *a, const float *b, float scale, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const float scaled = b[i] * scale;
+        x[i] = a[i] + scaled;
     }
 }
 
@@ -209,7 +228,10 @@ static int moe_ffn(const struct ringshm_layer_shape *s, const struct ringshm_lay
                 row[j] = row[j] + term;
             }
         }
-        for (int j = 0; j < hid; j++) x[i * hid + j] = x2[i * hid + j] + row[j];
+        if (s->residual_scale != 1.0f)
+            add_scaled_rows(x + i * hid, x2 + i * hid, row, s->residual_scale, hid);
+        else
+            for (int j = 0; j < hid; j++) x[i * hid + j] = x2[i * hid + j] + row[j];
     }
     return RINGSHM_KERNEL_OK;
 }
@@ -235,6 +257,7 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
     const int hid = s->hidden, hq = s->n_heads, hkv = s->n_kv_heads, d = s->head_dim;
     const int64_t qd = (int64_t)hq * d, kvd = (int64_t)hkv * d;
     const int post = w->post_attn_norm != NULL;
+    if (post && s->residual_scale != 1.0f) return RINGSHM_KERNEL_ERR_SHAPE; /* no family scales a post-normed branch */
     float *h = work + l.h, *qkv = work + l.qkv, *q = work + l.q, *k = work + l.k, *v = work + l.v;
     float *attn = work + l.attn, *x2 = work + l.x2, *gu = work + l.gu, *act = work + l.act;
     int st;
@@ -287,6 +310,11 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
             (st = ringshm_rms_norm(x2, x2, w->post_attn_norm, w->post_attn_norm_len, t, hid, s->rms_eps)))
             return st;
         add_rows(x2, x, x2, t * hid);
+    } else if (s->residual_scale != 1.0f) { /* x2 = x + (attn . Wo^T + bo) * residual_scale */
+        if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, w->bo_len, NULL,
+                                      0, n_threads, isa)))
+            return st;
+        add_scaled_rows(x2, x, x2, s->residual_scale, t * hid);
     } else if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, w->bo_len, x,
                                          hid, n_threads, isa))) {
         return st;
@@ -308,6 +336,13 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
             (st = ringshm_rms_norm(h, h, w->post_ffn_norm, w->post_ffn_norm_len, t, hid, s->rms_eps)))
             return st;
         add_rows(x, x2, h, t * hid);
+        return RINGSHM_KERNEL_OK;
+    }
+    if (s->residual_scale != 1.0f) { /* x = x2 + (act . Wdown^T + bdown) * residual_scale */
+        if ((st = ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, h, hid, w->bdown,
+                                      w->bdown_len, NULL, 0, n_threads, isa)))
+            return st;
+        add_scaled_rows(x, x2, h, s->residual_scale, t * hid);
         return RINGSHM_KERNEL_OK;
     }
     return ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, x, hid, w->bdown,

@@ -21,6 +21,9 @@
  *     m    = act(gate) * up . Wdown^T (+ bdown)      act: silu (SwiGLU) or gelu_tanh (GeGLU)
  *     x    = x2 + m,  or with post norms  x = x2 + rms_norm(m, post_ffn_norm)                written over x
  *
+ * residual_scale != 1 (Granite's residual_multiplier): x2 = x + (o * residual_scale) and x = x2 + (m *
+ * residual_scale), the product rounded, then the add (transformers' order); not with post norms.
+ *
  * q_norm_full (OLMoE): the q / k norms cover each token's whole projection (q_norm [q_dim], k_norm [kv_dim])
  * instead of each head's D values.
  *
@@ -29,7 +32,9 @@
  *     per token, in fixed order: p = softmax(logits) (max subtracted, expf, the sum over e ascending, then one
  *         division each); the k = n_experts_used largest p, picked one at a time by a scan over e ascending that
  *         keeps the first of equal values (ties go to the lowest id); w_r = p of rank r, or with gating
- *         RINGSHM_GATE_SOFTMAX_NORM w_r = p_r / (p_0 + ... + p_{k-1}) (summed in rank order)
+ *         RINGSHM_GATE_SOFTMAX_NORM w_r = p_r / (p_0 + ... + p_{k-1}) (summed in rank order). Gating
+ *         RINGSHM_GATE_TOPK_SOFTMAX (Granite) picks the k largest logits the same way and takes the softmax over
+ *         those k alone (the first one's logit subtracted, expf, summed in rank order, one division each)
  *     per expert e ascending, on the rows of the tokens routed to it (ascending token order):
  *         y = (act(h . Wgate_e^T) * (h . Wup_e^T)) . Wdown_e^T       [rows, hidden]  (width expert_inter)
  *     m[tok] = 0, then m[tok] = m[tok] + (w * y[tok]) for each of its experts in ascending id (two roundings
@@ -66,7 +71,7 @@
 /* The MLP's gate (ringshm.config.ACTIVATIONS). */
 enum ringshm_act { RINGSHM_ACT_SILU = 0, RINGSHM_ACT_GELU_TANH = 1 };
 /* How a routed MoE weighs its top-k experts (ringshm.config.EXPERT_GATINGS). */
-enum ringshm_gating { RINGSHM_GATE_SOFTMAX = 0, RINGSHM_GATE_SOFTMAX_NORM = 1 };
+enum ringshm_gating { RINGSHM_GATE_SOFTMAX = 0, RINGSHM_GATE_SOFTMAX_NORM = 1, RINGSHM_GATE_TOPK_SOFTMAX = 2 };
 #define RINGSHM_MAX_EXPERTS 1024
 #define RINGSHM_MAX_EXPERTS_USED 64
 
@@ -79,6 +84,7 @@ struct ringshm_layer_shape {
     int qk_norm_full; /* 1: q / k norms over the whole projection (OLMoE), 0: per head */
     int n_experts;    /* routed experts (0: the dense FFN gate_up / down) */
     int n_experts_used, expert_inter, gating; /* top-k, one expert's width, enum ringshm_gating */
+    float residual_scale; /* each branch's output times this before its residual add (Granite); 1: none */
 };
 
 /* One layer's weights (packed, matmul.h), RoPE tables and KV cache; pointers stay owned by the caller. */

@@ -74,7 +74,7 @@ static void layer_init(struct layer *l) {
     memset(l, 0, sizeof *l);
     l->shape = (struct ringshm_layer_shape){.hidden = HID, .n_heads = 1, .n_kv_heads = 1, .head_dim = D,
                                             .inter = INTER, .n_pos = NPOS, .rms_eps = 1e-5f,
-                                            .act = RINGSHM_ACT_SILU, .attn_scale = 0.25f};
+                                            .act = RINGSHM_ACT_SILU, .attn_scale = 0.25f, .residual_scale = 1.0f};
     struct ringshm_layer_weights *w = &l->w;
     w->type_qkv = w->type_o = w->type_gate_up = w->type_down = RINGSHM_W_F32;
     w->qkv = packed_f32(3 * D, HID, &w->qkv_bytes);

@@ -15,10 +15,12 @@ from ringshm.generation_params import MAX_SPEC_K
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU (Llama) or GeGLU with tanh-GELU (Gemma)
 ROPE_SCALINGS = ("linear", "llama3")  # what RopeScaling.kind may be; others (yarn, dynamic, longrope) are refused
-EXPERT_GATINGS = ("softmax", "softmax_norm")
-"""How a routed MoE layer weighs its top-k experts (``ModelConfig.expert_gating``): both take the softmax over every
-expert's router logit and keep the k largest probabilities (ties to the lowest expert id); ``softmax_norm`` then
-divides each by their sum (Qwen3-MoE's ``norm_topk_prob``), ``softmax`` keeps them as they are (OLMoE)."""
+EXPERT_GATINGS = ("softmax", "softmax_norm", "topk_softmax")
+"""How a routed MoE layer weighs its top-k experts (``ModelConfig.expert_gating``): ``softmax`` and
+``softmax_norm`` take the softmax over every expert's router logit and keep the k largest probabilities (ties to
+the lowest expert id); ``softmax_norm`` then divides each by their sum (Qwen3-MoE's ``norm_topk_prob``),
+``softmax`` keeps them as they are (OLMoE); ``topk_softmax`` keeps the k largest logits and takes the softmax over
+those k alone (Granite MoE)."""
 MAX_EXPERTS = 1024  # routed experts per layer (csrc/layer.h's RINGSHM_MAX_EXPERTS; DeepSeek V3: 256, Qwen3.5: 512)
 MAX_EXPERTS_USED = 64  # experts per token (RINGSHM_MAX_EXPERTS_USED; the released models: 2 to 10)
 
@@ -78,9 +80,11 @@ class ModelConfig:
                 expert_intermediate; each term one rounded product, added in that order from 0
         post_norms: m = norm(m) · post_ffn_norm
         x = x + m
+    (with ``residual_scale`` != 1, Granite: x = x + a * residual_scale and x = x + m * residual_scale)
 
-    The first stage embeds ids and multiplies by ``embed_scale`` (Gemma: sqrt(hidden)); the last applies the
-    final norm, the LM head and, when ``logit_softcap`` > 0, ``cap * tanh(logits / cap)``.
+    The first stage embeds ids and multiplies by ``embed_scale`` (Gemma: sqrt(hidden); Granite: its
+    embedding_multiplier); the last applies the final norm, the LM head, ``logits / logit_scale`` when that is not 1
+    (Granite) and, when ``logit_softcap`` > 0, ``cap * tanh(logits / cap)``.
 
     RoPE: layer i rotates with ``rope_theta`` and ``rope_scaling`` (or GGUF's per-frequency ``rope_freq_factors``),
     except sliding layers of a model with ``rope_local_theta`` > 0 (Gemma 3), which use that base and no scaling.
@@ -94,7 +98,7 @@ class ModelConfig:
             activation, a ``sliding_layers`` of the wrong length, or sliding layers without a window.
     """
 
-    arch: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe"
+    arch: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe"
     n_layers: int
     hidden: int
     n_heads: int
@@ -128,6 +132,8 @@ class ModelConfig:
     n_experts_used: int = 0  # top-k experts per token
     expert_intermediate: int = 0  # one expert's FFN width (HF moe_intermediate_size)
     expert_gating: str = "softmax_norm"  # EXPERT_GATINGS
+    residual_scale: float = 1.0  # each branch's output times this before its residual add (Granite's muP)
+    logit_scale: float = 1.0  # the LM head's logits divided by this (Granite's logits_scaling)
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab",
@@ -153,8 +159,10 @@ class ModelConfig:
         if self.rope_freq_factors and len(self.rope_freq_factors) != self.head_dim // 2:
             raise ValueError(f"ModelConfig.rope_freq_factors needs head_dim / 2 = {self.head_dim // 2} values, got "
                              f"{len(self.rope_freq_factors)}")
-        if self.embed_scale <= 0 or self.attn_scale < 0 or self.logit_softcap < 0:
-            raise ValueError("ModelConfig.embed_scale must be > 0, attn_scale and logit_softcap >= 0")
+        if self.embed_scale <= 0 or self.attn_scale < 0 or self.logit_softcap < 0 or not (
+                self.residual_scale > 0 and self.logit_scale > 0):
+            raise ValueError("ModelConfig.embed_scale, residual_scale and logit_scale must be > 0, attn_scale and "
+                             "logit_softcap >= 0")
         if self.n_experts and not (0 < self.n_experts <= MAX_EXPERTS
                                    and 0 < self.n_experts_used <= min(self.n_experts, MAX_EXPERTS_USED)
                                    and self.expert_intermediate > 0 and self.expert_gating in EXPERT_GATINGS):

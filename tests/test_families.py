@@ -100,6 +100,7 @@ COMPUTED = [
     ("qwen3moe", dict(norm_topk_prob=False)),  # top-k weights as they are (HF only: llama.cpp's always renormalise)
     ("qwen3moe", dict(moe_intermediate_size=40)),  # experts not whole 16-float vectors: the torch path
     ("olmoe", dict(intermediate_size=40)),  # the same, with OLMoE's whole-projection q / k norms
+    ("granitemoe", dict(intermediate_size=40)),  # the same, with Granite's top-k softmax and muP multipliers
 ]
 HF_ONLY = {"sliding_window", "norm_topk_prob"}  # settings llama.cpp's converter does not carry over
 

@@ -45,11 +45,14 @@ EXPECTED_KEYS = {
                           "attention.sliding_window"],
     "qwen3moe": _BASE_KEYS + _HEAD_DIM_KEYS + ["expert_count", "expert_used_count", "expert_feed_forward_length"],
     "olmoe": _BASE_KEYS + ["expert_count", "expert_used_count"],
+    "granitemoe": _BASE_KEYS + ["vocab_size", "rope.dimension_count", "attention.scale", "embedding_scale",
+                                "residual_scale", "logit_scale", "expert_count", "expert_used_count"],
 }
 GENERAL_KEYS = {"general.architecture", "general.type", "general.name", "general.size_label", "general.file_type",
                 "general.quantization_version"}
 ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-        "gemma3": "gemma3", "gemma3_softcap": "gemma3", "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe"}
+        "gemma3": "gemma3", "gemma3_softcap": "gemma3", "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe",
+        "granitemoe": "granitemoe"}
 
 _LLAMA_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
 _GEMMA3_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
@@ -70,6 +73,8 @@ EXPECTED_TENSORS = {
              ["token_embd.weight", "output_norm.weight", "output.weight"]),
     "qwen3moe": (_MOE_LAYER, ["token_embd.weight", "output_norm.weight", "output.weight"]),
     "olmoe": (_MOE_LAYER, ["token_embd.weight", "output_norm.weight", "output.weight"]),
+    "granitemoe": ([n for n in _MOE_LAYER if n not in ("attn_q_norm", "attn_k_norm")],
+                   ["token_embd.weight", "output_norm.weight", "output.weight"]),
 }
 # Q4_K_M spot checks (llama-quantize): use_more_bits layers are 2, 3 of 4 and 2, 5 of 6; the LM head (or a tied
 # embedding) Q6_K; qwen2's rows of 320 / 640 take the fallbacks Q5_0 (for Q4_K) and Q8_0 (for Q6_K).
@@ -91,6 +96,8 @@ Q4_K_M_TYPES = {
                  "blk.2.ffn_down_exps.weight": Q.Q6_K, "blk.2.attn_v.weight": Q.Q6_K, "output.weight": Q.Q6_K},
     "olmoe": {"blk.3.ffn_gate_inp.weight": Q.F32, "blk.3.ffn_down_exps.weight": Q.Q6_K,
               "blk.0.attn_q_norm.weight": Q.F32},
+    "granitemoe": {"blk.1.ffn_gate_inp.weight": Q.F32, "blk.2.ffn_down_exps.weight": Q.Q6_K,
+                   "blk.0.ffn_up_exps.weight": Q.Q4_K, "token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K},
 }
 
 
@@ -140,11 +147,14 @@ def test_gguf_has_the_converters_names_types_and_keys(zoo, family):
         assert list(tensors["blk.0.attn_qkv.weight"].shape) == [h, n_qkv]
         assert list(tensors["blk.0.ffn_up.weight"].shape) == [h, 2 * cfg.intermediate_size]
     elif family in MOE_FAMILIES:  # [cols, rows, experts] in ggml order
-        n_exp, ie = cfg.num_experts, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        n_exp, ie = cfg.num_local_experts, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         assert list(tensors["blk.0.ffn_gate_inp.weight"].shape) == [h, n_exp]
         assert list(tensors["blk.0.ffn_gate_exps.weight"].shape) == [h, ie, n_exp]
         assert list(tensors["blk.0.ffn_down_exps.weight"].shape) == [ie, h, n_exp]
         assert meta[f"{arch}.expert_count"] == n_exp and meta[f"{arch}.expert_used_count"] == cfg.num_experts_per_tok
+        if arch == "granitemoe":
+            assert (meta["granitemoe.residual_scale"], meta["granitemoe.logit_scale"]) == (
+                pytest.approx(0.22), 6.0)
     else:
         assert list(tensors["blk.0.attn_q.weight"].shape) == [h, cfg.num_attention_heads * d]
         assert list(tensors["blk.0.ffn_down.weight"].shape) == [cfg.intermediate_size, h]
@@ -152,7 +162,7 @@ def test_gguf_has_the_converters_names_types_and_keys(zoo, family):
 
 def _converter_transform(family: str, cfg, hf_name: str, w: np.ndarray) -> np.ndarray:
     """What convert_hf_to_gguf.py does to an HF tensor before writing it (forward direction)."""
-    if ARCH[family] == "llama" and re.search(r"\.(q|k)_proj\.(weight|bias)$", hf_name):
+    if ARCH[family] in ("llama", "granitemoe") and re.search(r"\.(q|k)_proj\.(weight|bias)$", hf_name):
         return permute_qk(w, cfg.num_attention_heads if ".q_proj." in hf_name else cfg.num_key_value_heads)
     if ARCH[family] == "gemma3" and hf_name.endswith("norm.weight"):
         return (w + np.float32(1.0)).astype(np.float32)
@@ -168,6 +178,15 @@ def test_gguf_tensors_decode_to_the_hf_tensors_bit_for_bit(zoo, family):
     tensors = {t.name: t for t in _reader(model).tensors}
     seen = set()
     for hf_name, w in hf.items():
+        granite = re.fullmatch(r"model\.layers\.(\d+)\.block_sparse_moe\.(input|output)_linear\.weight", hf_name)
+        if granite:  # Granite's 3-D experts: input_linear is [gate | up] per expert, split by the converter
+            parts = ("ffn_gate_exps", "ffn_up_exps") if granite[2] == "input" else ("ffn_down_exps",)
+            got = np.concatenate([gguf.quants.dequantize(tensors[f"blk.{granite[1]}.{p}.weight"].data,
+                                                         tensors[f"blk.{granite[1]}.{p}.weight"].tensor_type)
+                                  for p in parts], axis=1)
+            assert np.array_equal(got.view(np.uint32), w.numpy().view(np.uint32)), hf_name
+            seen.update(f"blk.{granite[1]}.{p}.weight" for p in parts)
+            continue
         expert = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", hf_name)
         if expert:  # one expert's slice of the layer's 3-D tensor
             gname = names.get_name(f"{expert[1]}.{expert[3]}")
@@ -198,7 +217,8 @@ _NOT_FROM_GGUF = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", 
                   "final_logit_softcapping", "moe_intermediate_size", "norm_topk_prob")
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f != "olmoe"])  # transformers reads no olmoe GGUF
+# transformers reads no olmoe or granitemoe GGUF
+@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f not in ("olmoe", "granitemoe")])
 def test_transformers_gguf_reader_recovers_the_hf_weights_bit_for_bit(zoo, family):
     """An independent reverse of the converter: transformers' GGUF loader (un-permutes llama Q/K, subtracts
     Gemma's 1, maps llama.cpp names back) gets every HF tensor back exactly, and the same logits."""

@@ -18,8 +18,10 @@ Families: ``llama`` (Llama 2 style), ``llama3`` (RoPE ``llama3`` scaling), ``mis
 biases, hidden 320), ``qwen3`` (q/k RMSNorm), ``gemma3`` (6 layers, 5 local with window 16 + 1 global),
 ``gemma3_softcap`` (final logit soft-cap 15), ``phi3`` (fused qkv and gate_up); the mixtures of experts
 ``qwen3moe`` (16 experts, top 4, renormalised) and ``olmoe`` (16 experts, top 4, not renormalised; q / k norms
-over the whole projection, 4 KV heads), expert width 256, written as transformers saves them (one tensor per
-expert) and as the converter merges them (3-D ``ffn_*_exps``; the router ``ffn_gate_inp`` stays F32).
+over the whole projection, 4 KV heads) and ``granitemoe`` (16 experts, top 4, softmax over the top-k logits;
+granite-3.0-1b-a400m's muP multipliers; untied), expert width 256, written as transformers saves them (one tensor per
+expert; Granite: ``input_linear`` / ``output_linear`` 3-D) and as the converter merges them (3-D
+``ffn_*_exps``; the router ``ffn_gate_inp`` stays F32).
 
 Tied embeddings (no ``output.weight``): llama3, qwen2, qwen3, gemma3. Sizes: hidden 256, 4 query heads,
 2 KV heads (gemma3: 1), head_dim 64, intermediate 512, vocab 512, 4 layers (gemma3: 6).
@@ -104,6 +106,17 @@ def _olmoe(**kw):
                           "pad_token_id": 1, **_MOE, "intermediate_size": 256, "norm_topk_prob": False, **kw})
 
 
+def _granitemoe(**kw):
+    from transformers import GraniteMoeConfig
+
+    # granite-3.0-1b-a400m's muP multipliers (its attention_multiplier is 1 / head_dim); untied, unlike it: tied,
+    # the input token's embedding (x 12) dominates the last hidden state and greedy repeats it
+    return GraniteMoeConfig(**{**_COMMON, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_local_experts": 16,
+                               "num_experts_per_tok": 4, "intermediate_size": 256, "tie_word_embeddings": False,
+                               "embedding_multiplier": 12.0, "attention_multiplier": 1 / 64, "residual_multiplier": 0.22,
+                               "logits_scaling": 6.0, **kw})
+
+
 def _phi3(**kw):
     from transformers import Phi3Config
 
@@ -150,6 +163,9 @@ _NORMS = {"norm": (0.6, 1.6), "output_norm": (1.5, 2.0)}
 _GEMMA3_STD = {**_STD, "token_embd": 0.03}
 _GEMMA3_NORMS = {**_NORMS, "attn_q_norm": (1.5, 3.0), "attn_k_norm": (1.5, 3.0), "post_attention_norm": (4.0, 8.0),
                  "post_ffw_norm": (4.0, 8.0), "output_norm": (4.0, 8.0)}
+# Granite multiplies its embedding by 12: embeddings of std 0.02 (with 0.01 and a tied head, 3-10 distinct tokens of
+# 32; with 0.02 untied, 26-28 and a median margin of 0.19)
+_GRANITEMOE_STD = {**_STD, "token_embd": 0.02}
 FAMILIES: dict[str, Family] = {
     "llama": Family(_llama, "llama", permute_qk=True),
     "llama3": Family(_llama3, "llama", permute_qk=True),
@@ -162,8 +178,9 @@ FAMILIES: dict[str, Family] = {
     "phi3": Family(_phi3, "phi3"),
     "qwen3moe": Family(_qwen3moe, "qwen3moe"),
     "olmoe": Family(_olmoe, "olmoe"),
+    "granitemoe": Family(_granitemoe, "granitemoe", permute_qk=True, std=_GRANITEMOE_STD),
 }
-MOE_FAMILIES = ("qwen3moe", "olmoe")
+MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe")
 
 
 class Greedy(NamedTuple):
@@ -277,6 +294,9 @@ def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0, 
         if ".mlp.experts." in hf_name:  # routed experts: 3-D in GGUF, one 2-D tensor per expert in HF
             _add_experts(hf_name, shape, spec, recipe, n_layers, tied, rng, gguf_tensors, hf_tensors)
             continue
+        if ".block_sparse_moe." in hf_name:  # Granite's names on disk differ from its modules'
+            _add_granite_moe(hf_name, shape, spec, recipe, n_layers, tied, rng, gguf_tensors, hf_tensors)
+            continue
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, f"{family}: no GGUF name for {hf_name}"
         role, layer = gguf_role(gname)
@@ -323,6 +343,34 @@ def _add_experts(hf_name: str, shape: tuple[int, ...], spec: Family, recipe: str
         for e in range(n_exp):
             hf_tensors[f"{prefix}.mlp.experts.{e}.{hf_part}.weight"] = torch.from_numpy(
                 np.ascontiguousarray(vals[e * rows:(e + 1) * rows], dtype=np.float32))
+
+
+def _add_granite_moe(hf_name: str, shape: tuple[int, ...], spec: Family, recipe: str, n_layers: int, tied: bool,
+                     rng: np.random.Generator, gguf_tensors: list, hf_tensors: dict) -> None:
+    """One Granite MoE layer's router or experts, under the names ``save_pretrained`` writes and released Granite
+    checkpoints hold (``block_sparse_moe.router.layer``, ``input_linear`` ``[E, 2 I, hidden]`` rows [gate | up],
+    ``output_linear`` ``[E, hidden, I]``), and as llama.cpp's ``GraniteMoeModel`` converts them (``ffn_gate_inp``;
+    ``input_linear`` split into ``ffn_gate_exps`` and ``ffn_up_exps``; ``ffn_down_exps``)."""
+    prefix, part = hf_name.split(".block_sparse_moe.")
+    layer = int(prefix.split(".")[-1])
+    base = f"{prefix}.block_sparse_moe"
+    if part == "router.weight":
+        vals = rng.normal(0.0, spec.std["linear"], size=shape).astype(np.float32)
+        gguf_tensors.append((f"blk.{layer}.ffn_gate_inp.weight", vals, tensor_type(recipe, "ffn_gate_inp", layer,
+                                                                                   n_layers, shape[1], 2, tied)))
+        hf_tensors[f"{base}.router.layer.weight"] = torch.from_numpy(vals)
+        return
+    n_exp = shape[0]
+    roles = ((("ffn_gate_exps", shape[1] // 2), ("ffn_up_exps", shape[1] // 2)) if part == "experts.gate_up_proj"
+             else (("ffn_down_exps", shape[1]),))
+    parts = []
+    for role, rows in roles:
+        qtype = tensor_type(recipe, role, layer, n_layers, shape[2], 3, tied)
+        raw, vals = make_weight(qtype, (n_exp * rows, shape[2]), spec.std["linear"], rng)
+        gguf_tensors.append((f"blk.{layer}.{role}.weight", raw.reshape(n_exp, rows, -1), qtype))
+        parts.append(vals.reshape(n_exp, rows, shape[2]))
+    name = "input_linear" if part == "experts.gate_up_proj" else "output_linear"
+    hf_tensors[f"{base}.{name}.weight"] = torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=1)))
 
 
 def _hf_shapes(config) -> dict[str, tuple[int, ...]]:

@@ -50,6 +50,12 @@ transforms it applies to HF tensors (read at ggml-org/llama.cpp: ``convert_hf_to
   ``ffn_{gate,up,down}_exps`` ``[E, rows, cols]``; the router ``ffn_gate_inp`` F32. No key for the gating:
   llama.cpp renormalises qwen3moe's top-k weights and not olmoe's, fixed per arch. OLMoE's q / k norms are
   ``attn_q_norm`` ``[hidden]`` and ``attn_k_norm`` ``[kv_dim]``.
+- granitemoe → ``granitemoe`` (``GraniteMoeModel``, a ``GraniteModel``, a ``LlamaModel``): q / k rows reordered as
+  Llama's; ``vocab_size``, ``rope.dimension_count``, the muP keys ``attention.scale``, ``embedding_scale``,
+  ``residual_scale``, ``logit_scale``, and ``expert_count`` / ``expert_used_count``; ``input_linear`` split
+  into ``ffn_gate_exps`` and ``ffn_up_exps``, ``output_linear`` → ``ffn_down_exps``, ``router.layer`` →
+  ``ffn_gate_inp``. (llama.cpp renormalises a softmax over every expert's logit: the softmax over the top-k
+  logits of transformers' GraniteMoe, up to rounding.)
 - phi3 → ``phi3``, no reorder; fused ``attn_qkv`` (q rows, then k, then v) and fused ``ffn_up`` (gate rows,
   then up: ``[2 * intermediate, hidden]``), no ``ffn_gate``. Keys: ``rope.scaling.original_context_length``,
   ``rope.dimension_count``, ``attention.sliding_window`` (0 when the config has none).
@@ -180,7 +186,14 @@ def write_gguf(path: Path, arch: str, config, file_type: gguf.LlamaFileType, mod
         if arch == "llama":
             w.add_vocab_size(hp["vocab_size"])
             w.add_rope_dimension_count(head_dim)
-        if arch in ("qwen3moe", "olmoe"):  # Qwen2MoeModel / OlmoeModel (and TextModel's expert keys)
+        if arch == "granitemoe":  # GraniteModel (a LlamaModel): its muP keys, then LlamaModel's
+            w.add_vocab_size(hp["vocab_size"])
+            w.add_rope_dimension_count(head_dim)
+            w.add_attention_scale(hp["attention_multiplier"])
+            w.add_embedding_scale(hp["embedding_multiplier"])
+            w.add_residual_scale(hp["residual_multiplier"])
+            w.add_logit_scale(hp["logits_scaling"])
+        if arch in ("qwen3moe", "olmoe", "granitemoe"):  # Qwen2MoeModel / OlmoeModel / TextModel's expert keys
             w.add_expert_count(hp.get("num_experts", hp.get("num_local_experts")))
             w.add_expert_used_count(hp["num_experts_per_tok"])
             if hp.get("moe_intermediate_size"):

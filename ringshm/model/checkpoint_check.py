@@ -299,7 +299,8 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
     tensors are ``[q + 2 kv, hidden]`` and ``[2 I, hidden]``; the LM head only when not tied; GGUF's
     ``rope_freqs.weight`` ``[head_dim / 2]`` when ``rope_freqs``. Routed experts (``cfg.moe``): the router
     ``[E, hidden]``; in GGUF ``[E, I_e, hidden]`` gate and up (or, ``merged_gate_up_exps``, one
-    ``ffn_gate_up_exps`` ``[E, 2 I_e, hidden]``) and ``[E, hidden, I_e]`` down; in HF one 2-D tensor per expert.
+    ``ffn_gate_up_exps`` ``[E, 2 I_e, hidden]``) and ``[E, hidden, I_e]`` down; in HF one 2-D tensor per expert, or
+    (Granite MoE) ``input_linear`` ``[E, 2 I_e, hidden]`` and ``output_linear`` ``[E, hidden, I_e]``.
     """
     h, q, kv, inter, d = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate, cfg.head_dim
     n_e, ie = cfg.n_experts, cfg.expert_intermediate
@@ -321,7 +322,11 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
             if not families.wanted(cfg, field, names):
                 continue
             what = f"layer {i} {field}"
-            if field in families.EXPERT_FIELDS and not gguf:  # one [rows, cols] tensor per expert
+            if field in families.EXPERT_FIELDS and not gguf and names.hf_fused_experts:  # 3-D, gate | up in one
+                if field != "w_exp_up":
+                    out[prefix + pair[1]] = Expect((n_e, 2 * ie, h) if field == "w_exp_gate" else shapes[field], True,
+                                                   f"layer {i} {'w_exp_gate_up' if field == 'w_exp_gate' else field}")
+            elif field in families.EXPERT_FIELDS and not gguf:  # one [rows, cols] tensor per expert
                 out.update({prefix + pair[1].format(e=e): Expect(shapes[field][1:], True, f"{what} expert {e}")
                             for e in range(n_e)})
             elif field in ("w_exp_gate", "w_exp_up") and merged_gate_up_exps:

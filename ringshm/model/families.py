@@ -15,6 +15,9 @@ reads the description; nothing here computes.
                                          softmax, renormalised when norm_topk_prob: GGUF files always are)
     olmoe    olmoe           olmoe       routed experts, top-k of a softmax, not renormalised; q / k RMSNorm over
                                          the whole projection ([q_dim], [kv_dim]), not per head
+    granitemoe granitemoe    granitemoe  routed experts, softmax over the top-k logits; muP multipliers on the
+                                         embedding, attention scale, both residual branches and the logits;
+                                         HF experts fused 3-D (input_linear [E, 2 I, hidden], output_linear)
     (* llama.cpp writes Mistral checkpoints as arch "llama")
 
 A routed expert's weights: in GGUF one 3-D tensor per role and layer, ``ffn_{gate,up,down}_exps`` (``[E, rows,
@@ -39,12 +42,12 @@ from dataclasses import dataclass
 from ringshm.config import ROPE_SCALINGS, ModelConfig, RopeScaling
 from ringshm.errors import UnsupportedArchitecture
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe")
 HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-            "phi3": "phi3", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+            "phi3": "phi3", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-              "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe"}
-MOE_FAMILIES = ("qwen3moe", "olmoe")
+              "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}
+MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe")
 # MoE checkpoints ringshm does not compute, by HF model_type and GGUF arch, with what they would need.
 UNSUPPORTED_MOE = {
     "qwen3_next": "linear-attention (Gated DeltaNet) layers and a shared expert",
@@ -58,11 +61,10 @@ UNSUPPORTED_MOE = {
     "gpt_oss": "MXFP4 experts, attention sinks, YaRN RoPE, biased router and experts, a clamped SwiGLU",
     "gpt-oss": "MXFP4 experts, attention sinks, YaRN RoPE, biased router and experts, a clamped SwiGLU",
     "mixtral": "per-expert 2-D GGUF tensors and a top-k-then-softmax router (not built yet)",
-    "granitemoe": "muP multipliers (residual, logits) and a top-k-then-softmax router (not built yet)",
     "granitemoeshared": "a shared expert and muP multipliers",
     "phimoe": "sparsemixer routing", "jetmoe": "mixture-of-attention heads", "dbrx": "clipped fused qkv",
 }
-GGUF_PERMUTED_QK = {"llama", "mistral"}  # llama.cpp's converter reorders these arches' q/k rows (loader docstring)
+GGUF_PERMUTED_QK = {"llama", "mistral", "granitemoe"}  # llama.cpp's converter reorders these arches' q/k rows (loader docstring)
 
 # Fields that never change what an inference computes: training-only (dropout, initialisation), bookkeeping,
 # token ids (read elsewhere), and flags whose every value gives the same function (pretraining_tp: a sliced
@@ -87,6 +89,7 @@ class TensorNames:
     layer: dict
     fused_qkv: bool = False  # Phi-3: one attn_qkv / qkv_proj tensor [q + 2 kv, hidden]
     fused_gate_up: bool = False  # Phi-3: one ffn_up / gate_up_proj tensor [2 I, hidden], rows [gate | up]
+    hf_fused_experts: bool = False  # Granite MoE: HF experts 3-D, gate and up in one [E, 2 I, hidden] (w_exp_gate's)
 
 
 _LLAMA_LAYER = {
@@ -116,6 +119,13 @@ _LLAMA_LAYER = {
     "w_exp_up": ("ffn_up_exps.weight", "mlp.experts.{e}.up_proj.weight"),
     "w_exp_down": ("ffn_down_exps.weight", "mlp.experts.{e}.down_proj.weight"),
 }
+_GRANITEMOE_LAYER = {
+    **_LLAMA_LAYER,
+    "w_router": ("ffn_gate_inp.weight", "block_sparse_moe.router.layer.weight"),
+    "w_exp_gate": ("ffn_gate_exps.weight", "block_sparse_moe.input_linear.weight"),  # HF: rows [gate | up]
+    "w_exp_up": ("ffn_up_exps.weight", "block_sparse_moe.input_linear.weight"),
+    "w_exp_down": ("ffn_down_exps.weight", "block_sparse_moe.output_linear.weight"),
+}
 GGUF_MERGED_GATE_UP_EXPS = "ffn_gate_up_exps.weight"  # newer converters: gate and up of every expert in one tensor
 EXPERT_FIELDS = ("w_exp_gate", "w_exp_up", "w_exp_down")
 _GEMMA3_LAYER = {
@@ -135,6 +145,7 @@ TENSOR_NAMES = {
     "qwen3": TensorNames(_LLAMA_LAYER), "gemma3": TensorNames(_GEMMA3_LAYER),
     "phi3": TensorNames(_PHI3_LAYER, fused_qkv=True, fused_gate_up=True),
     "qwen3moe": TensorNames(_LLAMA_LAYER), "olmoe": TensorNames(_LLAMA_LAYER),
+    "granitemoe": TensorNames(_GRANITEMOE_LAYER, hf_fused_experts=True),
 }
 GLOBAL_TENSORS = {  # role -> (GGUF name, HF name)
     "embed": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -186,7 +197,7 @@ def hf_config(c: dict, where: str) -> ModelConfig:
     if model_type in UNSUPPORTED_MOE:
         raise UnsupportedArchitecture(f"{where}: model_type {model_type!r} is a mixture-of-experts family ringshm "
                                       f"does not compute: it needs {UNSUPPORTED_MOE[model_type]} (supported MoE: "
-                                      f"qwen3_moe, olmoe)")
+                                      f"qwen3_moe, olmoe, granitemoe)")
     if family is None:
         raise UnsupportedArchitecture(f"{where}: model_type {model_type!r} is not supported (supported: "
                                       f"{', '.join(HF_TYPES)})")
@@ -222,6 +233,13 @@ def hf_config(c: dict, where: str) -> ModelConfig:
         kw["qk_norm"] = True
     if family in MOE_FAMILIES:
         kw.update(_hf_experts(c, family, used, where))
+    if family == "granitemoe":  # muP: transformers' GraniteMoe* modules
+        used.update(("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"))
+        def mult(key: str) -> float:
+            return 1.0 if c.get(key) is None else float(c[key])
+
+        kw.update(embed_scale=mult("embedding_multiplier"), attn_scale=mult("attention_multiplier"),
+                  residual_scale=mult("residual_multiplier"), logit_scale=mult("logits_scaling"))
     if family == "gemma3":
         if get("use_bidirectional_attention"):
             raise _refuse(where, "use_bidirectional_attention", True, "an embedding model, not a decoder")
@@ -241,7 +259,8 @@ def hf_config(c: dict, where: str) -> ModelConfig:
 
 
 def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
-    """The routed-expert fields of a Qwen3-MoE / OLMoE ``config.json``; refuses what is not computed, by name."""
+    """The routed-expert fields of a Qwen3-MoE / OLMoE / Granite MoE ``config.json``; refuses what is not computed,
+    by name."""
     used.update(("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                  "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits", "clip_qkv"))
     n_experts = c.get("num_experts", c.get("num_local_experts"))
@@ -254,9 +273,9 @@ def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
     if c.get("clip_qkv") is not None:
         raise _refuse(where, "clip_qkv", c["clip_qkv"])
     inter = c.get("moe_intermediate_size") if family == "qwen3moe" else c.get("intermediate_size")
+    gating = "topk_softmax" if family == "granitemoe" else "softmax_norm" if c.get("norm_topk_prob") else "softmax"
     out = dict(n_experts=int(n_experts), n_experts_used=int(c.get("num_experts_per_tok") or 0),
-               expert_intermediate=int(inter or 0),
-               expert_gating="softmax_norm" if c.get("norm_topk_prob", False) else "softmax")
+               expert_intermediate=int(inter or 0), expert_gating=gating)
     if family == "olmoe":  # q / k norms over the whole projection (OlmoeAttention's q_norm [hidden])
         out["qk_norm_full"] = True
     return out
@@ -353,6 +372,9 @@ HARMLESS_GGUF_KEYS = frozenset({
 })
 
 
+GRANITE_GGUF_KEYS = frozenset({"embedding_scale", "residual_scale", "attention.scale", "logit_scale"})
+
+
 def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab: int, rope_freqs) -> ModelConfig:
     """The ``ModelConfig`` of a GGUF file's metadata (``meta``: key -> value), tensor names and arch.
 
@@ -363,14 +385,14 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
             be harmless, or a value ringshm does not compute (each named).
     """
     family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3",
-              "qwen3moe": "qwen3moe", "olmoe": "olmoe"}.get(arch)
+              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}.get(arch)
     if arch in UNSUPPORTED_MOE:
         raise UnsupportedArchitecture(f"{where}: GGUF architecture {arch!r} is a mixture-of-experts family ringshm "
                                       f"does not compute: it needs {UNSUPPORTED_MOE[arch]} (supported MoE: qwen3moe, "
-                                      f"olmoe)")
+                                      f"olmoe, granitemoe)")
     if family is None:
         raise UnsupportedArchitecture(f"{where}: GGUF architecture {arch!r} is not supported (supported: llama, "
-                                      f"qwen2, qwen3, gemma3, phi3, qwen3moe, olmoe)")
+                                      f"qwen2, qwen3, gemma3, phi3, qwen3moe, olmoe, granitemoe)")
 
     def need(key: str):
         value = meta.get(f"{arch}.{key}")
@@ -407,7 +429,13 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
                     f"key {arch}.expert_count")
         mixtral = "; Mixtral-style llama files are not supported yet" if arch == "llama" else ""
         raise UnsupportedArchitecture(f"{where}: {what}: routed experts in a {arch} file are not read by ringshm's "
-                                      f"{arch} description (it computes experts for qwen3moe and olmoe{mixtral})")
+                                      f"{arch} description (it computes experts for {', '.join(MOE_FAMILIES)}"
+                                      f"{mixtral})")
+    if family == "granitemoe":  # llama.cpp's granite hparams: f_embedding_scale, f_residual_scale, ...
+        kw.update(embed_scale=float(meta.get(f"{arch}.embedding_scale", 1.0)),
+                  attn_scale=float(meta.get(f"{arch}.attention.scale", 1.0)),
+                  residual_scale=float(meta.get(f"{arch}.residual_scale", 1.0)),
+                  logit_scale=float(meta.get(f"{arch}.logit_scale", 1.0)))
     scaling = meta.get(f"{arch}.rope.scaling.type")
     if rope_freqs is not None:
         kw["rope_freq_factors"] = tuple(float(x) for x in rope_freqs)
@@ -438,8 +466,9 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
         if family not in ("phi3", "llama"):
             raise _refuse(where, f"{arch}.attention.sliding_window", window)
         kw["sliding_window"] = int(window)
+    read = HARMLESS_GGUF_KEYS | (GRANITE_GGUF_KEYS if family == "granitemoe" else frozenset())
     unknown = sorted(k[len(arch) + 1:] for k in meta.keys() if k.startswith(f"{arch}.")
-                     and k[len(arch) + 1:] not in HARMLESS_GGUF_KEYS)
+                     and k[len(arch) + 1:] not in read)
     if unknown:
         raise UnsupportedArchitecture(f"{where}: GGUF key(s) {', '.join(f'{arch}.{k}' for k in unknown)} are not read "
                                       f"by ringshm and may change the math: refusing rather than ignoring them")
@@ -447,8 +476,9 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
 
 
 def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, where: str, need) -> dict:
-    """The routed-expert fields of a qwen3moe / olmoe GGUF. llama.cpp fixes the gating per arch (its
-    ``build_moe_ffn`` calls: qwen3moe renormalises the top-k weights, olmoe does not), so a file says only the
+    """The routed-expert fields of a qwen3moe / olmoe / granitemoe GGUF. llama.cpp fixes the gating per arch (its
+    ``build_moe_ffn`` calls: qwen3moe renormalises the top-k weights, olmoe does not, granitemoe renormalises,
+    which is the softmax over the top-k logits of its HF original, taken that way here), so a file says only the
     counts; an ``expert_weights_norm`` / ``expert_gating_func`` / shared-expert key is refused by name."""
     for key in ("expert_weights_norm", "expert_gating_func", "expert_weights_scale", "expert_shared_count",
                 "expert_shared_feed_forward_length"):
@@ -459,7 +489,7 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
     out = dict(n_experts=int(need("expert_count")), n_experts_used=int(need("expert_used_count")),
                expert_intermediate=int(meta.get(f"{arch}.expert_feed_forward_length")
                                        or need("feed_forward_length")),
-               expert_gating="softmax_norm" if family == "qwen3moe" else "softmax")
+               expert_gating={"qwen3moe": "softmax_norm", "olmoe": "softmax", "granitemoe": "topk_softmax"}[family])
     if family == "olmoe":
         out["qk_norm_full"] = True
     return out

@@ -249,13 +249,21 @@ class Checkpoint:
         3-D tensor cut by expert (views of its map; a merged ``ffn_gate_up_exps`` cut into its gate and up rows),
         or HF's per-expert tensors."""
         cfg = self.config
+        ie = cfg.expert_intermediate
+        if not self.gguf and families.TENSOR_NAMES[cfg.arch].hf_fused_experts:  # one 3-D tensor, gate | up rows
+            full = self.source.get(prefix + name)  # [E, 2 I_e, hidden] or [E, hidden, I_e] as stored
+            if full.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                full = full.float()
+            rows = {"w_exp_gate": slice(0, ie), "w_exp_up": slice(ie, 2 * ie)}.get(field, slice(None))
+            out = [RawWeight.from_tensor(full[e, rows]) for e in range(cfg.n_experts)]
+            loaded.extend((f"{prefix}{name} expert {e}", w) for e, w in enumerate(out))
+            return out
         if not self.gguf:
             out = [self.source.get_raw(prefix + name.format(e=e)) for e in range(cfg.n_experts)]
             loaded.extend((prefix + name.format(e=e), w) for e, w in enumerate(out))
             return out
         merged = prefix + families.GGUF_MERGED_GATE_UP_EXPS
         if field != "w_exp_down" and self.source.has(merged):
-            ie = cfg.expert_intermediate
             rows = torch.arange(0, ie) if field == "w_exp_gate" else torch.arange(ie, 2 * ie)
             out = [w.rows(rows) for w in self.source.get_raw_experts(merged)]
             name = families.GGUF_MERGED_GATE_UP_EXPS

@@ -192,12 +192,20 @@ HF_RULES: dict[str, Check] = {
     "mlp_only_layers": _int_list,
     "clip_qkv": number_in(0, MAX_FACTOR, null=True),
     "output_router_logits": boolean(True),
+    "embedding_multiplier": number_in(0, MAX_FACTOR, null=True),
+    "attention_multiplier": number_in(0, MAX_FACTOR, null=True),
+    "residual_multiplier": number_in(0, MAX_FACTOR, null=True),
+    "logits_scaling": number_in(0, MAX_FACTOR, null=True),
 }
 HF_REQUIRED = ("model_type", "num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
                "vocab_size")
 
 # GGUF metadata under "<arch>.": every key families.gguf_config reads; required ones in GGUF_REQUIRED.
 GGUF_RULES: dict[str, Check] = {
+    "embedding_scale": number_in(0, MAX_FACTOR),
+    "residual_scale": number_in(0, MAX_FACTOR),
+    "attention.scale": number_in(0, MAX_FACTOR),
+    "logit_scale": number_in(0, MAX_FACTOR),
     "expert_count": int_in(1, MAX_EXPERTS),
     "expert_used_count": int_in(1, MAX_EXPERTS_USED),
     "expert_feed_forward_length": int_in(1, MAX_INTERMEDIATE),

@@ -264,8 +264,9 @@ class StageModel:
                 act=lib.RINGSHM_ACT_GELU_TANH if config.activation == "gelu_tanh" else lib.RINGSHM_ACT_SILU,
                 qk_norm_full=int(config.qk_norm_full), n_experts=config.n_experts,
                 n_experts_used=config.n_experts_used, expert_inter=config.expert_intermediate,
-                gating=lib.RINGSHM_GATE_SOFTMAX_NORM if config.expert_gating == "softmax_norm"
-                else lib.RINGSHM_GATE_SOFTMAX))
+                gating={"softmax": lib.RINGSHM_GATE_SOFTMAX, "softmax_norm": lib.RINGSHM_GATE_SOFTMAX_NORM,
+                        "topk_softmax": lib.RINGSHM_GATE_TOPK_SOFTMAX}[config.expert_gating],
+                residual_scale=config.residual_scale))
             self._work = torch.empty(0, dtype=torch.float32)  # the layers' scratch, grown to the largest op
 
     @classmethod
@@ -515,19 +516,27 @@ class StageModel:
             q, k = self._rms_norm(q, layer.q_norm).float(), self._rms_norm(k, layer.k_norm).float()
         a = attend(q, k, v).reshape(t, cfg.q_dim)  # [T, Hq*D]
         o = F.linear(a.to(self.dtype), layer.wo, layer.bo)  # [T, hidden]
-        x = x + (self._rms_norm(o, layer.post_attn_norm) if layer.post_attn_norm is not None else o)
+        rs = cfg.residual_scale
+        x = x + (self._rms_norm(o, layer.post_attn_norm) if layer.post_attn_norm is not None else o * rs if rs != 1
+                 else o)
         if layer.moe:
-            return x + self._experts(layer, self._rms_norm(x, layer.ffn_norm))
+            m = self._experts(layer, self._rms_norm(x, layer.ffn_norm))
+            return x + (m * rs if rs != 1 else m)
         gate_up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up, layer.b_gate_up)  # [T, 2I]
         m = F.linear(kernels.act_mul_reference(gate_up, cfg.activation), layer.w_down, layer.b_down)
-        return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m)
+        return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m * rs if rs != 1
+                    else m)
 
     def _experts(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """The routed experts' FFN on ``h [T, hidden]`` (torch path; ``ModelConfig``'s formula, transformers' eager
         order: experts ascending, each term added into zeros). Returns ``[T, hidden]``."""
         cfg = self.config
-        p = torch.softmax(F.linear(h, layer.w_router).float(), dim=-1)  # [T, E]
-        weights, experts = torch.topk(p, cfg.n_experts_used, dim=-1)  # [T, k]
+        logits = F.linear(h, layer.w_router).float()  # [T, E]
+        if cfg.expert_gating == "topk_softmax":  # Granite: the softmax over the k largest logits
+            top, experts = torch.topk(logits, cfg.n_experts_used, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        else:
+            weights, experts = torch.topk(torch.softmax(logits, dim=-1), cfg.n_experts_used, dim=-1)  # [T, k]
         if cfg.expert_gating == "softmax_norm":
             weights = weights / weights.sum(dim=-1, keepdim=True)
         out = torch.zeros_like(h)
@@ -562,6 +571,8 @@ class StageModel:
             logits = self.lm_head.matmul(normed)  # [n_pos, vocab]
         else:
             logits = F.linear(normed, self.lm_head).float()
+        if self.config.logit_scale != 1.0:  # Granite's logits_scaling: one fp32 division, as transformers
+            logits = logits / self.config.logit_scale
         cap = self.config.logit_softcap
         if cap:  # Gemma's final soft-cap, elementwise as transformers applies it
             logits = torch.tanh(logits / cap) * cap
