@@ -113,8 +113,8 @@ def _granitemoe(**kw):
     # the input token's embedding (x 12) dominates the last hidden state and greedy repeats it
     return GraniteMoeConfig(**{**_COMMON, "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "num_local_experts": 16,
                                "num_experts_per_tok": 4, "intermediate_size": 256, "tie_word_embeddings": False,
-                               "embedding_multiplier": 12.0, "attention_multiplier": 1 / 64, "residual_multiplier": 0.22,
-                               "logits_scaling": 6.0, **kw})
+                               "embedding_multiplier": 12.0, "attention_multiplier": 1 / 64,
+                               "residual_multiplier": 0.22, "logits_scaling": 6.0, **kw})
 
 
 def _phi3(**kw):

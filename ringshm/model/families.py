@@ -64,7 +64,8 @@ UNSUPPORTED_MOE = {
     "granitemoeshared": "a shared expert and muP multipliers",
     "phimoe": "sparsemixer routing", "jetmoe": "mixture-of-attention heads", "dbrx": "clipped fused qkv",
 }
-GGUF_PERMUTED_QK = {"llama", "mistral", "granitemoe"}  # llama.cpp's converter reorders these arches' q/k rows (loader docstring)
+# llama.cpp's converter reorders these arches' q/k rows (loader docstring; Granite's converter is a LlamaModel)
+GGUF_PERMUTED_QK = {"llama", "mistral", "granitemoe"}
 
 # Fields that never change what an inference computes: training-only (dropout, initialisation), bookkeeping,
 # token ids (read elsewhere), and flags whose every value gives the same function (pretraining_tp: a sliced
