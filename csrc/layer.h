@@ -29,7 +29,9 @@
  *
  * A routed mixture of experts (shape n_experts > 0) replaces gu / m, with h = rms_norm(x2, ffn_norm):
  *     logits = h . Wrouter^T                                           [T, E] (the matmul: every row alike)
- *     per token, in fixed order: p = softmax(logits) (max subtracted, expf, the sum over e ascending, then one
+ *     per token, in fixed order (expf is libm's: a host's glibc picks its variant by CPU, so hosts of different
+ *     CPUs could differ in its last bit; one host, or hosts of one kind, give one result):
+ *         p = softmax(logits) (max subtracted, expf, the sum over e ascending, then one
  *         division each); the k = n_experts_used largest p, picked one at a time by a scan over e ascending that
  *         keeps the first of equal values (ties go to the lowest id); w_r = p of rank r, or with gating
  *         RINGSHM_GATE_SOFTMAX_NORM w_r = p_r / (p_0 + ... + p_{k-1}) (summed in rank order). Gating
