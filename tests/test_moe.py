@@ -212,7 +212,7 @@ def _rewrite(model, path, **config_changes) -> None:
 
 
 @pytest.mark.parametrize("changes, named", [
-    (dict(num_experts_per_tok=17), "n_experts_used"),  # more experts per token than there are
+    (dict(num_experts_per_tok=17), "expert_used_count = 17 is more than"),  # more per token than there are
     (dict(num_experts=10**6), "expert_count"),  # a count far past any model: refused before anything is sized
     (dict(num_experts=32), "ffn_gate_inp"),  # the tensors hold 16 experts, the header says 32
     (dict(moe_intermediate_size=512), "ffn_gate_exps"),  # the experts' width disagrees with the header
@@ -238,3 +238,51 @@ def test_an_hf_moe_missing_one_experts_tensor_is_refused_naming_it(zoo, tmp_path
     save_file(tensors, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(MissingTensor, match=r"model\.layers\.1\.mlp\.experts\.7\.up_proj\.weight"):
         Checkpoint.open(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("edit, named", [
+    (dict(num_experts_per_tok=None), "num_experts_per_tok is missing"),
+    (dict(num_experts_per_tok=17), "num_experts_per_tok = 17 is more than the 16"),
+    (dict(num_experts=8), "num_experts = 8 but num_local_experts = 16"),  # transformers' alias, disagreeing
+])
+def test_an_hf_moe_config_that_lies_about_its_experts_is_refused_naming_the_field(zoo, tmp_path, edit, named):
+    import json
+    import shutil
+
+    from ringshm.errors import InvalidCheckpoint
+
+    shutil.copytree(zoo("qwen3moe").hf_dir, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg.update(edit)
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InvalidCheckpoint, match=named):
+        Checkpoint.open(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("family, drop, add, error, named", [
+    ("qwen3moe", "attn_q_norm", None, "MissingTensor", "attn_q_norm"),  # the arch has q / k norms: not optional
+    ("olmoe", "attn_k_norm", None, "MissingTensor", "attn_k_norm"),
+    ("qwen3", "attn_q_norm", None, "MissingTensor", "attn_q_norm"),  # dense Qwen 3 alike (it was inferred before)
+    ("qwen3moe", None, "attn_q.bias", "UnsupportedArchitecture", "attn_q.bias"),  # llama.cpp's MoE arches: no biases
+    ("granitemoe", None, "attn_q_norm.weight", "UnsupportedArchitecture", "attn_q_norm"),  # Granite: no q / k norms
+])
+def test_a_gguf_missing_or_adding_what_its_arch_fixes_is_refused_by_name(zoo, tmp_path, family, drop, add, error,
+                                                                         named):
+    from ringshm import errors
+
+    model = zoo(family)
+    reader = gguf.GGUFReader(str(model.gguf_path))
+    tensors = [(t.name, np.array(t.data), t.tensor_type) for t in reader.tensors
+               if not (drop and f".{drop}." in t.name)]
+    if add:
+        width = model.config.num_attention_heads * model.config.hidden_size // model.config.num_attention_heads
+        tensors += [(f"blk.{i}.{add}" + ("" if add.endswith((".bias", ".weight")) else ".weight"),
+                     np.ones(width if add.endswith(".bias") else 64, np.float32), gguf.GGMLQuantizationType.F32)
+                    for i in range(model.config.num_hidden_layers)]
+    path = tmp_path / "m.gguf"
+    write_gguf(path, ARCHS[family], model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "edited", tensors)
+    with pytest.raises(getattr(errors, error), match=named):
+        Checkpoint.open(path)
+
+
+ARCHS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen3": "qwen3"}

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 
 from ringshm.config import ROPE_SCALINGS, ModelConfig, RopeScaling
-from ringshm.errors import UnsupportedArchitecture
+from ringshm.errors import InvalidCheckpoint, UnsupportedArchitecture
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe")
 HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
@@ -264,19 +264,30 @@ def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
     by name."""
     used.update(("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                  "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits", "clip_qkv"))
-    n_experts = c.get("num_experts", c.get("num_local_experts"))
-    if not n_experts:
-        raise _refuse(where, "num_experts", n_experts, "a routed MoE needs experts")
+    counts = {k: c[k] for k in ("num_experts", "num_local_experts") if c.get(k) is not None}  # transformers' alias
+    if len(set(counts.values())) > 1:
+        raise InvalidCheckpoint(f"{where}: num_experts = {counts['num_experts']} but num_local_experts = "
+                                f"{counts['num_local_experts']}: one count of experts")
+    if not counts:
+        raise InvalidCheckpoint(f"{where}: num_experts (or num_local_experts) is missing: a {family} config must say "
+                                f"how many routed experts a layer has")
+    n_experts = next(iter(counts.values()))
+    inter_key = "moe_intermediate_size" if family == "qwen3moe" else "intermediate_size"
+    for key in ("num_experts_per_tok", inter_key):
+        if c.get(key) is None:
+            raise InvalidCheckpoint(f"{where}: {key} is missing: a {family} config must say it")
+    if c["num_experts_per_tok"] > n_experts:
+        raise InvalidCheckpoint(f"{where}: num_experts_per_tok = {c['num_experts_per_tok']} is more than the "
+                                f"{n_experts} experts a layer has")
     if c.get("mlp_only_layers"):
         raise _refuse(where, "mlp_only_layers", c["mlp_only_layers"], "every layer routed only")
-    if int(c.get("decoder_sparse_step", 1)) != 1:
+    if c.get("decoder_sparse_step") not in (None, 1):
         raise _refuse(where, "decoder_sparse_step", c["decoder_sparse_step"], "every layer routed only")
     if c.get("clip_qkv") is not None:
         raise _refuse(where, "clip_qkv", c["clip_qkv"])
-    inter = c.get("moe_intermediate_size") if family == "qwen3moe" else c.get("intermediate_size")
     gating = "topk_softmax" if family == "granitemoe" else "softmax_norm" if c.get("norm_topk_prob") else "softmax"
-    out = dict(n_experts=int(n_experts), n_experts_used=int(c.get("num_experts_per_tok") or 0),
-               expert_intermediate=int(inter or 0), expert_gating=gating)
+    out = dict(n_experts=int(n_experts), n_experts_used=int(c["num_experts_per_tok"]),
+               expert_intermediate=int(c[inter_key]), expert_gating=gating)
     if family == "olmoe":  # q / k norms over the whole projection (OlmoeAttention's q_norm [hidden])
         out["qk_norm_full"] = True
     return out
@@ -373,6 +384,9 @@ HARMLESS_GGUF_KEYS = frozenset({
 })
 
 
+# Whether an arch's layers carry q / k norms, as llama.cpp's (and transformers') models of it fix it; the other
+# arches (llama, qwen2, phi3) have none and say so by their tensors (a norm there is refused as not read).
+FIXED_QK_NORM = {"qwen3": True, "gemma3": True, "qwen3moe": True, "olmoe": True, "granitemoe": False}
 GRANITE_GGUF_KEYS = frozenset({"embedding_scale", "residual_scale", "attention.scale", "logit_scale"})
 
 
@@ -423,6 +437,10 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
               eos_token_ids=() if eos is None else (int(eos),),
               attention_bias="blk.0.attn_q.bias" in tensor_names, o_bias="blk.0.attn_output.bias" in tensor_names,
               mlp_bias="blk.0.ffn_down.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names)
+    if family in FIXED_QK_NORM:  # the arch fixes these: a file that lacks or adds them is refused by its tensors
+        kw.update(qk_norm=FIXED_QK_NORM[family])
+    if family in MOE_FAMILIES:  # llama.cpp's MoE arches read no attention biases
+        kw.update(attention_bias=False, o_bias=False)
     if family in MOE_FAMILIES:
         kw.update(_gguf_experts(meta, tensor_names, arch, family, where, need))
     elif f"{arch}.expert_count" in meta or any(".ffn_gate_inp." in n for n in tensor_names):
@@ -487,6 +505,9 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
             raise _refuse(where, f"{arch}.{key}", meta[f"{arch}.{key}"], f"llama.cpp's {arch} does not read it")
     if any(".ffn_gate_shexp." in n or ".ffn_up_shexp." in n or ".exp_probs_b." in n for n in tensor_names):
         raise _refuse(where, "shared expert / expert bias tensors", "present", f"a {arch} file has none")
+    if need("expert_used_count") > need("expert_count"):
+        raise InvalidCheckpoint(f"{where}: GGUF metadata {arch}.expert_used_count = {need('expert_used_count')} is "
+                                f"more than {arch}.expert_count = {need('expert_count')}")
     out = dict(n_experts=int(need("expert_count")), n_experts_used=int(need("expert_used_count")),
                expert_intermediate=int(meta.get(f"{arch}.expert_feed_forward_length")
                                        or need("feed_forward_length")),

@@ -192,6 +192,7 @@ HF_RULES: dict[str, Check] = {
     "mlp_only_layers": _int_list,
     "clip_qkv": number_in(0, MAX_FACTOR, null=True),
     "output_router_logits": boolean(True),
+    "router_aux_loss_coef": number_in(0, MAX_FACTOR, lo_open=False, null=True),
     "embedding_multiplier": number_in(0, MAX_FACTOR, null=True),
     "attention_multiplier": number_in(0, MAX_FACTOR, null=True),
     "residual_multiplier": number_in(0, MAX_FACTOR, null=True),
