@@ -162,7 +162,7 @@ def test_every_isa_path_gives_the_portable_bits(qtype, isa):
     assert torch.equal(pw.matmul(x, isa=isa), pw.matmul(x, isa=lib.RINGSHM_ISA_PORTABLE))
 
 
-M_SWEEP_NEW = (1, 2, 3, 4, 5, 6, 7, 16, 33, 100)
+M_SWEEP_NEW = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17, 33, 100)
 
 
 @pytest.mark.parametrize("qtype", NEW_TYPES, ids=[qm.type_name(t) for t in NEW_TYPES])
