@@ -92,8 +92,10 @@ static void add_rows(float *x, const float *a, const float *b, int64_t n) {
     for (int64_t i = 0; i < n; i++) x[i] = a[i] + b[i];
 }
 
-/* One token's routing (layer.h): softmax over the n logits, the k largest picked by ascending scans (the first of
- * equal values wins), their weights (renormalised for RINGSHM_GATE_SOFTMAX_NORM). p: n floats of scratch. */
+/* One token's routing (layer.h): softmax over the n logits (RINGSHM_GATE_TOPK_SOFTMAX: the logits themselves), the
+ * k largest picked by ascending scans (the first of equal values wins), their weights (renormalised for
+ * RINGSHM_GATE_SOFTMAX_NORM; the softmax over the k picked for RINGSHM_GATE_TOPK_SOFTMAX). p: n floats of
+ * scratch; isel / wsel: k each. */
 static void route_token(const float *logits, int n, int k, int gating, float *p, float *wsel, int32_t *isel) {
     if (gating == RINGSHM_GATE_TOPK_SOFTMAX) { /* pick on the logits; the softmax over the k picked */
         memcpy(p, logits, sizeof(float) * (size_t)n);

@@ -75,7 +75,8 @@ class ModelConfig:
         m = (act(g) * u) · Wdownᵀ (+ mlp_bias);  act: silu (SwiGLU) or gelu_tanh (GeGLU)
         or, with n_experts > 0 (a routed mixture of experts on every layer; no dense FFN):
             p = softmax(h · Wrouterᵀ) over the n_experts (fp32);  E = the n_experts_used largest p (ties: lowest id)
-            w_e = p_e, or p_e / Σ_{E} p (expert_gating "softmax_norm")
+            w_e = p_e, or p_e / Σ_{E} p (expert_gating "softmax_norm"); "topk_softmax" (Granite): E = the k largest
+                logits, w = softmax over those k logits alone
             m = Σ_{e in E, ascending id} w_e · ((act(h · Wgate_eᵀ) * (h · Wup_eᵀ)) · Wdown_eᵀ)   widths
                 expert_intermediate; each term one rounded product, added in that order from 0
         post_norms: m = norm(m) · post_ffn_norm

@@ -516,16 +516,13 @@ class StageModel:
             q, k = self._rms_norm(q, layer.q_norm).float(), self._rms_norm(k, layer.k_norm).float()
         a = attend(q, k, v).reshape(t, cfg.q_dim)  # [T, Hq*D]
         o = F.linear(a.to(self.dtype), layer.wo, layer.bo)  # [T, hidden]
-        rs = cfg.residual_scale
-        x = x + (self._rms_norm(o, layer.post_attn_norm) if layer.post_attn_norm is not None else o * rs if rs != 1
-                 else o)
+        rs = cfg.residual_scale  # Granite's; 1 elsewhere (x 1.0 is exact: the other families' bits are unchanged)
+        x = x + (self._rms_norm(o, layer.post_attn_norm) if layer.post_attn_norm is not None else o * rs)
         if layer.moe:
-            m = self._experts(layer, self._rms_norm(x, layer.ffn_norm))
-            return x + (m * rs if rs != 1 else m)
+            return x + self._experts(layer, self._rms_norm(x, layer.ffn_norm)) * rs
         gate_up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up, layer.b_gate_up)  # [T, 2I]
         m = F.linear(kernels.act_mul_reference(gate_up, cfg.activation), layer.w_down, layer.b_down)
-        return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m * rs if rs != 1
-                    else m)
+        return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m * rs)
 
     def _experts(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
         """The routed experts' FFN on ``h [T, hidden]`` (torch path; ``ModelConfig``'s formula, transformers' eager
