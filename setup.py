@@ -75,6 +75,8 @@ setup(
         "prometheus_client>=0.20",
         "setproctitle>=1.3",  # readable stage process titles in ps / top
         "psutil>=5.9",  # available memory, checked before the stages start
+        "llguidance>=1.2,<2",  # structured output: JSON schema / regex / grammar -> allowed-token masks
+        "jsonschema>=4.18",  # a structured output's schema is checked against its meta-schema first
     ],
     extras_require={
         "test": [

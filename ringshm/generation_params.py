@@ -21,6 +21,75 @@ REPETITION_PENALTY_RANGE = (1e-2, 1e2)  # HF / vLLM use 1 .. 2; 1e-2 .. 1e2 keep
 MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI allows 4)
 MAX_STOP_CHARS = 256  # characters per stop string
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; stream i of a batch uses seed + i
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_GRAMMAR_CHARS = 256 * 1024  # a schema (as JSON text), regex or grammar; bounds what one request brings to compile
+MAX_CHOICES = 4096  # strings of a ``choice``
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output text (structured output), enforced token by token by the grammar
+    engine (``ringshm.engine.grammar``, llguidance).
+
+    ``kind`` and ``spec``:
+
+    - ``"json_schema"``: ``spec`` a JSON Schema (a dict, or its JSON text); the output is one JSON value that
+      validates against it. A keyword the engine cannot enforce is refused by name, never ignored.
+    - ``"json_object"``: ``spec`` None; the output is one JSON object (OpenAI's JSON mode).
+    - ``"regex"``: ``spec`` a regular expression (Rust ``regex`` syntax) the whole output matches.
+    - ``"choice"``: ``spec`` a list of strings; the output is exactly one of them.
+    - ``"grammar"``: ``spec`` a context-free grammar: Lark (llguidance's dialect), or GBNF (llama.cpp's,
+      recognised by its ``::=``).
+
+    Raises:
+        ValueError: an unknown kind, or a spec of the wrong type, empty, or over ``MAX_GRAMMAR_CHARS``
+            characters (``MAX_CHOICES`` strings for a choice). Whether the spec compiles is the engine's check
+            (``ringshm.engine.grammar.GrammarCompiler``), before anything is sent.
+    """
+
+    kind: str
+    spec: object = None
+
+    def __post_init__(self) -> None:
+        import json
+
+        kind, spec = self.kind, self.spec
+        if kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {', '.join(STRUCTURED_KINDS)}, got {shown(kind)}")
+        if kind == "json_object":
+            if spec is not None:
+                raise ValueError("a json_object structured output takes no spec (give kind 'json_schema' for a schema)")
+            return
+        if kind == "json_schema":
+            if isinstance(spec, str):
+                try:
+                    spec = json.loads(spec)
+                except ValueError as exc:
+                    raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
+            if not isinstance(spec, (dict, bool)):
+                raise ValueError(f"a JSON schema must be an object (or true / false), got {type(spec).__name__}")
+            text = json.dumps(spec, sort_keys=True)
+        elif kind == "choice":
+            if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) and c for c in spec):
+                raise ValueError("a choice must be a non-empty list of non-empty strings")
+            if len(spec) > MAX_CHOICES:
+                raise ValueError(f"a choice holds {len(spec)} strings; at most {MAX_CHOICES} are allowed")
+            spec = tuple(spec)
+            text = json.dumps(spec)
+        else:
+            if not isinstance(spec, str) or not spec:
+                raise ValueError(f"a {kind} must be a non-empty string, got {shown(spec)}")
+            text = spec
+        if len(text) > MAX_GRAMMAR_CHARS:
+            raise ValueError(f"the {kind.replace('_', ' ')} is {len(text)} characters; at most {MAX_GRAMMAR_CHARS} "
+                             f"are allowed")
+        object.__setattr__(self, "spec", spec)
+
+    def key(self) -> str:
+        """The spec as canonical text (a schema's keys sorted): equal constraints, equal keys (the compile cache's)."""
+        import json
+
+        return json.dumps([self.kind, self.spec], sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -58,6 +127,11 @@ class GenerationParams:
             the first given the ones before it, and the k most likely there (the first token has none).
         cache_salt: a tenant key (any string; vLLM's field): the prompt's prefix-cache chain is this key's
             alone, so another tenant cannot find out by timing which prefixes were served. None: the shared chain.
+        structured_output: None, or a ``StructuredOutput`` (a JSON schema, JSON object, regex, choice or grammar)
+            the output must follow: every token is chosen among those the grammar allows (greedy: the last
+            stage's argmax among them; sampled: after penalties and logit_bias, before temperature / top-k /
+            top-p), EOS only where the grammar accepts, and the stream ends ("stop") once the grammar is
+            complete. Not with ``spec`` (speculative decoding) yet.
         The order the sampler applies them in: ``ringshm.engine.sampling.Sampler``. Any of logit_bias, the penalties
         or min_tokens makes even a greedy request take the last stage's logits, and rules out ``spec``.
 
@@ -86,6 +160,7 @@ class GenerationParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    structured_output: StructuredOutput | None = None
 
     @property
     def processes_logits(self) -> bool:
@@ -146,6 +221,15 @@ class GenerationParams:
         if self.spec is not None and (self.logprobs is not None or self.prompt_logprobs is not None):
             raise ValueError("speculative decoding does not return logprobs: drop logprobs / prompt_logprobs or "
                              "turn speculation off (spec=None, no --spec)")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput or None, got "
+                             f"{type(self.structured_output).__name__}")
+        if self.structured_output is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot hold EOS back under a structured output (its grammar decides where "
+                             "the output may end): drop min_tokens or the structured output")
+        if self.spec is not None and self.structured_output is not None:
+            raise ValueError("speculative decoding does not verify drafts against a grammar yet: turn speculation "
+                             "off (spec=None, no --spec) for a structured output")
         if self.spec is not None and self.processes_logits:
             raise ValueError("speculative decoding verifies the stage's plain argmax, so it cannot apply "
                              "logit_bias, presence/frequency/repetition penalties or min_tokens: drop those or "

@@ -78,7 +78,7 @@ class OracleModel:
         per_row = -(-self.max_seq_len // self.block_size)
         return list(range(row * per_row, (row + 1) * per_row))
 
-    def step(self, x, segments, targets=None, tables=None):
+    def step(self, x, segments, targets=None, tables=None, allowed=None):
         """``StageModel.step`` over scripts: the same table checks (all before anything is written), the same
         outputs per ``want``; KV content lives in the blocks each segment's table names."""
         ids = [int(t) for t in x.reshape(-1)]
@@ -105,7 +105,7 @@ class OracleModel:
             seg_tables.append(table)
         if flat is not None and o != len(flat):
             raise ValueError(f"the op's tables hold {len(flat)} ids, its segments need {o}")
-        plan = plan_head(segments, [] if targets is None else targets.tolist())
+        plan = plan_head(segments, [] if targets is None else targets.tolist(), allowed, self.vocab)
         where, o = [], 0  # op offset -> (its table, position)
         for (row, start, n, _), table in zip(segments, seg_tables):
             for j in range(n):
@@ -126,9 +126,9 @@ class OracleModel:
 
 
 class RecordingModel(OracleModel):
-    def step(self, x, segments, targets=None, tables=None):
+    def step(self, x, segments, targets=None, tables=None, allowed=None):
         self.frames.append(tuple((g[0], g[1], g[2]) for g in segments))
-        return super().step(x, segments, targets, tables)
+        return super().step(x, segments, targets, tables, allowed)
 
 
 class GatedModel(OracleModel):
@@ -196,7 +196,7 @@ class RelayModel:
     def reset(self, rows) -> None:
         pass
 
-    def step(self, x, segments, targets=None, tables=None):
+    def step(self, x, segments, targets=None, tables=None, allowed=None):
         time.sleep(self.op_s)
         return x
 

@@ -179,7 +179,9 @@ class Stream:
     logprobs (``GenerationParams``), which collect in ``token_logprobs`` (one ``TokenLogprob`` per token) and
     ``prompt_token_logprobs`` (None for the first prompt token, then one per prompt token, filled as the prefill
     chunks are answered). ``skip_marked``: it ended with ops in flight and the stages were told to skip the rest
-    of it (``ringshm.engine.scheduler``).
+    of it (``ringshm.engine.scheduler``). ``grammar``: None, or the ``GrammarState`` of its structured output
+    (``ringshm.engine.grammar``): each committed token moves it on, and the stream ends ("stop") once the grammar
+    is complete.
     """
 
     index: int
@@ -208,6 +210,7 @@ class Stream:
     n_preemptions: int = 0
     error: BaseException | None = None
     skip_marked: bool = False
+    grammar: object = None
 
     @property
     def done(self) -> bool:
@@ -238,17 +241,27 @@ class Stream:
         self.finish_reason, self.error = "error", exc
 
     def commit(self, token: int) -> str:
-        """Append one generated token; set ``finish_reason`` on EOS, a stop string or the length limit.
-        Returns the text delta to show."""
+        """Append one generated token; set ``finish_reason`` on EOS, a stop string, a complete grammar or the
+        length limit. Returns the text delta to show.
+
+        Raises:
+            RuntimeError: the stream's grammar refuses the token (``GrammarState.accept``); nothing is appended.
+            InvalidParameter: the grammar allows no token after it (``GrammarState.words``).
+        """
+        if self.grammar is not None:
+            self.grammar.accept(token)
         self.tokens.append(token)
         self.token_times.append(time.perf_counter())
         delta = self.text.push(token)
-        if (token in self.eos_ids and not self.ignore_eos) or self.text.stopped:
+        if (token in self.eos_ids and not self.ignore_eos) or self.text.stopped or (
+                self.grammar is not None and self.grammar.stopped):
             self.finish_reason = "stop"
         elif len(self.tokens) >= self.max_new_tokens:
             self.finish_reason = "length"
         if self.done:
             delta += self.text.finish()
+        elif self.grammar is not None:
+            self.grammar.words()  # the next position's mask, now: a grammar that cannot go on fails this stream alone
         return delta
 
 

@@ -79,6 +79,7 @@ class Engine:
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
         self.depth = cfg.depth if cfg.depth is not None else default_depth(cfg)  # decode micro-batches in flight
         self._tokenizer = None
+        self._grammars = None
         self._job = 0
         self._owner: str | None = None  # set by an AsyncEngine while its dispatcher drives the ring
         node_ranges = tuple(cfg.node_stage_ranges())
@@ -247,7 +248,27 @@ class Engine:
                                 "max_seq_len (--max-seq-len)"))
         s = new_stream(index, row, ids, p, self._text_tokenizer(p), self.eos_ids, self.model_config.vocab)
         s.cache_salt = p.cache_salt
+        if p.structured_output is not None:
+            s.grammar = self.grammars.state(p.structured_output)
+            s.grammar.words()  # the first position's mask: a grammar that cannot start is refused here
         return s
+
+    @property
+    def grammars(self):
+        """The engine's ``GrammarCompiler`` (``ringshm.engine.grammar``: structured output), made on first use.
+
+        Raises:
+            ValueError: the checkpoint carries no tokenizer (a grammar is over text).
+        """
+        if self._grammars is None:
+            from ringshm.engine.grammar import GrammarCompiler
+            from ringshm.model.tokenizer import has_tokenizer
+
+            if self._tokenizer is None and not has_tokenizer(self.model_path):
+                raise InvalidParameter(f"structured output needs a tokenizer, and {self.model_path} carries none",
+                                       "structured_output")
+            self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab, self.eos_ids)
+        return self._grammars
 
     def _decode_depth(self, p: GenerationParams) -> int:
         """Decode ops in flight for a request: the engine's ``depth``, raised to ``spec_depth`` when it

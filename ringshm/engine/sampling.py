@@ -22,6 +22,7 @@ class Sampler:
            the token's occurrences in the output so far (OpenAI's rule);
         2. ``logit_bias``: each listed token's bias added (OpenAI: -100 bans, +100 forces in practice);
         3. ``min_tokens``: ``eos_ids`` set to -inf while fewer than ``min_tokens`` tokens were generated;
+           a structured output's grammar: every token it does not allow set to -inf (``allowed``);
         4. greedy (``temperature == 0``): the argmax of the processed logits. Otherwise divided by
            ``temperature``, cut to the ``top_k`` most likely (0: no cut) and to the smallest set whose
            probability reaches ``top_p`` (nucleus sampling, Holtzman et al. 2019), then sampled with a
@@ -110,9 +111,12 @@ class Sampler:
                 scores[torch.tensor(eos, dtype=torch.int64)] = float("-inf")
         return scores
 
-    def __call__(self, argmax_id: int, logits: torch.Tensor | None, prompt=(), output=()) -> int:
-        """The next token: ``argmax_id`` when greedy with nothing to process, else the rule of the class
-        docstring over ``logits`` (fp32 ``[vocab]``) and the stream's ``prompt`` + ``output`` ids so far.
+    def __call__(self, argmax_id: int, logits: torch.Tensor | None, prompt=(), output=(),
+                 allowed: torch.Tensor | None = None) -> int:
+        """The next token: ``argmax_id`` when greedy with nothing to process (a constrained stream's is already
+        the argmax among allowed tokens: the last stage applied its mask), else the rule of the class docstring
+        over ``logits`` (fp32 ``[vocab]``), the stream's ``prompt`` + ``output`` ids so far and ``allowed`` (bool
+        ``[vocab]``, the grammar's tokens; None: all).
 
         Raises:
             ValueError: logits are needed (``needs_logits``) and ``logits`` is None.
@@ -127,6 +131,8 @@ class Sampler:
             raise FloatingPointError(f"the model's logits hold {int((~torch.isfinite(logits)).sum())} NaN / inf "
                                      f"values at this position: its weights are likely broken (NaN or inf)")
         scores = self.process(logits, prompt, output) if self.processes else logits.float()
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
         if self.greedy:
             return int(torch.argmax(scores))
         scores = scores / self.temperature

@@ -268,6 +268,9 @@ class Scheduler:
                 tensors = [torch.tensor(ids, dtype=torch.int64)]
                 if targets:  # the ids prompt logprobs score, forwarded by every stage to the last
                     tensors.append(torch.tensor(targets, dtype=torch.int64))
+                masked = [st.grammar.words() for st, seg in zip(tag.streams, segs) if seg.want & m.WANT_ALLOWED]
+                if masked:  # constrained greedy streams' next-token bitmasks, applied by the last stage
+                    tensors.append(torch.stack(masked))
                 tables: list[int] = []
                 for st, seg in zip(tag.streams, segs):  # each segment's table, exactly its positions' blocks
                     tables += self.kv.table(st)[:self.kv.blocks_for(seg.start + seg.n_tokens)]
@@ -385,7 +388,8 @@ class Scheduler:
         if kind == VERIFY:
             events.extend(s.spec.on_reply(part.ids, v))
         elif part.ids and not s.done:  # a decode, or a prompt's last chunk: the next token
-            token = s.sampler(part.ids[-1], part.logits, s.prompt, s.tokens)
+            allowed = s.grammar.allowed() if s.grammar is not None and s.sampler.needs_logits else None
+            token = s.sampler(part.ids[-1], part.logits, s.prompt, s.tokens, allowed)
             lp = None
             if s.logprobs is not None:  # the stage's (argmax taken as is), or from the logits sampled from
                 lp = cut(lps[-1], token, s.logprobs) if lps else sampled_logprob(part.logits, token, s.logprobs)
@@ -449,10 +453,13 @@ class _Tokens:
 
 def _want(s: Stream) -> int:
     """What a stream's decode or last prefill chunk asks of the last stage: the argmax, plus the logits when
-    it samples or processes them (logit_bias, penalties, min_tokens: ``Sampler.needs_logits``), else, when it
-    asks for logprobs, the argmax's logprob and top-k (with logits, the coordinator computes them)."""
+    it samples or processes them (logit_bias, penalties, min_tokens: ``Sampler.needs_logits``; a grammar's mask
+    is then the coordinator's), else the argmax among the tokens its grammar allows (``WANT_ALLOWED``, its
+    bitmask in the op) and, when it asks for logprobs, the argmax's logprob and top-k (with logits, the
+    coordinator computes them)."""
     if s.sampler.needs_logits:
         return m.WANT_LAST | m.WANT_LOGITS
+    want = m.WANT_LAST | (m.WANT_ALLOWED if s.grammar is not None else 0)
     if s.logprobs is not None:
-        return m.WANT_LAST | m.WANT_LOGPROBS | m.want_k(s.logprobs)
-    return m.WANT_LAST
+        return want | m.WANT_LOGPROBS | m.want_k(s.logprobs)
+    return want

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from ringshm.transport.messages import WANT_ALL, WANT_LAST, WANT_LOGITS, WANT_LOGPROBS, Segment
+from ringshm.transport.messages import WANT_ALL, WANT_ALLOWED, WANT_LAST, WANT_LOGITS, WANT_LOGPROBS, Segment
 
 
 @dataclass
@@ -53,7 +53,8 @@ class HeadPlan(NamedTuple):
     ``positions``: rows of the op's ``[T, hidden]`` the head runs on. The other lists index into them:
     ``out_rows`` (argmax ids, table order), ``logit_rows`` (logits returned), ``lp_rows`` (logprobs returned,
     reply order) with ``lp_ids`` (the id scored there: a target, or -1 for the row's own argmax) and ``lp_k``
-    (its top-k count).
+    (its top-k count), ``allowed_rows`` (outputs whose argmax is restricted, in the order of ``allowed``'s rows).
+    ``allowed``: int32 ``[len(allowed_rows), ceil(vocab / 32)]`` token bitmasks, or None.
     """
 
     positions: list[int]
@@ -62,19 +63,32 @@ class HeadPlan(NamedTuple):
     lp_rows: list[int]
     lp_ids: list[int]
     lp_k: list[int]
+    allowed_rows: list[int]
+    allowed: torch.Tensor | None = None
 
 
-def plan_head(segments: Sequence[Segment], targets: Sequence[int] = ()) -> HeadPlan:
-    """The ``HeadPlan`` of a checked segment table and its ``targets`` (int ids, ``Σ n_targets`` of them).
+def plan_head(segments: Sequence[Segment], targets: Sequence[int] = (), allowed: torch.Tensor | None = None,
+              vocab: int | None = None) -> HeadPlan:
+    """The ``HeadPlan`` of a checked segment table, its ``targets`` (int ids, ``Σ n_targets`` of them) and its
+    ``allowed`` bitmasks (int32 ``[Σ n_allowed_rows, ceil(vocab / 32)]``, or None when no segment has
+    ``WANT_ALLOWED``; ``vocab``: the model's vocabulary, which fixes the row width).
 
     Raises:
-        ValueError: ``targets`` does not hold one id per target position.
+        ValueError: ``targets`` does not hold one id per target position, or ``allowed`` one row of
+            ``ceil(vocab / 32)`` int32 words per masked output.
     """
     segs = [s if isinstance(s, Segment) else Segment(*s) for s in segments]
     need = sum(s.n_targets() for s in segs)
     if len(targets) != need:
         raise ValueError(f"the segments score {need} target ids, the op carries {len(targets)}")
-    plan = HeadPlan([], [], [], [], [], [])
+    n_masked = sum(s.n_allowed_rows() for s in segs)
+    if n_masked or allowed is not None:
+        width = -(-vocab // 32) if vocab is not None else -1
+        if allowed is None or allowed.dtype != torch.int32 or tuple(allowed.shape) != (n_masked, width):
+            got = "none" if allowed is None else f"{allowed.dtype} {tuple(allowed.shape)}"
+            raise ValueError(f"the segments restrict {n_masked} outputs: the op's allowed-token bitmasks must be "
+                             f"int32 [{n_masked}, {width}], got {got}")
+    plan = HeadPlan([], [], [], [], [], [], [], allowed if n_masked else None)
     o = ti = 0
     for s in segs:
         n_t = s.n_targets()
@@ -89,6 +103,8 @@ def plan_head(segments: Sequence[Segment], targets: Sequence[int] = ()) -> HeadP
             row = len(plan.positions)
             plan.positions.append(p)
             plan.out_rows.append(row)
+            if s.want & WANT_ALLOWED:
+                plan.allowed_rows.append(row)
             if s.want & WANT_LOGPROBS:
                 plan.lp_rows.append(row)
                 plan.lp_ids.append(-1)
@@ -99,11 +115,27 @@ def plan_head(segments: Sequence[Segment], targets: Sequence[int] = ()) -> HeadP
     return plan
 
 
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bool ``[n, vocab]`` from int32 bitmask rows ``[n, ceil(vocab / 32)]``: token t is allowed iff bit t % 32
+    of word t // 32 is set (llguidance's layout)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = (words.unsqueeze(-1) >> shifts) & 1  # [n, W, 32]
+    return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
+
+
 def head_outputs(logits: torch.Tensor, plan: HeadPlan) -> StageOutput:
-    """The ``StageOutput`` of ``plan`` from the logits at its positions, ``[len(plan.positions), vocab]``."""
+    """The ``StageOutput`` of ``plan`` from the logits at its positions, ``[len(plan.positions), vocab]``.
+
+    An output in ``plan.allowed_rows`` takes its argmax over the tokens its bitmask allows (the others are
+    -inf for the choice only: logits and logprobs returned stay the model's). Row by row, so a row's choice
+    does not depend on the op's other rows."""
     if not plan.positions:
         return StageOutput(torch.zeros(0, dtype=torch.int64))
     argmax = logits.argmax(dim=-1)  # [n_pos]
+    if plan.allowed_rows:
+        rows = torch.tensor(plan.allowed_rows, dtype=torch.int64, device=logits.device)
+        ok = unpack_bitmask(plan.allowed.to(logits.device), logits.shape[-1])  # [n_masked, vocab]
+        argmax[rows] = logits[rows].masked_fill(~ok, float("-inf")).argmax(dim=-1)
     out = StageOutput(argmax[plan.out_rows] if plan.out_rows else torch.zeros(0, dtype=torch.int64),
                       logits[plan.logit_rows].float() if plan.logit_rows else None)
     if plan.lp_rows:

@@ -66,11 +66,12 @@ from ringshm.model.rope import rope_inv_freq
 from ringshm.transport.messages import (
     MAX_TOP_LOGPROBS,
     WANT_ALL,
+    WANT_ALLOWED,
     WANT_LAST,
     WANT_LOGITS,
     WANT_LOGPROBS,
-    WANT_MASK,
     WANT_PROMPT_LOGPROBS,
+    WANT_VALID,
     Segment,
 )
 
@@ -357,9 +358,10 @@ class StageModel:
         seen: dict[int, int] = {}
         for i, (row, start, n, want) in enumerate(table):
             where = f"segment {i} (row {row}, start {start}, {n} tokens)"
-            if n < 1 or want & ~WANT_MASK or (want & WANT_LOGITS and not want & (WANT_LAST | WANT_ALL)):
-                raise ValueError(f"{where}: needs n_tokens >= 1 and a want of WANT_* bits (LOGITS only with "
-                                 f"LAST or ALL), got want {want:#x}")
+            if n < 1 or want & ~WANT_VALID or (want & (WANT_LOGITS | WANT_ALLOWED) and not want & (WANT_LAST | WANT_ALL)
+                                              ) or (want & WANT_ALLOWED and want & WANT_LOGITS):
+                raise ValueError(f"{where}: needs n_tokens >= 1 and a want of WANT_* bits (LOGITS or ALLOWED only "
+                                 f"with LAST or ALL, not both), got want {want:#x}")
             k = Segment(row, start, n, want).k
             if (want & WANT_LOGPROBS and not want & (WANT_LAST | WANT_ALL)) or (
                     want & WANT_PROMPT_LOGPROBS and want & WANT_ALL) or k > MAX_TOP_LOGPROBS or (
@@ -395,7 +397,8 @@ class StageModel:
         return StepPlan(table, starts, lens, tables, offs)
 
     def step(self, x: torch.Tensor, segments: Sequence[Sequence[int]], targets: torch.Tensor | None = None,
-             tables: torch.Tensor | None = None, abandoned=None) -> torch.Tensor | StageOutput:
+             tables: torch.Tensor | None = None, abandoned=None, allowed: torch.Tensor | None = None
+             ) -> torch.Tensor | StageOutput:
         """Run one step op: a ragged batch of segments, each ``n ≥ 1`` positions of a stream in the blocks its
         table names.
 
@@ -411,19 +414,23 @@ class StageModel:
         position of the n segments with ``WANT_LOGITS`` (None when none asks), and the logprobs of the
         positions with ``WANT_LOGPROBS`` / ``WANT_PROMPT_LOGPROBS`` (``ringshm.model.head``; the layout is
         ``ringshm.transport.messages``'). ``targets``: int64 ``[Σ n_targets]``, the id after each prompt position
-        that ``WANT_PROMPT_LOGPROBS`` scores (only the last stage reads it). On the native path a segment's bytes
-        do not depend on the other segments nor on where its blocks sit in the pool (batch invariance).
+        that ``WANT_PROMPT_LOGPROBS`` scores (only the last stage reads it). ``allowed``: int32
+        ``[Σ n_allowed_rows, ceil(vocab / 32)]``, the token bitmask of each output position of the ``WANT_ALLOWED``
+        segments (``ringshm.model.head.head_outputs``; only the last stage reads it). On the native path a segment's
+        bytes do not depend on the other segments nor on where its blocks sit in the pool (batch invariance).
         ``abandoned``: None, or a callable asked before each layer whether every segment's stream has ended (a
         client that left: ``ringshm.runtime.stage.apply``); when it says so the op stops there.
 
         Raises:
             OpAbandoned: ``abandoned()`` returned True before a layer.
             KVRangeError / ValueError: as ``check_segments`` (nothing is written), ``x`` of the wrong shape
-                or dtype for this stage, or (last stage) ``targets`` not one id per target position.
+                or dtype for this stage, or (last stage) ``targets`` not one id per target position, ``allowed``
+                not one bitmask row per masked output.
         """
         h = self._input(x)  # [T, hidden]
         op = self.check_segments(segments, h.shape[0], tables)
-        plan = plan_head(op.table, [] if targets is None else targets.tolist()) if self.is_last else None
+        plan = plan_head(op.table, [] if targets is None else targets.tolist(), allowed, self.config.vocab
+                         ) if self.is_last else None
         if self.native:
             h = self._native_layers(h, op, abandoned)
         else:

@@ -295,32 +295,41 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None):
     if msg.op != m.STEP:
         raise ValueError(f"unknown op code {msg.op}")
     n_targets = sum(seg.n_targets() for seg in msg.segments)
-    n_tensors = 2 + bool(n_targets)
+    n_allowed = sum(seg.n_allowed_rows() for seg in msg.segments)
+    n_tensors = 2 + bool(n_targets) + bool(n_allowed)
     if len(msg.tensors) != n_tensors:
-        raise ValueError(f"a step op carries its tokens{', its target ids' if n_targets else ''} and its block "
-                         f"tables: {n_tensors} tensors, got {len(msg.tensors)}")
+        raise ValueError(f"a step op carries its tokens{', its target ids' if n_targets else ''}"
+                         f"{', its allowed-token bitmasks' if n_allowed else ''} and its block tables: {n_tensors} "
+                         f"tensors, got {len(msg.tensors)}")
     if msg.n_tokens > max_op_tokens:
         raise ValueError(f"a step op of {msg.n_tokens} tokens is over the op budget of {max_op_tokens}")
     x, tables = msg.tensors[0], msg.tensors[-1]
     targets = msg.tensors[1] if n_targets else None
+    allowed = msg.tensors[1 + bool(n_targets)] if n_allowed else None
     if targets is not None and (targets.dtype != torch.int64 or targets.shape != (n_targets,)):
         raise ValueError(f"the op's targets must be int64 [{n_targets}], got {targets.dtype} {tuple(targets.shape)}")
+    if allowed is not None and (allowed.dtype != torch.int32 or allowed.dim() != 2 or allowed.shape[0] != n_allowed):
+        raise ValueError(f"the op's allowed-token bitmasks must be int32 [{n_allowed}, ceil(vocab / 32)], got "
+                         f"{allowed.dtype} {tuple(allowed.shape)}")  # the width: the last stage's check
+    riders = [t for t in (targets, allowed) if t is not None]  # forwarded unchanged to the last stage
     segments = mark_ended(msg.segments, ended)
     if any(seg.want & m.SKIPPED for seg in segments):
-        return _apply_skipping(model, msg, segments, x, targets, tables, is_last)
+        return _apply_skipping(model, msg, segments, x, targets, allowed, tables, is_last)
     if model.device.type != "cpu":
         x = x.to(model.device)  # the one copy to the stage's device
     kw = {}
     if ended is not None:  # asked between layers: an op whose streams all end mid-op stops there
         rows = [seg.row for seg in segments]
         kw["abandoned"] = lambda: all(0 <= r < len(ended) and ended[r] for r in rows)
+    if allowed is not None:
+        kw["allowed"] = allowed
     try:
         out = model.step(x, msg.segments, targets, tables, **kw)
     except OpAbandoned:
-        return _apply_skipping(model, msg, mark_ended(segments, ended), x, targets, tables, is_last)
-    if not is_last:  # the targets and tables travel on unchanged to the last stage
+        return _apply_skipping(model, msg, mark_ended(segments, ended), x, targets, allowed, tables, is_last)
+    if not is_last:  # the targets, bitmasks and tables travel on unchanged to the last stage
         hidden = (out if out.device.type == "cpu" else out.cpu()).contiguous()
-        return msg.forward([hidden] + ([targets] if targets is not None else []) + [tables])
+        return msg.forward([hidden] + riders + [tables])
     return msg.reply(out.tensors())
 
 
@@ -336,10 +345,10 @@ def mark_ended(segments: list, ended) -> list:
             and ended[s.row] else s for s in segments]
 
 
-def _apply_skipping(model, msg, segments: list, x, targets, tables, is_last: bool):
+def _apply_skipping(model, msg, segments: list, x, targets, allowed, tables, is_last: bool):
     """``apply`` for an op with ``SKIPPED`` segments: the model runs on the others alone (their bytes are what they
     would be beside any batch-mates: batch invariance); the skipped ones write no KV, forward zero hidden states
-    and no target ids, and reply nothing. Returns the message to send on, its table ``segments``.
+    and no target ids or bitmasks, and reply nothing. Returns the message to send on, its table ``segments``.
 
     Raises:
         ValueError: a skipped segment of < 1 token or a negative start, or block tables that do not fit the table.
@@ -360,14 +369,15 @@ def _apply_skipping(model, msg, segments: list, x, targets, tables, is_last: boo
     if tables.dtype != torch.int32 or tables.dim() != 1 or tables.numel() != tab[-1]:
         raise ValueError(f"the op's block tables must be int32 [{tab[-1]}], got {tables.dtype} {tuple(tables.shape)}")
     kept = [i for i, s in enumerate(segments) if not s.want & m.SKIPPED]
-    sub_targets = torch.cat([targets[tgt[i]:tgt[i + 1]] for i in kept]) if targets is not None and kept else None
-    if sub_targets is not None and not sub_targets.numel():
-        sub_targets = None
+    msk = [0, *itertools.accumulate(s.n_allowed_rows() for s in msg.segments)]
+    sub_targets = _kept_rows(targets, tgt, kept)
+    sub_allowed = _kept_rows(allowed, msk, kept)
     out = None
     if kept:
         sub_x = torch.cat([x[tok[i]:tok[i + 1]] for i in kept]).to(model.device)
         sub_tables = torch.cat([tables[tab[i]:tab[i + 1]] for i in kept])
-        out = model.step(sub_x, [segments[i] for i in kept], sub_targets, sub_tables)
+        kw = {} if sub_allowed is None else {"allowed": sub_allowed}
+        out = model.step(sub_x, [segments[i] for i in kept], sub_targets, sub_tables, **kw)
     if is_last:
         reply = msg.reply(out.tensors() if out is not None else [torch.zeros(0, dtype=torch.int64)])
         reply.segments = segments
@@ -378,6 +388,17 @@ def _apply_skipping(model, msg, segments: list, x, targets, tables, is_last: boo
         n = segments[i].n_tokens
         hidden[tok[i]:tok[i + 1]] = out[o:o + n]
         o += n
-    fwd = msg.forward([hidden] + ([sub_targets] if sub_targets is not None else []) + [tables])
+    fwd = msg.forward([hidden] + [t for t in (sub_targets, sub_allowed) if t is not None] + [tables])
     fwd.segments = segments
     return fwd
+
+
+def _kept_rows(t, offsets: list[int], kept: list[int]):
+    """The rows ``offsets[i]:offsets[i + 1]`` of ``t`` for each kept segment i, concatenated; None when ``t`` is
+    None or nothing is left."""
+    import torch
+
+    if t is None or not kept:
+        return None
+    sub = torch.cat([t[offsets[i]:offsets[i + 1]] for i in kept])
+    return sub if sub.numel() else None

@@ -25,6 +25,10 @@ chunk n tokens; one op may mix them, a row at most once). Its tensors, in this o
     targets  only when a segment has WANT_PROMPT_LOGPROBS: int64 [Σ n_targets], the token that follows each of
              those positions (the prompt's next id), in table order; every stage forwards it unchanged, so the
              last stage, which never sees ids, can score them
+    allowed  only when a segment has WANT_ALLOWED: int32 [Σ n_outputs of those segments, ceil(vocab / 32)], one
+             packed bitmask per output position in table order (token t allowed iff bit t % 32 of word t // 32
+             is set: llguidance's layout), built by the coordinator from the stream's grammar; every stage
+             forwards it unchanged, and the last stage takes those positions' argmax among allowed tokens only
     tables   int32 [Σ ceil((start + n_tokens) / B)]: each segment's KV block table (its stream's blocks in
              position order, B the engine's block size), in table order; every stage forwards it unchanged
 
@@ -40,6 +44,9 @@ reaches, so its length follows from the segment and needs no field of its own.
     bit 4      WANT_PROMPT_LOGPROBS (not with ALL): log-softmax at each position that has a target: the
                target's logprob and the top-k; that is every position, or all but the last with WANT_LAST
                (the last position's next token is the one being generated)
+    bit 5      WANT_ALLOWED (with LAST or ALL, not with LOGITS): the argmax at each output position is taken over
+               the tokens its ``allowed`` row permits (a constrained stream: structured output); logprobs stay
+               the raw model's (the chosen id is the masked argmax)
     bits 8-15  k, the top-k count (0 .. MAX_TOP_LOGPROBS) of both logprob kinds; 0 unless one is set
     bit 16     SKIPPED: set by a stage, never by the coordinator (which sends bits 16-31 zero): the segment's stream
                ended (cancelled, failed or finished) while the op was in flight, so no stage computes it (see
@@ -103,8 +110,10 @@ WANT_ALL = 2  # the argmax at every position (speculative verify)
 WANT_LOGITS = 4  # with WANT_LAST: also the last position's fp32 logits (sampling)
 WANT_LOGPROBS = 8  # with LAST / ALL: the output positions' logprobs and top-k (module docstring)
 WANT_PROMPT_LOGPROBS = 16  # the logprob of each position's target (the next prompt id) and the top-k
+WANT_ALLOWED = 32  # with LAST / ALL: the op's ``allowed`` bitmask rows restrict each output position's argmax
 WANT_K_SHIFT = 8  # bits 8-15: k, the top-k count of either logprob kind
-WANT_MASK = WANT_LAST | WANT_ALL | WANT_LOGITS | WANT_LOGPROBS | WANT_PROMPT_LOGPROBS | (0xFF << WANT_K_SHIFT)
+WANT_VALID = (WANT_LAST | WANT_ALL | WANT_LOGITS | WANT_LOGPROBS | WANT_PROMPT_LOGPROBS | WANT_ALLOWED
+              | (0xFF << WANT_K_SHIFT))  # every bit a coordinator may set
 SKIPPED = 1 << 16  # set by a stage: the segment's stream ended, no stage computes it (module docstring)
 
 
@@ -115,7 +124,7 @@ def want_k(k: int) -> int:
     return k << WANT_K_SHIFT
 
 MAGIC = 0x5352  # "RS"
-VERSION = 5  # the record layout above; a record of another version is refused (ProtocolError)
+VERSION = 6  # the record layout above; a record of another version is refused (ProtocolError)
 HEADER = struct.Struct("<HBBHBxIiQqqQ")
 SEGMENT = struct.Struct("<iiiI")
 TENSOR_DESC = struct.Struct("<BBxx4iQ")
@@ -158,6 +167,10 @@ class Segment(NamedTuple):
         if not self.want & WANT_PROMPT_LOGPROBS:
             return 0
         return self.n_tokens - 1 if self.want & WANT_LAST else self.n_tokens
+
+    def n_allowed_rows(self) -> int:
+        """Bitmask rows the op's ``allowed`` tensor holds for this segment: one per output (``WANT_ALLOWED``)."""
+        return self.n_outputs() if self.want & WANT_ALLOWED else 0
 
     def n_logprob_positions(self) -> int:
         """Positions the reply carries logprobs (and top-k) for: its targets, then its outputs."""
