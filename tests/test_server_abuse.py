@@ -227,7 +227,7 @@ def test_a_nan_temperature_literal_gets_400_not_a_range_message(serve_fake):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}), ("min_p", 0.1), ("best_of", 2), ("suffix", "the end"),
+    ("response_format", {"type": "xml"}), ("min_p", 0.1), ("best_of", 2), ("suffix", "the end"),
 ])
 def test_an_unsupported_field_gets_400_naming_it_unless_it_has_its_neutral_value(serve_fake, field, value):
     srv = serve_fake()
@@ -240,13 +240,11 @@ def test_an_unsupported_field_gets_400_naming_it_unless_it_has_its_neutral_value
 
 # another server's field that changes the answer -> (a value it is refused at, a value it is accepted at)
 FOREIGN = {
-    "structured_outputs": ({"choice": ["yes", "no", "maybe"]}, {}),
     "guided_choice": (["yes", "no"], None),
     "guided_json": ({"type": "object"}, None),
     "guided_regex": ("[0-9]+", None),
     "guided_grammar": ("root ::= \"a\"", None),
-    "grammar": ("root ::= \"a\"", ""),
-    "json_schema": ({"type": "object"}, None),
+    "guided_decoding_backend": ("xgrammar", None),
     "allowed_token_ids": ([5, 6], []),
     "bad_words": (["green"], []),
     "stop_token_ids": ([7], []),
@@ -267,7 +265,7 @@ FOREIGN = {
 
 
 @pytest.mark.parametrize("field, path", [(f, "/v1/completions") for f in sorted(FOREIGN)] + [
-    (f, "/v1/chat/completions") for f in ("structured_outputs", "chat_template_kwargs", "add_generation_prompt")])
+    (f, "/v1/chat/completions") for f in ("guided_json", "chat_template_kwargs", "add_generation_prompt")])
 def test_another_servers_field_that_changes_the_answer_gets_400_naming_it_unless_neutral(serve_fake, field, path):
     srv = serve_fake()
     base = {"prompt": [100, 110]} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}

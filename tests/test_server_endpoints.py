@@ -1,7 +1,8 @@
 """The server's endpoints beyond generation (``ringshm.server.info``) and the served-name aliases, in process
 on the fake-engine server of tests/test_server_abuse.py (real tokenizer): ``/tokenize`` and ``/detokenize``
 against the tokenizer itself, ``/v1/models/{id}`` through the official ``openai`` client, ``/version``,
-``--served-model-name`` with several names, and ``response_format`` refused by name."""
+``--served-model-name`` with several names, and malformed ``response_format`` / ``structured_outputs`` refused by
+name."""
 
 from __future__ import annotations
 
@@ -179,13 +180,29 @@ def test_served_model_name_takes_several_aliases_on_the_command_line():
     ("/v1/chat/completions", {"messages": CHAT}),
     ("/v1/completions", {"prompt": [100, 110]}),
 ])
-@pytest.mark.parametrize("fmt", [{"type": "json_object"},
-                                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}])
-def test_response_format_other_than_text_gets_400_saying_what_is_supported(serve_fake, path, base, fmt):
+@pytest.mark.parametrize("fields, param, says", [
+    ({"response_format": {"type": "xml"}}, "response_format", '"json_schema"'),
+    ({"response_format": {"type": "json_schema"}}, "response_format", '"schema"'),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format", "needs a schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}},
+     "response_format", "strict must be a boolean"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, "response_format",
+     "must be an object"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "give one of"),
+    ({"structured_outputs": {"whitespace_pattern": " *"}}, "structured_outputs", "whitespace_pattern not supported"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "non-empty list"),
+    ({"structured_outputs": {"json_object": "yes"}}, "structured_outputs", "must be true"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "response_format and structured_outputs"),
+    ({"grammar": 5}, "grammar", "non-empty string"),
+])
+def test_a_malformed_constraint_gets_400_naming_its_field_before_any_work(serve_fake, path, base, fields, param,
+                                                                           says):
     srv = serve_fake()
-    status, body, _ = srv.post(path, {**base, "max_tokens": 1, "response_format": fmt})
+    status, body, _ = srv.post(path, {**base, "max_tokens": 1, **fields})
     err = _error(body)
-    assert status == 400 and err["param"] == "response_format", body
-    assert '{"type": "text"}' in err["message"]
-    status, body, _ = srv.post(path, {**base, "max_tokens": 1, "response_format": {"type": "text"}})
+    assert status == 400 and err["param"] == param and says in err["message"], body
+    assert srv.aengine.step_stats.ops == 0  # nothing was sent
+    status, body, _ = srv.post(path, {**base, "max_tokens": 1, "response_format": {"type": "text"},
+                                      "structured_outputs": {"disable_fallback": True}})
     assert status == 200, body

@@ -12,14 +12,18 @@ Request fields (OpenAI's): ``model``, ``messages`` / ``prompt``, ``max_tokens`` 
 100]}``), ``presence_penalty`` and ``frequency_penalty`` (in [-2, 2]), chat's ``logprobs`` + ``top_logprobs``
 (0 .. 20), completions' ``logprobs`` (0 .. 20), ``echo`` (with ``max_tokens`` 0: score the prompt) and a list
 of prompts; vLLM's extensions: ``top_k``, ``repetition_penalty`` (> 0), ``min_tokens`` (0 .. max_tokens),
-``ignore_eos``, ``return_tokens_as_token_ids``. How choices, logprobs and echo are answered:
-``ringshm.server.openai_responses``. A request with a logit control (not ``ignore_eos``) or with logprobs is decoded
-without speculation even when the server has ``--spec``. ``max_tokens`` defaults
+``ignore_eos``, ``return_tokens_as_token_ids``. Structured output: ``response_format`` (``json_object``,
+``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and
+llama.cpp's ``json_schema`` / ``grammar`` (``ringshm.server.structured``; compiled off the loop, a schema or grammar
+that does not compile is a 400 naming the field and, for a keyword that cannot be enforced, its JSON pointer).
+How choices, logprobs and echo are answered: ``ringshm.server.openai_responses``. A request with a logit control
+(not ``ignore_eos``), logprobs or a structured output is decoded without speculation even when the server has
+``--spec``. ``max_tokens`` defaults
 to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
 naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
-value (``ringshm.server.openai_schema.UNSUPPORTED``; ``response_format`` only ``{"type": "text"}``), and so
-are other servers' fields that would change the answer (``FOREIGN_FIELDS``: vLLM's ``structured_outputs`` and
-``guided_*``, llama.cpp's ``grammar``, ``chat_template_kwargs``, ...); other unknown fields are ignored.
+value (``ringshm.server.openai_schema.UNSUPPORTED``: ``tools`` among them), and so are other servers' fields that
+would change the answer (``FOREIGN_FIELDS``: vLLM's old ``guided_*``, ``chat_template_kwargs``, ...); other unknown
+fields are ignored.
 A request's ``model`` may be any served name (none: the first); the response echoes it.
 Message contents are tokenised as plain text (special-token spellings cannot forge turns), on a tokenizer
 thread, off the loop.
@@ -76,6 +80,7 @@ from ringshm.server.openai_schema import (
     engine_error,
     plain_messages,
 )
+from ringshm.server.structured import structured_output
 from ringshm.server.tokenizing import Tokenizers
 from ringshm.transport.segment import is_alive
 
@@ -163,10 +168,30 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
                               f"need {n_prompts * per_prompt} rows; this server runs and queues at most {room} at "
                               f"once", "n" if per_prompt > 1 else "prompt")
 
+    async def constraint(body: RequestBody):
+        """The request's ``StructuredOutput`` and the field that set it (``ringshm.server.structured``), compiled
+        off the event loop (the tokenizer's tables on first use, then the grammar: llguidance drops the GIL), so
+        that starting its stream finds it cached. Raises ApiError 400 naming the field."""
+        so, param = structured_output(body)
+        if so is not None:
+            t0 = time.perf_counter()
+            try:
+                grammars = aengine.engine.grammars
+                compiled = grammars.n_compiled
+                await asyncio.to_thread(grammars.compile, so)
+            except ValueError as exc:
+                raise bad_request(str(exc), param) from None
+            if grammars.n_compiled > compiled:
+                metrics.grammar_compile.observe(time.perf_counter() - t0)
+            metrics.structured_requests.inc()
+        return so, param
+
     def start(body: RequestBody, prompts: list[list[int]], max_tokens: int | None, default_max: int,
-              logprobs: int | None = None, prompt_logprobs: int | None = None) -> list[Job]:
+              logprobs: int | None = None, prompt_logprobs: int | None = None,
+              constraint=(None, None)) -> list[Job]:
         """Check what the engine does not, then start the request's streams (``ringshm.server.openai_responses``:
-        one per prompt x n, one per prompt when greedy). Raises ApiError, with nothing left running."""
+        one per prompt x n, one per prompt when greedy). ``constraint``: ``(StructuredOutput, its field)`` or
+        ``(None, None)``. Raises ApiError, with nothing left running."""
         limit = aengine.max_seq_len
         score_only = max_tokens == 0
         greedy = body.temperature == 0
@@ -181,8 +206,11 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             base["prompt_logprobs"] = prompt_logprobs
         if body.cache_salt is not None:
             base["cache_salt"] = body.cache_salt
+        if constraint[0] is not None:
+            base["structured_output"] = constraint[0]
         processes_logits = any(k != "ignore_eos" for k in controls)
-        if spec is not None and greedy and not processes_logits and logprobs is None and prompt_logprobs is None:
+        if (spec is not None and greedy and not processes_logits and logprobs is None and prompt_logprobs is None
+                and constraint[0] is None):
             base.update(spec=spec, spec_k=spec_k, spec_depth=spec_depth)  # spec verifies the plain argmax
         n_maxes = []
         for p, ids in enumerate(prompts):
@@ -215,7 +243,10 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         except Exception as exc:
             for job in jobs:
                 job.stream.cancel()
-            raise engine_error(exc) from None
+            err = engine_error(exc)
+            if err.param == "structured_output":
+                err.param = constraint[1]
+            raise err from None
         metrics.prompt_tokens.inc(sum(len(ids) for ids in prompts))  # each prompt once, as usage counts it
         if logprobs is not None or prompt_logprobs is not None:
             metrics.logprob_requests.inc()
@@ -274,6 +305,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             raise bad_request("max_tokens must be at least 1 for chat (0 is for completions with echo)", "max_tokens")
         k = body.logprob_k()
         messages = plain_messages(body.messages)
+        so = await constraint(body)
         watch = ClientWatch(request.receive)
         try:
             try:
@@ -289,7 +321,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
                                   "order)", "messages") from None
             if watch.gone:
                 return PlainTextResponse("", status_code=499)
-            jobs = start(body, [ids], max_tokens, aengine.max_seq_len, logprobs=k)
+            jobs = start(body, [ids], max_tokens, aengine.max_seq_len, logprobs=k, constraint=so)
         except BaseException:
             watch.stop()
             raise
@@ -305,6 +337,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             raise bad_request("max_tokens 0 needs echo: true (it scores the prompt without generating)",
                               "max_tokens")
         check_room(len(prompts), body)
+        so = await constraint(body)
         for i, prompt in enumerate(prompts):  # token-id prompts longer than the context, before any work
             if not isinstance(prompt, str) and len(prompt) > aengine.max_seq_len:
                 raise bad_request(f"{f'prompt[{i}]: ' if many else ''}this model's maximum context length is "
@@ -336,7 +369,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
                 return PlainTextResponse("", status_code=499)
             k = body.logprobs
             jobs = start(body, ids_list, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=k,
-                         prompt_logprobs=k if body.echo else None)
+                         prompt_logprobs=k if body.echo else None, constraint=so)
         except BaseException:
             watch.stop()
             raise

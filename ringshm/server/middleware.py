@@ -48,6 +48,11 @@ class Metrics:
                                         "(of generated or prompt tokens)", registry=r)
         self.prompt_logprob_tokens = Counter("ringshm_prompt_logprob_tokens", "Prompt tokens scored for prompt "
                                              "logprobs (echo with logprobs)", registry=r)
+        self.structured_requests = Counter("ringshm_structured_requests", "Accepted requests with a structured "
+                                           "output (JSON schema / object, regex, choice, grammar)", registry=r)
+        self.grammar_compile = Histogram("ringshm_grammar_compile_seconds", "Compile time of each structured output "
+                                         "not in the cache (the tokenizer's tables included on first use)",
+                                         registry=r, buckets=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3))
         self.step_running = Histogram("ringshm_step_running_requests", "Requests holding a row at each reply "
                                       "the dispatcher takes (continuous batching)", registry=r,
                                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))

@@ -62,8 +62,6 @@ MAX_N = 16  # choices per prompt (n): each sampled choice holds a row of its own
 # Fields OpenAI (or vLLM) define that ringshm does not implement: accepted only at their neutral value,
 # otherwise 400 naming the field (never silently ignored). field -> (neutral test, what to say)
 UNSUPPORTED = {
-    "response_format": (lambda v: v is None or v == {"type": "text"}, 'response_format: only {"type": "text"} is '
-                        "supported (no JSON mode, no json_schema: constrained decoding is not implemented)"),
     "min_p": (lambda v: v == 0, "min_p is not supported (use 0)"),
     "best_of": (lambda v: v is None or v == 1, "best_of must be 1"),
     "suffix": (lambda v: not v, "suffix is not supported"),
@@ -75,20 +73,18 @@ UNSUPPORTED = {
 }
 
 
-_UNCONSTRAINED = "constrained decoding is not implemented, so the answer would not follow it"
-
 # Fields other servers read that would change the answer (vLLM's extra body, llama.cpp server's sampling and
 # prompt fields). They come in as unknown fields of the body; each is refused with 400 naming it unless it is
 # absent, null or neutral, never dropped: a vLLM `structured_outputs` with a `choice` of yes / no / maybe, once
 # ignored, came back as free text. Unknown fields not named here (vLLM's `priority`, `request_id`, ...) are
-# ignored. field -> (neutral test, what to say)
+# ignored. The fields that constrain the output (response_format, vLLM's structured_outputs, llama.cpp's
+# json_schema / grammar) are read by ringshm.server.structured. field -> (neutral test, what to say)
 FOREIGN_FIELDS = {
-    "structured_outputs": (lambda v: not v, f"structured_outputs (vLLM's json / regex / choice / grammar) is not "
-                           f"supported: {_UNCONSTRAINED}"),
-    **{name: (lambda v: False, f"{name} (vLLM's guided decoding) is not supported: {_UNCONSTRAINED}")
+    **{name: (lambda v: False, f"{name} (vLLM's old guided decoding field) is not read: use structured_outputs "
+              f"({{\"{name[7:]}\": ...}}) or response_format")
        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")},
-    "grammar": (lambda v: not v, f"grammar (llama.cpp's GBNF) is not supported: {_UNCONSTRAINED}"),
-    "json_schema": (lambda v: not v, f"json_schema (llama.cpp's) is not supported: {_UNCONSTRAINED}"),
+    "guided_decoding_backend": (lambda v: False, "guided_decoding_backend is not read: ringshm's grammar engine is "
+                                "llguidance"),
     "allowed_token_ids": (lambda v: not v, "allowed_token_ids is not supported (logit_bias can exclude tokens)"),
     "bad_words": (lambda v: not v, "bad_words is not supported (logit_bias can exclude their tokens)"),
     "stop_token_ids": (lambda v: not v, "stop_token_ids is not supported (use stop strings)"),
