@@ -1,0 +1,154 @@
+"""Structured output through the server (issue 30), on the default model in process (``LiveServer`` over a real
+2-stage ``Engine``), driven with the official ``openai`` client as agent code drives it: ``.parse`` with a pydantic
+model, ``json_object``, vLLM's ``structured_outputs`` extra body (choice / regex / json / grammar), llama.cpp's
+``json_schema``; streamed text equal to the non-streamed reply; a schema that cannot be enforced is a 400 naming the
+field; and a fuzz of malformed schemas, regexes and grammars gets only 200 / 400, after which the server answers a
+plain request exactly."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from ringshm.engine.engine import Engine
+from test_server_abuse import LiveServer
+
+
+class Person(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=20)
+    age: int = pydantic.Field(ge=0, le=120)
+
+
+@pytest.fixture(scope="module")
+def srv(model_path):
+    server = LiveServer(Engine(model_path, stages=2, max_rows=4, max_seq_len=1024, progress=False),
+                        model_names="smollm2", max_waiting=64)
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def _ask(client, content: str, **kw):
+    return client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}],
+                                          temperature=0, max_tokens=kw.pop("max_tokens", 48), **kw)
+
+
+def test_the_openai_sdks_parse_returns_the_pydantic_model(client):
+    out = client.chat.completions.parse(model="smollm2", temperature=0, max_tokens=48, response_format=Person,
+                                        messages=[{"role": "user", "content": "Invent a person: name and age."}])
+    choice = out.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(choice.message.parsed, Person)
+    assert Person.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_object_mode_answers_one_json_object(client):
+    out = _ask(client, "Describe a dog as JSON.", response_format={"type": "json_object"}, max_tokens=80)
+    if out.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    else:
+        assert out.choices[0].message.content.lstrip().startswith("{")
+
+
+@pytest.mark.parametrize("body, check", [
+    ({"choice": ["yes", "no", "maybe"]}, lambda t: t in ("yes", "no", "maybe")),
+    ({"regex": r"[0-9]{3}-[0-9]{4}"}, lambda t: len(t) == 8 and t[3] == "-" and (t[:3] + t[4:]).isdigit()),
+    ({"json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+               "additionalProperties": False}}, lambda t: isinstance(json.loads(t)["ok"], bool)),
+    ({"grammar": 'root ::= "Colour: " ("red" | "green" | "blue")'},
+     lambda t: t in ("Colour: red", "Colour: green", "Colour: blue")),
+])
+def test_vllms_structured_outputs_extra_body_is_honoured(client, body, check):
+    """The finding that opened the issue: a choice of yes / no / maybe once came back as free text."""
+    out = _ask(client, "Is the sky green? Give a phone number. What colour is grass?",
+               extra_body={"structured_outputs": body})
+    text = out.choices[0].message.content
+    assert out.choices[0].finish_reason == "stop" and check(text), text
+
+
+def test_llama_cpp_json_schema_field_on_completions(client):
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2,
+              "maxItems": 3}
+    out = client.completions.create(model="smollm2", prompt="Three digits as a JSON list:", max_tokens=24,
+                                    temperature=0, extra_body={"json_schema": schema})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].text), schema)
+
+
+@pytest.mark.parametrize("fmt", [
+    {"type": "json_schema", "json_schema": {"name": "person", "strict": True, "schema": Person.model_json_schema()}},
+    {"type": "json_object"},
+])
+def test_a_streamed_constrained_answer_concatenates_to_the_non_streamed_one(client, fmt):
+    kw = dict(response_format=fmt, max_tokens=40)
+    whole = _ask(client, "Invent a person as JSON.", **kw)
+    parts = [c.choices[0].delta.content or "" for c in _ask(client, "Invent a person as JSON.", stream=True, **kw)
+             if c.choices]
+    assert "".join(parts) == whole.choices[0].message.content
+
+
+@pytest.mark.parametrize("fields, param, says", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                                 "schema": {"not": {"type": "string"}}}}},
+     "response_format", "at /not"),
+    ({"extra_body": {"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}}, "structured_outputs",
+     "uniqueItems"),
+    ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs", "unclosed group"),
+    ({"extra_body": {"grammar": 'root ::= ("a"'}}, "grammar", "does not compile"),
+    ({"extra_body": {"json_schema": {"type": "strin"}}}, "json_schema", "not valid"),
+])
+def test_a_constraint_that_cannot_be_enforced_is_a_400_naming_the_field(client, fields, param, says):
+    with pytest.raises(openai.BadRequestError) as info:
+        _ask(client, "hi", **fields)
+    err = info.value.body
+    assert err["param"] == param and says in err["message"], err
+
+
+def _random_schema(rng: random.Random, depth: int = 0):
+    """A random, often malformed, JSON Schema-like value."""
+    keywords = ["type", "properties", "items", "enum", "const", "minimum", "maximum", "pattern", "format", "anyOf",
+                "allOf", "oneOf", "not", "$ref", "required", "minItems", "maxItems", "minLength", "maxLength",
+                "additionalProperties", "if", "then", "uniqueItems", "$defs", "multipleOf", "prefixItems"]
+    leaves = ["string", "integer", "object", 5, None, True, [], {}, "^[a-z]+$", "(", "date", "#/$defs/x", -1, 1e308,
+              "é", ["a", 1], "number", "array", "boolean", "null"]
+    if depth > 2 or rng.random() < 0.3:
+        return rng.choice(leaves)
+    return {rng.choice(keywords): _random_schema(rng, depth + 1) for _ in range(rng.randint(1, 4))}
+
+
+def test_a_fuzz_of_malformed_constraints_gets_only_200_or_400_and_the_server_serves_on(srv, client):
+    rng = random.Random(30)
+    plain = _ask(client, "Name a colour.", max_tokens=8).choices[0].message.content
+    statuses = {}
+    for i in range(240):
+        kind = i % 4
+        if kind == 0:
+            fields = {"response_format": {"type": "json_schema", "json_schema": {
+                "name": "f", "schema": _random_schema(rng)}}}
+        elif kind == 1:
+            fields = {"structured_outputs": {"regex": "".join(rng.choice("ab()[]{}|*+?.\\^$0-9,") for _ in range(
+                rng.randint(1, 12)))}}
+        elif kind == 2:
+            fields = {"structured_outputs": {"grammar": "".join(rng.choice(['root', ' ::= ', '"a"', '|', '(', ')',
+                                                                            '*', 'start:', ' x ', '\n', '/b/'])
+                                                                for _ in range(rng.randint(1, 10)))}}
+        else:
+            fields = {"structured_outputs": {"choice": rng.choice([[], [""], ["a"] * 3, ["x", 1], "yes", [None],
+                                                                   ["ok", "okay"]])}}
+        status, body, _ = srv.post("/v1/chat/completions", {"model": "smollm2", "max_tokens": 2, "temperature": 0,
+                                                            "messages": [{"role": "user", "content": "hi"}], **fields})
+        statuses[status] = statuses.get(status, 0) + 1
+        assert status in (200, 400), (status, fields, body)
+    assert statuses.get(400, 0) > 50 and statuses.get(200, 0) > 10, statuses
+    assert _ask(client, "Name a colour.", max_tokens=8).choices[0].message.content == plain
+    metrics = srv.get("/metrics")[1]
+    assert "ringshm_structured_requests_total" in metrics and "ringshm_grammar_compile_seconds_count" in metrics
