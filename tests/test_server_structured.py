@@ -152,3 +152,95 @@ def test_a_fuzz_of_malformed_constraints_gets_only_200_or_400_and_the_server_ser
     assert _ask(client, "Name a colour.", max_tokens=8).choices[0].message.content == plain
     metrics = srv.get("/metrics")[1]
     assert "ringshm_structured_requests_total" in metrics and "ringshm_grammar_compile_seconds_count" in metrics
+
+
+# ------------------------------------------------------------------------------------------------ tools
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"], "additionalProperties": False}}}
+TOOLS = [WEATHER, ADD]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _calls(client, messages=ASK_WEATHER, **kw):
+    return client.chat.completions.create(model="smollm2", messages=messages, tools=TOOLS, temperature=0,
+                                          max_tokens=kw.pop("max_tokens", 96), **kw)
+
+
+@pytest.mark.parametrize("tool_choice, parallel, names", [
+    ("required", None, {"get_weather", "add"}),
+    ({"type": "function", "function": {"name": "add"}}, None, {"add"}),
+    ("required", False, {"get_weather", "add"}),
+])
+def test_tool_calls_name_an_allowed_tool_with_arguments_that_validate(client, tool_choice, parallel, names):
+    kw = {} if parallel is None else {"parallel_tool_calls": parallel}
+    out = _calls(client, tool_choice=tool_choice, **kw)
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    calls = choice.message.tool_calls
+    assert calls and all(c.function.name in names and c.id.startswith("call_") for c in calls)
+    if parallel is False:
+        assert len(calls) == 1
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), params[c.function.name])
+
+
+def test_a_streamed_tool_call_concatenates_to_the_non_streamed_one(client):
+    whole = _calls(client, tool_choice="required").choices[0].message.tool_calls
+    got: dict[int, dict] = {}
+    finish = None
+    for chunk in _calls(client, tool_choice="required", stream=True):
+        if not chunk.choices:
+            continue
+        finish = chunk.choices[0].finish_reason or finish
+        for d in chunk.choices[0].delta.tool_calls or ():
+            call = got.setdefault(d.index, {"name": "", "arguments": "", "id": None})
+            call["id"] = call["id"] or d.id
+            call["name"] += d.function.name or ""
+            call["arguments"] += d.function.arguments or ""
+    assert finish == "tool_calls"
+    assert [(c["name"], c["arguments"]) for _, c in sorted(got.items())] == [
+        (c.function.name, c.function.arguments) for c in whole]
+    assert all(c["id"] for c in got.values()), "the first delta of each call carries its id"
+
+
+def test_a_tool_round_trip_call_then_result_then_answer(client):
+    first = _calls(client, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   parallel_tool_calls=False).choices[0].message
+    call = first.tool_calls[0]
+    messages = ASK_WEATHER + [first.model_dump(exclude_none=True),
+                              {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
+    out = _calls(client, messages, tool_choice="none", max_tokens=24)
+    assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
+    auto = _calls(client, messages)  # auto: a call or a reply, either in the format
+    msg = auto.choices[0].message
+    assert (auto.choices[0].finish_reason == "tool_calls") == bool(msg.tool_calls)
+    assert msg.tool_calls or isinstance(msg.content, str)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [WEATHER, WEATHER]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": TOOLS, "logprobs": True}, "logprobs"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}, "tools"),
+    ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
+        "name": "add", "arguments": "{not json"}}]}]}, "messages"),
+])
+def test_malformed_tools_get_a_400_naming_the_field(srv, fields, param):
+    body = {"model": "smollm2", "max_tokens": 4, "messages": ASK_WEATHER, **fields}
+    status, out, _ = srv.post("/v1/chat/completions", body)
+    assert status == 400 and out["error"]["param"] == param, out

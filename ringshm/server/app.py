@@ -82,6 +82,7 @@ from ringshm.server.openai_schema import (
 )
 from ringshm.server.structured import structured_output
 from ringshm.server.tokenizing import Tokenizers
+from ringshm.server.tools import ToolPlan, tool_plan
 from ringshm.transport.segment import is_alive
 
 log = logging.getLogger("ringshm.server.app")
@@ -168,11 +169,16 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
                               f"need {n_prompts * per_prompt} rows; this server runs and queues at most {room} at "
                               f"once", "n" if per_prompt > 1 else "prompt")
 
-    async def constraint(body: RequestBody):
-        """The request's ``StructuredOutput`` and the field that set it (``ringshm.server.structured``), compiled
-        off the event loop (the tokenizer's tables on first use, then the grammar: llguidance drops the GIL), so
-        that starting its stream finds it cached. Raises ApiError 400 naming the field."""
+    async def constraint(body: RequestBody, tools: ToolPlan | None = None):
+        """The request's ``StructuredOutput`` and the field that set it (``ringshm.server.structured``, or the
+        ``tools``' answer format), compiled off the event loop (the tokenizer's tables on first use, then the
+        grammar: llguidance drops the GIL), so that starting its stream finds it cached. Raises ApiError 400 naming
+        the field."""
         so, param = structured_output(body)
+        if tools is not None:
+            if so is not None:
+                raise bad_request(f"tools and {param} both constrain the answer: give one", param)
+            so, param = tools.constraint(), "tools"
         if so is not None:
             t0 = time.perf_counter()
             try:
@@ -255,7 +261,8 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
     token_text: list[TokenText] = []
 
     async def respond(watch: ClientWatch, body: RequestBody, jobs: list[Job], kind: str, n_choices: int,
-                      echoes: list[str | None], logprobs: int | None, score_only: bool = False):
+                      echoes: list[str | None], logprobs: int | None, score_only: bool = False,
+                      tools: bool = False):
         """The answer of a started request: its SSE stream or its body; 499 when its client went away (its
         streams are cancelled at once, wherever they are: ``ClientWatch``). Stops ``watch`` when the answer
         ends."""
@@ -267,7 +274,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             answer = OpenAIRequest(kind, served.pick(body.model), jobs, n_choices, echoes, logprobs, score_only,
                                    token_text[0] if token_text else None, metrics,
                                    body.stream_options is not None and body.stream_options.include_usage,
-                                   int(time.time()), body.return_tokens_as_token_ids, watch)
+                                   int(time.time()), body.return_tokens_as_token_ids, watch, tools)
             if body.stream:
                 try:
                     first = await answer.first()
@@ -305,7 +312,12 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             raise bad_request("max_tokens must be at least 1 for chat (0 is for completions with echo)", "max_tokens")
         k = body.logprob_k()
         messages = plain_messages(body.messages)
-        so = await constraint(body)
+        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        if tools is not None:
+            if k is not None:
+                raise bad_request("logprobs are not returned with tool calls: drop logprobs or tools", "logprobs")
+            messages = tools.messages(messages)
+        so = await constraint(body, tools)
         watch = ClientWatch(request.receive)
         try:
             try:
@@ -325,7 +337,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         except BaseException:
             watch.stop()
             raise
-        return await respond(watch, body, jobs, "chat", body.n, [None] * body.n, k)
+        return await respond(watch, body, jobs, "chat", body.n, [None] * body.n, k, tools=tools is not None)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):

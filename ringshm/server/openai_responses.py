@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from ringshm.engine.logprobs import TokenLogprob
 from ringshm.server.openai_schema import engine_error
+from ringshm.server.tools import ToolPlan
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -157,12 +158,14 @@ class OpenAIRequest:
             each logprob token reads ``"token_id:<id>"`` instead of its text.
         watch: the request's ``ClientWatch``: when the client goes away, every stream of the request is cancelled
             at once (waiting, prefilling or decoding) and counted "cancelled"; the answer then ends.
+        tools: the answer is in ``ringshm.server.tools``' format: each choice's message carries its parsed
+            ``tool_calls`` (or its reply's content), and a stream holds each choice's text until it finishes.
     """
 
     def __init__(self, kind: str, model_id: str, jobs: list[Job], n_choices: int, echoes: list[str | None],
                  logprobs: int | None, score_only: bool, token_text: TokenText, metrics, include_usage: bool,
-                 created: int, tokens_as_ids: bool = False, watch=None):
-        self.kind, self.model_id, self.jobs = kind, model_id, jobs
+                 created: int, tokens_as_ids: bool = False, watch=None, tools: bool = False):
+        self.kind, self.model_id, self.jobs, self.tools = kind, model_id, jobs, tools
         self.logprobs, self.score_only, self.tt, self.metrics = logprobs, score_only, token_text, metrics
         self.include_usage, self.tokens_as_ids = include_usage, tokens_as_ids
         self.choices = [_Choice(i, echoes[i]) for i in range(n_choices)]
@@ -265,11 +268,28 @@ class OpenAIRequest:
     def _choice_body(self, c: _Choice, logprobs) -> dict:
         body = {"index": c.index, "finish_reason": c.finish_reason, "logprobs": logprobs}
         text = "".join(c.text)
-        if self.kind == "chat":
+        if self.kind == "chat" and self.tools:
+            content, calls, body["finish_reason"] = ToolPlan.parse(text, c.finish_reason)
+            body["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
+        elif self.kind == "chat":
             body["message"] = {"role": "assistant", "content": text}
         else:
             body["text"] = text
         return body
+
+    def _tool_deltas(self, c: _Choice) -> tuple[list[dict], str | None]:
+        """A finished tool-format choice as OpenAI streams it: per call a delta with its index, id, type, name and
+        empty arguments, then one with the arguments; or the reply's content. Returns (deltas, finish_reason)."""
+        content, calls, finish = ToolPlan.parse("".join(c.text), c.finish_reason)
+        if not calls:
+            return ([{"content": content}] if content else []), finish
+        deltas = []
+        for i, call in enumerate(calls):
+            fn = call["function"]
+            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                           "function": {"name": fn["name"], "arguments": ""}}]})
+            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]})
+        return deltas, finish
 
     async def body(self) -> dict | None:
         """The non-streaming body; None when the client went away (every stream is cancelled then).
@@ -324,6 +344,14 @@ class OpenAIRequest:
             while item is not None:
                 j, chunk = item
                 for c, text, payload, finish in self._on_chunk(j, chunk):
+                    if self.tools and self.kind == "chat":  # held until the choice's JSON is complete
+                        if finish is None:
+                            continue
+                        deltas, finish = self._tool_deltas(c)
+                        for delta in deltas:
+                            yield _event({**head, "choices": [{"index": c.index, "delta": delta, "finish_reason": None,
+                                                               "logprobs": None}]})
+                        text = ""
                     if not (text or finish is not None or payload):
                         continue
                     if self.kind == "chat":

@@ -7,6 +7,7 @@ stage, a queue wait past its limit or a closing engine 503, a failed request 500
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Annotated, Literal
 
@@ -65,8 +66,6 @@ UNSUPPORTED = {
     "min_p": (lambda v: v == 0, "min_p is not supported (use 0)"),
     "best_of": (lambda v: v is None or v == 1, "best_of must be 1"),
     "suffix": (lambda v: not v, "suffix is not supported"),
-    "tools": (lambda v: not v, "tools are not supported"),
-    "tool_choice": (lambda v: v is None or v == "none", 'tool_choice: tools are not supported (only "none")'),
     "functions": (lambda v: not v, "functions (the legacy form of tools) are not supported"),
     "function_call": (lambda v: v is None or v == "none", 'function_call: functions are not supported (only '
                       '"none")'),
@@ -194,17 +193,40 @@ class _TextPart(BaseModel):
     text: Annotated[str, Strict()]
 
 
+class _Function(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[str, Strict()]
+    arguments: Annotated[str, Strict()]
+
+
+class _ToolCall(BaseModel):
+    """An earlier assistant turn's call: ``{"id", "type": "function", "function": {"name", "arguments"}}``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: Annotated[str, Strict()] | None = None
+    type: Literal["function"] = "function"
+    function: _Function
+
+
 class _Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, Strict()] | list[_TextPart] | None = None
+    tool_calls: list[_ToolCall] | None = None  # assistant
+    tool_call_id: Annotated[str, Strict()] | None = None  # tool
 
 
 def plain_messages(messages: list[_Message]) -> list[dict]:
-    """``[{"role", "content"}]`` for the chat template: text content parts joined, ``developer`` as
-    ``system``, no content as "". Raises a 400 naming ``messages`` for text that is not valid Unicode
-    (``check_text``); a part that is not ``{"type": "text", "text": <string>}`` is refused by the schema."""
+    """``[{"role", "content"}]`` for the chat template: text content parts joined, ``developer`` as ``system``, no
+    content as "". Tool turns become text any template takes (``ringshm.server.tools``' generic format): an
+    assistant turn's ``tool_calls`` the JSON it would have written (``{"tool_calls": [{"name", "arguments"}]}``
+    after its content), a ``tool`` turn a user turn "Result of tool call <id>: <content>". Raises a 400 naming
+    ``messages`` for text that is not valid Unicode (``check_text``), call arguments that are not JSON text, a
+    ``tool`` turn without ``tool_call_id`` or ``tool_calls`` outside an assistant turn; a part that is not
+    ``{"type": "text", "text": <string>}`` is refused by the schema."""
     out = []
     for i, m in enumerate(messages):
         content = m.content
@@ -214,7 +236,22 @@ def plain_messages(messages: list[_Message]) -> list[dict]:
             check_text(content or "", f"messages[{i}].content")
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        content, role = content or "", "system" if m.role == "developer" else m.role
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_request(f"messages[{i}]: a tool message needs tool_call_id", "messages")
+            role, content = "user", f"Result of tool call {m.tool_call_id}: {content}"
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(f"messages[{i}]: only an assistant message carries tool_calls", "messages")
+            try:
+                calls = [{"name": c.function.name, "arguments": json.loads(c.function.arguments)}
+                         for c in m.tool_calls]
+            except ValueError:
+                raise bad_request(f"messages[{i}].tool_calls: function.arguments must be JSON text",
+                                  "messages") from None
+            content += json.dumps({"tool_calls": calls}, ensure_ascii=False)
+        out.append({"role": role, "content": content})
     return out
 
 
@@ -225,6 +262,7 @@ class ChatRequest(RequestBody):
     max_completion_tokens: Int | None = Field(None, ge=1)
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: Bool | None = None
     functions: list | None = None
     function_call: str | dict | None = None
     logprobs: Bool | None = None
