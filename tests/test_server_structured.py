@@ -215,8 +215,8 @@ def test_a_tool_round_trip_call_then_result_then_answer(client):
     first = _calls(client, tool_choice={"type": "function", "function": {"name": "get_weather"}},
                    parallel_tool_calls=False).choices[0].message
     call = first.tool_calls[0]
-    messages = ASK_WEATHER + [first.model_dump(exclude_none=True),
-                              {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}]
+    result = {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "clear"}'}
+    messages = ASK_WEATHER + [first.model_dump(exclude_none=True), result]
     out = _calls(client, messages, tool_choice="none", max_tokens=24)
     assert out.choices[0].message.tool_calls is None and out.choices[0].message.content
     auto = _calls(client, messages)  # auto: a call or a reply, either in the format
