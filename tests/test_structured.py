@@ -267,3 +267,22 @@ def test_the_last_stage_restricts_each_rows_argmax_by_that_rows_own_mask():
         plan_head(segs, [], words[:1], vocab)
     with pytest.raises(ValueError, match="int32 \\[2, 3\\]"):
         plan_head(segs, [], None, vocab)
+
+
+@pytest.mark.parametrize("levels", [12, 300])
+@pytest.mark.parametrize("density", [0.0005, 0.02, 0.3, 0.97])
+def test_the_restricted_argmax_equals_the_masked_argmax_ties_included(density, levels):
+    """Every path of ``_restrict_argmax`` (the argmax allowed, an allowed token among the top 16, the whole mask)
+    against ``masked_fill(-inf).argmax()``, on logits with many exact ties (small integers)."""
+    gen = torch.Generator().manual_seed(int(density * 1e4) + levels)
+    vocab, n = 1000, 64
+    logits = torch.randint(0, levels, (n, vocab), generator=gen).float()
+    ok = torch.rand(n, vocab, generator=gen) < density
+    ok[torch.arange(n), torch.randint(0, vocab, (n,), generator=gen)] = True  # at least one allowed per row
+    words = torch.zeros(n, -(-vocab // 32), dtype=torch.int64)
+    for r, t in ok.nonzero().tolist():
+        words[r, t // 32] |= 1 << (t % 32)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    segs = [m.Segment(i, 0, 1, m.WANT_LAST | m.WANT_ALLOWED) for i in range(n)]
+    out = head_outputs(logits, plan_head(segs, [], words, vocab))
+    assert out.token_ids.tolist() == logits.masked_fill(~ok, float("-inf")).argmax(dim=-1).tolist()

@@ -1,0 +1,122 @@
+"""Structured output (issue 30), figures only, on the default model (1 stage, 2 threads): decode tok/s of 100 %
+JSON-schema streams against the same streams unconstrained, at 1 and 16 streams (goal >= 0.95: vLLM loses 17-33 %);
+the mask time per constrained token; grammar compile time p50 / p99 over the test corpus and the tool schemas (goal
+p99 < 20 ms); the first structured request's TTFT on a fresh engine (the tokenizer's tables are built then) against
+a warm one.
+
+Both sides generate ``N_NEW`` tokens per stream: the unconstrained with ``ignore_eos``, the constrained under a
+schema whose shortest document is longer than ``N_NEW`` tokens, so neither stops early.
+
+Run: ``python -m pytest bench/bench_structured.py --benchmark-only -s -p no:cacheprovider``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import cpu_label, percentile
+from ringshm.engine.engine import Engine
+from ringshm.engine.grammar import GrammarCompiler
+from ringshm.generation_params import StructuredOutput as SO
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_server_structured import TOOLS  # noqa: E402
+from test_structured import CORPUS, PERSON  # noqa: E402
+
+N_NEW = 64
+LONG = SO("json_schema", {"type": "object", "properties": {"notes": {
+    "type": "array", "items": {"type": "string", "minLength": 8, "maxLength": 40}, "minItems": 40, "maxItems": 40}},
+    "required": ["notes"], "additionalProperties": False})
+PROMPT = "List forty short notes about the sea as JSON."
+_ENGINE: list[Engine] = []
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = Engine(stages=1, max_rows=16, max_seq_len=512, progress=False)
+    _ENGINE.append(eng)
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("n_streams", [1, 16])
+@pytest.mark.parametrize("constrained", [False, True], ids=["free", "json_schema"])
+def test_decode_constrained_vs_free(benchmark, figures, engine, n_streams, constrained):
+    ids = engine.encode(PROMPT, chat=True)
+    kw = {"structured_output": LONG} if constrained else {"ignore_eos": True}
+    runs = []
+
+    def run():
+        runs.append(engine.generate_batch([ids] * n_streams, N_NEW, **kw))
+
+    benchmark.pedantic(run, rounds=3, warmup_rounds=1)
+    assert all(r.n_output_tokens == N_NEW for out in runs for r in out.results), "a stream stopped early"
+    key = f"decode.{n_streams}.{'json' if constrained else 'free'}"
+    if n_streams == 1:  # one stream: its decode rate, (n - 1) / (t_last - t_first)
+        seconds = statistics.median(out.results[0].tpot_s for out in runs)
+    else:  # aggregate output tokens per second over the whole run
+        seconds = statistics.median(1 / out.output_tok_s for out in runs)
+    figures.record_value(key, seconds, tok_s=1 / seconds)
+    if constrained:
+        figures.ratio(f"decode tok/s, {n_streams} stream(s): free / json_schema (= json / free speed)",
+                      f"decode.{n_streams}.json", f"decode.{n_streams}.free", ">= 0.95 as speed")
+    print(f"\n{cpu_label()}\n{key}: {1 / seconds:.1f} tok/s")
+
+
+def test_mask_time_per_constrained_token(engine, figures):
+    streams = [engine._make_stream(i, -1, PROMPT, engine_params()) for i in range(4)]
+    from ringshm.engine.engine import BatchStream
+
+    run = BatchStream(engine, streams, engine.config.prefill_depth, None)
+    list(run)
+    tokens = sum(len(s.tokens) for s in streams)
+    per_token_ms = 1e3 * sum(s.grammar.mask_s for s in streams) / tokens
+    figures.summary.append(f"mask time per constrained token: {per_token_ms:.3f} ms ({tokens} tokens, "
+                           f"{cpu_label()})")
+    print(f"\nmask time per constrained token: {per_token_ms:.3f} ms")
+
+
+def engine_params():
+    from ringshm.generation_params import GenerationParams
+
+    return GenerationParams(max_new_tokens=N_NEW, chat=True, structured_output=LONG)
+
+
+def test_compile_time_over_the_corpus(engine, figures):
+    from ringshm.server.tools import tool_plan
+
+    specs = [SO("json_schema", s) for s in CORPUS] + [SO("json_schema", PERSON), SO("json_object"),
+                                                      SO("regex", r"[0-9]{3}-[0-9]{4}"),
+                                                      SO("choice", ["yes", "no", "maybe"])]
+    specs += [tool_plan(TOOLS, choice, None).constraint() for choice in ("auto", "required")]
+    times = []
+    for _ in range(5):
+        compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab, engine.eos_ids)
+        compiler.tokenizer  # the tables, built once per engine: not a compile
+        for spec in specs:
+            t0 = time.perf_counter()
+            compiler.compile(spec)
+            times.append(time.perf_counter() - t0)
+    p50, p99 = percentile(times, 0.5) * 1e3, percentile(times, 0.99) * 1e3
+    figures.summary.append(f"grammar compile over {len(specs)} specs x 5: p50 {p50:.2f} ms, p99 {p99:.2f} ms "
+                           f"(goal p99 < 20 ms)")
+    print(f"\ncompile p50 {p50:.2f} ms p99 {p99:.2f} ms")
+
+
+def test_cold_vs_warm_first_structured_request(figures):
+    with Engine(stages=1, max_rows=2, max_seq_len=512, progress=False) as eng:
+        ids = eng.encode(PROMPT, chat=True)
+        eng.generate(ids, 2)  # the engine itself warm: only the grammar side is cold
+        spec = SO("json_schema", PERSON)
+        cold = eng.generate(ids, 4, structured_output=spec)
+        t0 = time.perf_counter()
+        warm = eng.generate(ids, 4, structured_output=spec)
+        t_warm_call = time.perf_counter() - t0
+    figures.summary.append(f"first structured request TTFT: cold {cold.ttft_s * 1e3:.0f} ms (tokenizer tables + "
+                           f"compile), warm {warm.ttft_s * 1e3:.0f} ms (call {t_warm_call * 1e3:.0f} ms)")
+    print(f"\ncold TTFT {cold.ttft_s * 1e3:.0f} ms, warm {warm.ttft_s * 1e3:.0f} ms")
