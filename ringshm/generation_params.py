@@ -131,7 +131,8 @@ class GenerationParams:
             the output must follow: every token is chosen among those the grammar allows (greedy: the last
             stage's argmax among them; sampled: after penalties and logit_bias, before temperature / top-k /
             top-p), EOS only where the grammar accepts, and the stream ends ("stop") once the grammar is
-            complete. Not with ``spec`` (speculative decoding) yet.
+            complete. With ``spec``, drafts are cut where the grammar refuses them and each verified position is
+            masked as plain decoding masks it (the same tokens; one verify segment in flight).
         The order the sampler applies them in: ``ringshm.engine.sampling.Sampler``. Any of logit_bias, the penalties
         or min_tokens makes even a greedy request take the last stage's logits, and rules out ``spec``.
 
@@ -227,9 +228,6 @@ class GenerationParams:
         if self.structured_output is not None and self.min_tokens:
             raise ValueError("min_tokens cannot hold EOS back under a structured output (its grammar decides where "
                              "the output may end): drop min_tokens or the structured output")
-        if self.spec is not None and self.structured_output is not None:
-            raise ValueError("speculative decoding does not verify drafts against a grammar yet: turn speculation "
-                             "off (spec=None, no --spec) for a structured output")
         if self.spec is not None and self.processes_logits:
             raise ValueError("speculative decoding verifies the stage's plain argmax, so it cannot apply "
                              "logit_bias, presence/frequency/repetition penalties or min_tokens: drop those or "

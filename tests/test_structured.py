@@ -286,3 +286,30 @@ def test_the_restricted_argmax_equals_the_masked_argmax_ties_included(density, l
     segs = [m.Segment(i, 0, 1, m.WANT_LAST | m.WANT_ALLOWED) for i in range(n)]
     out = head_outputs(logits, plan_head(segs, [], words, vocab))
     assert out.token_ids.tolist() == logits.masked_fill(~ok, float("-inf")).argmax(dim=-1).tolist()
+
+
+def test_speculative_decoding_under_a_grammar_commits_the_plain_constrained_tokens(engine3):
+    """n-gram drafts from a prompt that holds the answer: most are accepted, some are cut by the grammar, and every
+    verified position carries its own mask; the tokens equal plain constrained greedy decoding."""
+    record = {"name": "Ada Lovelace", "age": 36}
+    prompt = f"Copy this JSON exactly: {json.dumps(record)}. Now copy it again: {json.dumps(record)}"
+    for spec in (SPECS["json_schema"], SO("json_object"), SO("regex", r"\{[^}]*\}")):
+        plain = engine3.generate(prompt, N_NEW, chat=True, structured_output=spec)
+        fast = engine3.generate(prompt, N_NEW, chat=True, structured_output=spec, spec="ngram", spec_k=6)
+        assert fast.token_ids == plain.token_ids and fast.finish_reason == plain.finish_reason, spec.kind
+        assert fast.draft_tokens > 0 and fast.acceptance_rate > 0.3, (spec.kind, fast)
+
+
+def test_draft_masks_walk_the_grammar_and_leave_its_state_unchanged(engine1):
+    tok = engine1.tokenizer
+    state = engine1.grammars.state(SO("regex", "(abc|xyz)!"))
+    drafts = tok.encode("abc!zz", add_special_tokens=False)
+    before = state.words().clone()
+    kept, masks = state.draft_masks(drafts)
+    assert tok.decode(kept) == "abc!" and len(masks) == len(kept) + 1
+    assert torch.equal(masks[0], before) and torch.equal(state.words(), before)
+    walk = engine1.grammars.state(SO("regex", "(abc|xyz)!"))
+    for token, mask in zip(kept, masks):
+        assert torch.equal(walk.words(), mask)
+        walk.accept(token)
+    assert torch.equal(walk.words(), masks[-1]) and walk.stopped

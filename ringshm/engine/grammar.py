@@ -206,6 +206,30 @@ class GrammarState:
             self._words = words
         return self._words
 
+    def draft_masks(self, drafts: list[int]) -> tuple[list[int], list[torch.Tensor]]:
+        """For a speculative verify of ``[last token, *drafts]``: the drafts cut before the first one the grammar
+        refuses (``validate_tokens``: a draft past the grammar's end included), and the bitmask of each position the
+        verify decides (the next position's, then the one after each kept draft), all computed from a walk the
+        matcher rolls back, so its state is unchanged.
+
+        Raises:
+            InvalidParameter, RuntimeError: as ``words`` and ``accept`` (the matcher is rolled back first).
+        """
+        first = self.words()
+        kept = list(drafts[:self.matcher.validate_tokens(list(drafts))]) if drafts else []
+        masks, walked = [first], 0
+        try:
+            for token in kept:
+                if not self.matcher.consume_token(int(token)):  # validate_tokens said it fits: never here
+                    raise RuntimeError(f"draft token {token} does not fit the grammar: {self.matcher.get_error()}")
+                walked += 1
+                self._words = None
+                masks.append(self.words())
+        finally:
+            self.matcher.rollback(walked)
+            self._words = first
+        return kept, masks
+
     def allowed(self) -> torch.Tensor:
         """The next position's allowed tokens as bool ``[vocab]``."""
         from ringshm.model.head import unpack_bitmask

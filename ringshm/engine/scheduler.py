@@ -268,8 +268,11 @@ class Scheduler:
                 tensors = [torch.tensor(ids, dtype=torch.int64)]
                 if targets:  # the ids prompt logprobs score, forwarded by every stage to the last
                     tensors.append(torch.tensor(targets, dtype=torch.int64))
-                masked = [st.grammar.words() for st, seg in zip(tag.streams, segs) if seg.want & m.WANT_ALLOWED]
-                if masked:  # constrained greedy streams' next-token bitmasks, applied by the last stage
+                masked = []  # constrained greedy streams' bitmasks, one per output position, for the last stage
+                for st, seg, v in zip(tag.streams, segs, tag.verifies):
+                    if seg.want & m.WANT_ALLOWED:
+                        masked += v.allowed if v is not None else [st.grammar.words()]
+                if masked:
                     tensors.append(torch.stack(masked))
                 tables: list[int] = []
                 for st, seg in zip(tag.streams, segs):  # each segment's table, exactly its positions' blocks
@@ -306,7 +309,8 @@ class Scheduler:
                 if not self._blocks_for(s, v.start + len(v.inputs)):
                     s.spec.in_flight.remove(v)  # not sent: the chain is built again next time
                     continue
-                segs.append(m.Segment(s.row, v.start, len(v.inputs), m.WANT_ALL))
+                segs.append(m.Segment(s.row, v.start, len(v.inputs),
+                                      m.WANT_ALL | (m.WANT_ALLOWED if v.allowed is not None else 0)))
                 ids.extend(v.inputs)
                 tag.add(s, VERIFY, v)
 

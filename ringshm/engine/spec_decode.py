@@ -11,7 +11,10 @@ simply overwrites what rejected or stale ops wrote there, and stages apply ops i
 those positions before it. Each stream has its own drafter and epoch.
 
 With the batch-invariant kernels a verify segment computes, at each position, the same bits as a 1-token
-decode there, so a speculative stream commits exactly the tokens of plain greedy decoding.
+decode there, so a speculative stream commits exactly the tokens of plain greedy decoding. A constrained stream
+(structured output) keeps one verify segment in flight: its drafts are cut before the first token its grammar
+refuses, and each position carries the mask of the grammar state after the drafts before it, so the last stage's
+restricted argmax there is the one plain constrained decoding takes.
 
 Draft length adapts per stream, because a rejected draft costs a wider op and a rejected chain costs whole
 ops: after a full accept the next proposal may be longer (doubling up to ``k``), after a rejection it is
@@ -34,12 +37,14 @@ PROBE_EVERY = 8  # plain decode steps before a stream whose drafts kept failing 
 @dataclass(frozen=True, eq=False)
 class VerifyTag:
     """Tag of one speculative op in flight: the stream's decoder, the epoch it was built in, its first
-    position and the tokens it feeds (``inputs[0]`` then the drafts)."""
+    position and the tokens it feeds (``inputs[0]`` then the drafts); for a constrained stream, ``allowed``: the
+    bitmask of each position it decides (``GrammarState.draft_masks``), None otherwise."""
 
     decoder: "SpecDecoder"
     epoch: int
     start: int
     inputs: tuple[int, ...]
+    allowed: tuple | None = None
 
 
 @dataclass(eq=False)
@@ -82,7 +87,7 @@ class SpecDecoder:
             return None
         self._sync()
         chain = [t for t in self.in_flight if t.epoch == self.epoch]
-        if len(chain) >= self.depth:
+        if len(chain) >= (1 if s.grammar is not None else self.depth):  # a grammar's masks need the committed state
             return None
         if chain:  # build on the tail of the chain, as if every draft in it were accepted
             if not self.confident or len(chain[-1].inputs) == 1:
@@ -99,7 +104,14 @@ class SpecDecoder:
         if budget <= 0:
             return None
         drafts = self.drafter.propose(tail)[: min(self.k_now, budget - 1)] if self.k_now else []
-        tag = VerifyTag(self, self.epoch, start, (first, *drafts))
+        allowed = None
+        if s.grammar is not None:  # drafts the grammar refuses are cut; each position gets its own mask
+            try:
+                drafts, masks = s.grammar.draft_masks(drafts)
+            except Exception:  # noqa: BLE001 - a walk that fails costs this stream its drafts, nothing else
+                drafts, masks = [], [s.grammar.words()]  # the committed state's mask, computed at its commit
+            allowed = tuple(masks)
+        tag = VerifyTag(self, self.epoch, start, (first, *drafts), allowed)
         self.in_flight.append(tag)
         return tag
 

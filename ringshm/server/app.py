@@ -17,8 +17,7 @@ of prompts; vLLM's extensions: ``top_k``, ``repetition_penalty`` (> 0), ``min_to
 llama.cpp's ``json_schema`` / ``grammar`` (``ringshm.server.structured``; compiled off the loop, a schema or grammar
 that does not compile is a 400 naming the field and, for a keyword that cannot be enforced, its JSON pointer).
 How choices, logprobs and echo are answered: ``ringshm.server.openai_responses``. A request with a logit control
-(not ``ignore_eos``), logprobs or a structured output is decoded without speculation even when the server has
-``--spec``. ``max_tokens`` defaults
+(not ``ignore_eos``) or logprobs is decoded without speculation even when the server has ``--spec``. ``max_tokens`` defaults
 to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
 naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
 value (``ringshm.server.openai_schema.UNSUPPORTED``: ``tools`` among them), and so are other servers' fields that
@@ -215,8 +214,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         if constraint[0] is not None:
             base["structured_output"] = constraint[0]
         processes_logits = any(k != "ignore_eos" for k in controls)
-        if (spec is not None and greedy and not processes_logits and logprobs is None and prompt_logprobs is None
-                and constraint[0] is None):
+        if spec is not None and greedy and not processes_logits and logprobs is None and prompt_logprobs is None:
             base.update(spec=spec, spec_k=spec_k, spec_depth=spec_depth)  # spec verifies the plain argmax
         n_maxes = []
         for p, ids in enumerate(prompts):
