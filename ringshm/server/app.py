@@ -16,11 +16,12 @@ of prompts; vLLM's extensions: ``top_k``, ``repetition_penalty`` (> 0), ``min_to
 ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and
 llama.cpp's ``json_schema`` / ``grammar`` (``ringshm.server.structured``; compiled off the loop, a schema or grammar
 that does not compile is a 400 naming the field and, for a keyword that cannot be enforced, its JSON pointer).
-How choices, logprobs and echo are answered: ``ringshm.server.openai_responses``. A request with a logit control
-(not ``ignore_eos``) or logprobs is decoded without speculation even when the server has ``--spec``. ``max_tokens`` defaults
-to the rest of the context for chat and to 16 for completions (OpenAI's defaults). Types are strict (400
-naming the field). Fields ringshm does not implement are refused (400 naming them) unless at their neutral
-value (``ringshm.server.openai_schema.UNSUPPORTED``: ``tools`` among them), and so are other servers' fields that
+Tools: ``tools``, ``tool_choice``, ``parallel_tool_calls`` (``ringshm.server.tools``: a generic JSON format held
+to a schema built from the tools). How choices, logprobs and echo are answered: ``ringshm.server.openai_responses``.
+A request with a logit control (not ``ignore_eos``) or logprobs is decoded without speculation even when the server
+has ``--spec``. ``max_tokens`` defaults to the rest of the context for chat and to 16 for completions (OpenAI's
+defaults). Types are strict (400 naming the field). Fields ringshm does not implement are refused (400 naming them)
+unless at their neutral value (``ringshm.server.openai_schema.UNSUPPORTED``), and so are other servers' fields that
 would change the answer (``FOREIGN_FIELDS``: vLLM's old ``guided_*``, ``chat_template_kwargs``, ...); other unknown
 fields are ignored.
 A request's ``model`` may be any served name (none: the first); the response echoes it.
