@@ -271,17 +271,19 @@ def test_the_last_stage_restricts_each_rows_argmax_by_that_rows_own_mask():
 @pytest.mark.parametrize("levels", [12, 300])
 @pytest.mark.parametrize("density", [0.0005, 0.02, 0.3, 0.97])
 def test_the_restricted_argmax_equals_the_masked_argmax_ties_included(density, levels):
-    """Every path of ``_restrict_argmax`` (the argmax allowed, an allowed token among the top 16, the whole mask)
-    against ``masked_fill(-inf).argmax()``, on logits with many exact ties (small integers)."""
+    """Every path of ``_restrict_argmax`` (the argmax allowed, a sparse mask read directly, an allowed token among
+    the top 16, a dense mask read whole) against ``masked_fill(-inf).argmax()``, on logits with many exact ties
+    (small integers)."""
     gen = torch.Generator().manual_seed(int(density * 1e4) + levels)
-    vocab, n = 1000, 64
+    vocab, n = 5000, 64  # 157 words: sparse masks (<= 64 nonzero words) and dense ones
     logits = torch.randint(0, levels, (n, vocab), generator=gen).float()
     ok = torch.rand(n, vocab, generator=gen) < density
     ok[torch.arange(n), torch.randint(0, vocab, (n,), generator=gen)] = True  # at least one allowed per row
-    words = torch.zeros(n, -(-vocab // 32), dtype=torch.int64)
-    for r, t in ok.nonzero().tolist():
-        words[r, t // 32] |= 1 << (t % 32)
+    padded = torch.zeros(n, -(-vocab // 32) * 32, dtype=torch.int64)
+    padded[:, :vocab] = ok.long()
+    words = (padded.view(n, -1, 32) << torch.arange(32)).sum(dim=-1)  # bit t % 32 of word t // 32
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    assert torch.equal(unpack_bitmask(words, vocab), ok)
     segs = [m.Segment(i, 0, 1, m.WANT_LAST | m.WANT_ALLOWED) for i in range(n)]
     out = head_outputs(logits, plan_head(segs, [], words, vocab))
     assert out.token_ids.tolist() == logits.masked_fill(~ok, float("-inf")).argmax(dim=-1).tolist()
@@ -312,3 +314,29 @@ def test_draft_masks_walk_the_grammar_and_leave_its_state_unchanged(engine1):
         assert torch.equal(walk.words(), mask)
         walk.accept(token)
     assert torch.equal(walk.words(), masks[-1]) and walk.stopped
+
+
+def test_a_grammar_that_cannot_go_on_fails_its_own_stream_and_no_other(engine1, solo, monkeypatch):
+    import ringshm.engine.grammar as grammar
+
+    real = grammar.fill_masks
+    calls = []
+
+    def fill(states):
+        out = real(states)
+        calls.append(len(states))
+        if len(calls) == 3:  # the third reply: the first constrained stream's grammar "allows nothing"
+            out[0] = InvalidParameter("the structured output cannot go on: no token is allowed here",
+                                      "structured_output")
+        return out
+
+    monkeypatch.setattr(grammar, "fill_masks", fill)
+    jobs = _mixed_jobs()
+    out = _batch(engine1, jobs)
+    failed = [i for i, r in enumerate(out.results) if r.finish_reason == "error"]
+    assert len(failed) == 1 and jobs[failed[0]][1].structured_output is not None
+    assert "cannot go on" in out.results[failed[0]].error
+    for i, (r, s) in enumerate(zip(out.results, solo)):
+        if i not in failed:
+            assert r.token_ids == s.token_ids, i
+    assert engine1.generate("Say hi.", 4, chat=True).n_output_tokens == 4

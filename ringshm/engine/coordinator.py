@@ -246,7 +246,7 @@ class Stream:
 
         Raises:
             RuntimeError: the stream's grammar refuses the token (``GrammarState.accept``); nothing is appended.
-            InvalidParameter: the grammar allows no token after it (``GrammarState.words``).
+            (The grammar's next mask is computed by the scheduler for every stream of the reply at once.)
         """
         if self.grammar is not None:
             self.grammar.accept(token)
@@ -260,8 +260,6 @@ class Stream:
             self.finish_reason = "length"
         if self.done:
             delta += self.text.finish()
-        elif self.grammar is not None:
-            self.grammar.words()  # the next position's mask, now: a grammar that cannot go on fails this stream alone
         return delta
 
 

@@ -162,6 +162,46 @@ class GrammarCompiler:
         return GrammarState(copy, self.vocab)
 
 
+_EXECUTOR: list = []  # llguidance's thread pool for many masks at once, made on first use
+
+
+def fill_masks(states: list[GrammarState]) -> list[BaseException | None]:
+    """Compute the next position's bitmask of every state in ``states`` at once, on llguidance's thread pool
+    (2 threads; the GIL is released): what one step reply's constrained streams need before the next op. Returns,
+    per state, None or the error that state's own grammar raised (``InvalidParameter``: it allows no token), so
+    that one stream's failure ends that stream alone."""
+    if len(states) == 1:
+        try:
+            states[0].words()
+            return [None]
+        except InvalidParameter as exc:
+            return [exc]
+    from llguidance import LLExecutor
+
+    if not _EXECUTOR:
+        _EXECUTOR.append(LLExecutor(num_threads=2))
+    t0 = time.perf_counter()
+    width = -(-states[0].vocab // 32)
+    masks = torch.zeros(len(states), width, dtype=torch.int32)
+    _EXECUTOR[0].unsafe_compute_mask_ptr([(st.matcher, i) for i, st in enumerate(states)], masks.data_ptr(),
+                                         width * 4, len(states))
+    share = (time.perf_counter() - t0) / len(states)
+    nonempty = masks.any(dim=1).tolist()  # one pass for all rows
+    errors: list[BaseException | None] = []
+    for st, row, ok in zip(states, masks, nonempty):
+        st.mask_s += share
+        if ok and not st.matcher.is_error():
+            st._words = row
+            errors.append(None)
+            continue
+        try:
+            st._take(row)  # raises, naming llguidance's error
+            errors.append(None)
+        except InvalidParameter as exc:
+            errors.append(exc)
+    return errors
+
+
 def _check_schema(schema) -> None:
     """Raise InvalidParameter unless ``schema`` is a valid JSON Schema of the draft it names (2020-12 when none),
     saying what and where."""
@@ -190,7 +230,8 @@ class GrammarState:
         self.mask_s = 0.0  # time spent computing masks (seconds)
 
     def words(self) -> torch.Tensor:
-        """The next position's bitmask, int32 ``[ceil(vocab / 32)]`` (computed on first call per position).
+        """The next position's bitmask, int32 ``[ceil(vocab / 32)]`` (computed on first call per position, unless
+        ``fill_masks`` computed it).
 
         Raises:
             InvalidParameter: no token is allowed (the grammar cannot go on: llguidance's error named).
@@ -200,11 +241,15 @@ class GrammarState:
             words = torch.zeros(-(-self.vocab // 32), dtype=torch.int32)
             self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
             self.mask_s += time.perf_counter() - t0
-            if self.matcher.is_error() or not bool(words.any()):
-                raise InvalidParameter(f"the structured output cannot go on: "
-                                       f"{self.matcher.get_error() or 'no token is allowed here'}", "structured_output")
-            self._words = words
+            self._take(words)
         return self._words
+
+    def _take(self, words: torch.Tensor) -> None:
+        """Keep ``words`` as the next position's bitmask. Raises InvalidParameter when it allows no token."""
+        if self.matcher.is_error() or not bool(words.any()):
+            raise InvalidParameter(f"the structured output cannot go on: "
+                                   f"{self.matcher.get_error() or 'no token is allowed here'}", "structured_output")
+        self._words = words
 
     def draft_masks(self, drafts: list[int]) -> tuple[list[int], list[torch.Tensor]]:
         """For a speculative verify of ``[last token, *drafts]``: the drafts cut before the first one the grammar
@@ -245,6 +290,11 @@ class GrammarState:
         self._words = None
         if not self.matcher.consume_token(int(token)):
             raise RuntimeError(f"token {token} does not fit the structured output: {self.matcher.get_error()}")
+
+    @property
+    def needs_mask(self) -> bool:
+        """Its next position's bitmask is not computed yet (``fill_masks`` computes it)."""
+        return self._words is None
 
     @property
     def stopped(self) -> bool:

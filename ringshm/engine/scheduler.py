@@ -379,7 +379,23 @@ class Scheduler:
                     events.append(TokenEvent(s.index, -1, "", error=exc))
             if s.done:
                 self._maybe_free(s)
+        self._next_masks(tag.streams, events)
         return events
+
+    def _next_masks(self, streams: list[Stream], events: list[TokenEvent]) -> None:
+        """The next position's bitmask of each constrained stream that committed a token, all at once
+        (``ringshm.engine.grammar.fill_masks``: in parallel, before the next op is built); a grammar that allows no
+        token fails its own stream."""
+        pending = [s for s in streams if s.grammar is not None and not s.done and s.grammar.needs_mask]
+        if not pending:
+            return
+        from ringshm.engine.grammar import fill_masks
+
+        for s, exc in zip(pending, fill_masks([s.grammar for s in pending])):
+            if exc is not None:
+                s.fail(exc)
+                events.append(TokenEvent(s.index, -1, "", error=exc))
+                self._maybe_free(s)
 
     def _commit_segment(self, s: Stream, seg: m.Segment, kind: int, v: VerifyTag | None, part,
                         events: list[TokenEvent]) -> None:

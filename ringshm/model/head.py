@@ -123,7 +123,8 @@ def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
 
 
-RESTRICT_TOP_K = 16  # candidates tested bit by bit before a row's whole bitmask is unpacked
+RESTRICT_TOP_K = 16  # candidates tested bit by bit before a row's whole bitmask is read
+SPARSE_WORDS = 64  # a bitmask with at most this many nonzero words (<= 2,048 tokens) is read directly, no top-k
 
 
 def _allowed_bits(words: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -136,27 +137,56 @@ def _restrict_argmax(argmax: torch.Tensor, logits: torch.Tensor, plan: HeadPlan)
     bitmask allows: the smallest index of the largest allowed logit, as ``masked_fill(-inf).argmax()`` gives it.
 
     Three steps, each exact, each row on its own. 1. The unrestricted argmax, when allowed (the first index of the
-    largest value overall is the first among the allowed ones too). 2. Else the ``RESTRICT_TOP_K`` largest logits:
+    largest value overall is the first among the allowed ones too); else, for a sparse mask (at most
+    ``SPARSE_WORDS`` nonzero words), its allowed tokens read directly (``_argmax_over_bits``). 2. Else the
+    ``RESTRICT_TOP_K`` largest logits:
     when an allowed one has a value v above the k-th largest, every token of value v is among them, so the
-    smallest allowed index of value v is the answer. 3. Else the whole bitmask unpacked (~0.5 ms for 49k tokens)."""
+    smallest allowed index of value v is the answer. 3. Else the allowed tokens read from the bitmask
+    (``_argmax_over_bits``)."""
     rows = torch.tensor(plan.allowed_rows, dtype=torch.int64, device=logits.device)
     words = plan.allowed.to(logits.device)  # [n_masked, W]
-    redo = (~_allowed_bits(words, argmax[rows][:, None])[:, 0]).nonzero()[:, 0].tolist()
-    left = []
-    k = min(RESTRICT_TOP_K, logits.shape[-1])
-    for r in redo:
-        values, ids = torch.topk(logits[rows[r]], k)  # [k], largest first
-        ok = _allowed_bits(words[r:r + 1], ids[None])[0]
-        hit = ok.nonzero()
-        if hit.numel() and (k == logits.shape[-1] or values[hit[0, 0]] > values[-1]):
-            v = values[hit[0, 0]]
-            argmax[rows[r]] = ids[ok & (values == v)].min()
-        else:
-            left.append(r)
-    if left:
-        sel = torch.tensor(left, dtype=torch.int64, device=logits.device)
-        allowed = unpack_bitmask(words[sel], logits.shape[-1])  # [n_left, vocab]
-        argmax[rows[sel]] = logits[rows[sel]].masked_fill(~allowed, float("-inf")).argmax(dim=-1)
+    redo = (~_allowed_bits(words, argmax[rows][:, None])[:, 0]).nonzero()[:, 0]
+    if not redo.numel():
+        return
+    vocab = logits.shape[-1]
+    sparse = (words[redo] != 0).sum(dim=1) <= SPARSE_WORDS  # few allowed tokens: read them straight from the mask
+    if bool(sparse.any()):
+        argmax[rows[redo[sparse]]] = _argmax_over_bits(logits[rows[redo[sparse]]], words[redo[sparse]])
+        redo = redo[~sparse]
+        if not redo.numel():
+            return
+    k = min(RESTRICT_TOP_K, vocab)
+    values, ids = torch.topk(logits[rows[redo]], k, dim=-1)  # [n_redo, k], largest first
+    ok = _allowed_bits(words[redo], ids)  # [n_redo, k]
+    first = torch.where(ok.any(dim=1), ok.int().argmax(dim=1), k - 1)  # the first allowed candidate (or the last)
+    v = values.gather(1, first[:, None])  # [n_redo, 1]
+    decided = ok.any(dim=1) & ((v[:, 0] > values[:, -1]) | (k == vocab))
+    tied = ok & (values == v)  # allowed candidates of the first allowed value: the smallest index wins
+    best = torch.where(tied, ids, torch.full_like(ids, vocab)).min(dim=1).values
+    argmax[rows[redo[decided]]] = best[decided]
+    left = redo[~decided]
+    if left.numel():
+        argmax[rows[left]] = _argmax_over_bits(logits[rows[left]], words[left])
+
+
+def _argmax_over_bits(logits: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+    """Per row of ``logits`` (``[n, vocab]``), the smallest index of the largest logit among the tokens bitmask
+    ``words`` (int32 ``[n, W]``) allows: int64 ``[n]``. Only the mask's nonzero words are expanded, so a sparse
+    mask (JSON punctuation, a choice) costs its allowed tokens, not the vocabulary (16 rows: ~12 ms -> well under
+    1 ms measured for one allowed token per row)."""
+    n, vocab = logits.shape
+    r, w = words.nonzero(as_tuple=True)  # [nnz]: the words with an allowed token
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    bits = ((words[r, w][:, None] >> shifts) & 1).bool()  # [nnz, 32]
+    tok = w[:, None] * 32 + shifts.long()  # [nnz, 32]
+    keep = bits & (tok < vocab)
+    row_of, tok = r[:, None].expand_as(tok)[keep], tok[keep]  # every allowed (row, token)
+    score = logits[row_of, tok]
+    best = torch.full((n,), float("-inf"), dtype=logits.dtype, device=logits.device)
+    best = best.scatter_reduce(0, row_of, score, reduce="amax")
+    first = torch.full((n,), vocab, dtype=torch.int64, device=logits.device)
+    top = score == best[row_of]
+    return first.scatter_reduce(0, row_of[top], tok[top], reduce="amin")
 
 
 def head_outputs(logits: torch.Tensor, plan: HeadPlan) -> StageOutput:
