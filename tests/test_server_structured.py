@@ -193,9 +193,11 @@ def test_tool_calls_name_an_allowed_tool_with_arguments_that_validate(client, to
 
 
 def test_a_streamed_tool_call_concatenates_to_the_non_streamed_one(client):
+    """Calls stream as they are generated (id and name first, then argument fragments); the concatenation equals
+    the non-streamed reply's calls."""
     whole = _calls(client, tool_choice="required").choices[0].message.tool_calls
     got: dict[int, dict] = {}
-    finish = None
+    finish, fragments = None, 0
     for chunk in _calls(client, tool_choice="required", stream=True):
         if not chunk.choices:
             continue
@@ -205,7 +207,9 @@ def test_a_streamed_tool_call_concatenates_to_the_non_streamed_one(client):
             call["id"] = call["id"] or d.id
             call["name"] += d.function.name or ""
             call["arguments"] += d.function.arguments or ""
+            fragments += bool(d.function.arguments)
     assert finish == "tool_calls"
+    assert fragments > 2 * len(got), "arguments arrive as they are generated, in many fragments"
     assert [(c["name"], c["arguments"]) for _, c in sorted(got.items())] == [
         (c.function.name, c.function.arguments) for c in whole]
     assert all(c["id"] for c in got.values()), "the first delta of each call carries its id"
@@ -244,3 +248,32 @@ def test_malformed_tools_get_a_400_naming_the_field(srv, fields, param):
     body = {"model": "smollm2", "max_tokens": 4, "messages": ASK_WEATHER, **fields}
     status, out, _ = srv.post("/v1/chat/completions", body)
     assert status == 400 and out["error"]["param"] == param, out
+
+
+def test_the_tool_call_reader_streams_what_the_body_returns_at_every_cut():
+    """``ToolCallStream`` fed a character at a time agrees with ``ToolPlan.parse`` of the whole text at every
+    prefix (a body cut there by max_tokens): names once complete, arguments as the model wrote them, escapes and
+    numbers included; a reply's content and text that is not the format come back whole."""
+    from ringshm.server.tools import ToolCallStream, ToolPlan
+
+    text = ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa\\"ris\\\\", "n": 12.5e1, "x": [1, '
+            '{"y": "}"}]}}, {"name":"add","arguments":{"a":-1,"b":true}}]}')
+    for cut in range(len(text) + 1):
+        stream, streamed = ToolCallStream(), {}
+        for ch in text[:cut]:
+            stream.feed(ch)
+            for d in stream.deltas():
+                for c in d["tool_calls"]:
+                    call = streamed.setdefault(c["index"], ["", ""])
+                    call[0] += c["function"].get("name") or ""
+                    call[1] += c["function"]["arguments"]
+        finish = "stop" if cut == len(text) else "length"
+        content, calls, reason = ToolPlan.parse(text[:cut], finish)
+        if calls is not None:
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+                tuple(streamed[i]) for i in sorted(streamed)], cut
+        else:
+            assert not streamed and content == text[:cut], cut
+    assert reason == "tool_calls" and json.loads(calls[0]["function"]["arguments"])["x"][1] == {"y": "}"}
+    assert ToolPlan.parse('{"content": "caf\\u00e9 \\"ok\\""}', "stop") == ('café "ok"', None, "stop")
+    assert ToolPlan.parse('{"answer": 1}', "stop") == ('{"answer": 1}', None, "stop")

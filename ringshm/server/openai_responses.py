@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ringshm.engine.logprobs import TokenLogprob
 from ringshm.server.openai_schema import engine_error
-from ringshm.server.tools import ToolPlan
+from ringshm.server.tools import ToolCallStream, ToolPlan
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -159,13 +159,14 @@ class OpenAIRequest:
         watch: the request's ``ClientWatch``: when the client goes away, every stream of the request is cancelled
             at once (waiting, prefilling or decoding) and counted "cancelled"; the answer then ends.
         tools: the answer is in ``ringshm.server.tools``' format: each choice's message carries its parsed
-            ``tool_calls`` (or its reply's content), and a stream holds each choice's text until it finishes.
+            ``tool_calls`` (or its reply's content); a stream sends calls as they are generated.
     """
 
     def __init__(self, kind: str, model_id: str, jobs: list[Job], n_choices: int, echoes: list[str | None],
                  logprobs: int | None, score_only: bool, token_text: TokenText, metrics, include_usage: bool,
                  created: int, tokens_as_ids: bool = False, watch=None, tools: bool = False):
         self.kind, self.model_id, self.jobs, self.tools = kind, model_id, jobs, tools
+        self._tool_streams: dict[int, ToolCallStream] = {}
         self.logprobs, self.score_only, self.tt, self.metrics = logprobs, score_only, token_text, metrics
         self.include_usage, self.tokens_as_ids = include_usage, tokens_as_ids
         self.choices = [_Choice(i, echoes[i]) for i in range(n_choices)]
@@ -277,18 +278,18 @@ class OpenAIRequest:
             body["text"] = text
         return body
 
-    def _tool_deltas(self, c: _Choice) -> tuple[list[dict], str | None]:
-        """A finished tool-format choice as OpenAI streams it: per call a delta with its index, id, type, name and
-        empty arguments, then one with the arguments; or the reply's content. Returns (deltas, finish_reason)."""
-        content, calls, finish = ToolPlan.parse("".join(c.text), c.finish_reason)
-        if not calls:
-            return ([{"content": content}] if content else []), finish
-        deltas = []
-        for i, call in enumerate(calls):
-            fn = call["function"]
-            deltas.append({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                           "function": {"name": fn["name"], "arguments": ""}}]})
-            deltas.append({"tool_calls": [{"index": i, "function": {"arguments": fn["arguments"]}}]})
+    def _tool_deltas(self, c: _Choice, text: str, finish: str | None) -> tuple[list[dict], str | None]:
+        """A tool-format choice's stream deltas for its new ``text`` (``ringshm.server.tools.ToolCallStream``: calls
+        as they are generated), and at its finish what is left: a reply's content, or the raw text when the answer
+        is not the format. Returns (deltas, finish_reason), both as ``ToolPlan.parse`` reads the whole text."""
+        stream = self._tool_streams.setdefault(c.index, ToolCallStream())
+        stream.feed(text)
+        deltas = stream.deltas()
+        if finish is None:
+            return deltas, None
+        content, _, finish = ToolPlan.parse(stream.text, finish)
+        if content:
+            deltas.append({"content": content})
         return deltas, finish
 
     async def body(self) -> dict | None:
@@ -344,10 +345,8 @@ class OpenAIRequest:
             while item is not None:
                 j, chunk = item
                 for c, text, payload, finish in self._on_chunk(j, chunk):
-                    if self.tools and self.kind == "chat":  # held until the choice's JSON is complete
-                        if finish is None:
-                            continue
-                        deltas, finish = self._tool_deltas(c)
+                    if self.tools and self.kind == "chat":  # calls streamed as their JSON grows
+                        deltas, finish = self._tool_deltas(c, text, finish)
                         for delta in deltas:
                             yield _event({**head, "choices": [{"index": c.index, "delta": delta, "finish_reason": None,
                                                                "logprobs": None}]})

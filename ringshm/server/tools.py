@@ -18,11 +18,13 @@ message as a user turn holding the result, so any chat template takes them
 (``ringshm.server.openai_schema.plain_messages``).
 
 The reply: ``message.tool_calls`` (``id`` "call_<24 hex>", ``type`` "function", ``function.name``,
-``function.arguments`` as compact JSON text) with ``content`` null and ``finish_reason`` "tool_calls", or the
-reply's ``content`` with "stop". Streamed, the answer is held until its JSON is complete, then sent as OpenAI sends
-it: per call, a delta with its index, id, type and name and empty arguments, then a delta with the arguments; so
-the concatenated stream equals the non-streamed reply. An answer cut by ``max_tokens`` (incomplete JSON) comes back
-as its raw text with "length".
+``function.arguments``: the JSON text of the arguments as the model wrote it) with ``content`` null and
+``finish_reason`` "tool_calls", or the reply's ``content`` with "stop". Streamed as OpenAI streams calls, as they
+are generated (``ToolCallStream``): per call, a delta with its index, id, type and name (empty arguments) once the
+name is complete, then the arguments' text as it grows; a reply's content once its string is complete. Both read
+the text the same way, so the concatenated stream equals the non-streamed reply. An answer cut by ``max_tokens``
+keeps its calls so far (the last one's arguments cut short, as OpenAI returns them) with "length"; text that is
+not the format (cut before its first key) comes back as it is.
 
 Not built yet: a model's own tool-call format from its chat template (Qwen's ``<tool_call>``, Llama 3.1's JSON,
 Mistral's ``[TOOL_CALLS]``): every model gets the generic format.
@@ -91,23 +93,177 @@ class ToolPlan:
     # ------------------------------------------------------------------------------------------- answer
     @staticmethod
     def parse(text: str, finish_reason: str | None) -> tuple[str | None, list[dict] | None, str | None]:
-        """``(content, tool_calls, finish_reason)`` of an answer's text: its calls with "tool_calls", its reply
-        with the stream's reason, or (cut by max_tokens, or not the format) the raw text as it is."""
-        if finish_reason != "stop":
-            return text, None, finish_reason
-        try:
-            doc = json.loads(text)
-        except ValueError:
-            return text, None, finish_reason
-        if isinstance(doc, dict) and isinstance(doc.get("tool_calls"), list):
-            calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                      "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False,
-                                                                              separators=(",", ":"))}}
-                     for c in doc["tool_calls"]]
-            return None, calls, "tool_calls"
-        if isinstance(doc, dict) and isinstance(doc.get("content"), str):
-            return doc["content"], None, finish_reason
+        """``(content, tool_calls, finish_reason)`` of a finished answer's text (``ToolCallStream``'s reading, so
+        a stream and a body agree byte for byte): its calls ("tool_calls", or the stream's reason when cut by
+        max_tokens: the calls so far, the last one's arguments cut short, as OpenAI returns them), its reply's
+        content, or the raw text when it is not the format."""
+        stream = ToolCallStream()
+        stream.feed(text)
+        calls = [{"id": stream.ids[i], "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                 for i, c in enumerate(stream.calls) if c.name is not None]
+        if stream.kind == "calls":
+            return None, calls, "tool_calls" if finish_reason == "stop" else finish_reason
+        if stream.kind == "content" and stream.content is not None:
+            return stream.content, None, finish_reason
         return text, None, finish_reason
+
+
+class _Incomplete(Exception):
+    """The text ends inside what is being read."""
+
+
+@dataclass
+class _Call:
+    name: str | None = None  # None until its string is complete
+    arguments: str = ""  # the raw JSON text of its arguments so far (the model's own bytes)
+
+
+class ToolCallStream:
+    """Reads an answer in the generic format as its text grows (``feed``): which kind it is ("calls" or
+    "content", None until its first key is complete), each call's name once complete and its arguments' raw text
+    so far, the reply's content once complete. Each ``feed`` re-reads the whole text (answers are short), so what
+    it reports only grows; ``deltas`` gives OpenAI's stream deltas for what is new."""
+
+    def __init__(self):
+        self.text = ""
+        self.kind: str | None = None
+        self.calls: list[_Call] = []
+        self.content: str | None = None
+        self.ids: list[str] = []  # one per call, made when its name is first reported
+        self._sent: list[tuple[bool, int]] = []  # per call: name sent, argument characters sent
+
+    def feed(self, delta: str) -> None:
+        self.text += delta
+        self.calls, self.content = [], None
+        try:
+            self._read()
+        except _Incomplete:
+            pass
+        while len(self.ids) < sum(c.name is not None for c in self.calls):
+            self.ids.append(f"call_{uuid.uuid4().hex[:24]}")
+
+    def deltas(self) -> list[dict]:
+        """OpenAI's ``delta`` objects for what ``feed`` found since the last call: per call, one with its index,
+        id, type and name (and empty arguments) once the name is complete, then its arguments as they grow."""
+        out = []
+        for i, call in enumerate(self.calls):
+            if call.name is None:
+                break
+            if i == len(self._sent):
+                self._sent.append((True, 0))
+                out.append({"tool_calls": [{"index": i, "id": self.ids[i], "type": "function",
+                                            "function": {"name": call.name, "arguments": ""}}]})
+            sent = self._sent[i][1]
+            if len(call.arguments) > sent:
+                out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments[sent:]}}]})
+                self._sent[i] = (True, len(call.arguments))
+        return out
+
+    # ----------------------------------------------------------------------------------------- reading
+    def _read(self) -> None:
+        t = self.text
+        i = self._expect(t, self._ws(t, 0), "{")
+        key, i = self._string(t, self._ws(t, i))
+        i = self._expect(t, self._ws(t, i), ":")
+        if key == "content":
+            j = self._ws(t, i)
+            end = self._skip(t, j)
+            self.kind, self.content = "content", json.loads(t[j:end])
+            return
+        if key != "tool_calls":
+            raise _Incomplete  # not the format: the raw text stands
+        self.kind = "calls"
+        i = self._expect(t, self._ws(t, i), "[")
+        while True:
+            i = self._ws(t, i)
+            if i < len(t) and t[i] == "]":
+                return
+            i = self._expect(t, i, "{")
+            call = _Call()
+            self.calls.append(call)
+            while True:
+                k, i = self._string(t, self._ws(t, i))
+                i = self._ws(t, self._expect(t, self._ws(t, i), ":"))
+                if k == "name":
+                    call.name, i = self._string(t, i)
+                elif k == "arguments":
+                    try:
+                        end = self._skip(t, i)
+                    except _Incomplete:
+                        call.arguments = t[i:]
+                        raise
+                    call.arguments, i = t[i:end], end
+                else:
+                    i = self._skip(t, i)
+                i = self._ws(t, i)
+                if i >= len(t):
+                    raise _Incomplete
+                if t[i] == "}":
+                    i += 1
+                    break
+                i = self._expect(t, i, ",")
+            i = self._ws(t, i)
+            if i >= len(t):
+                raise _Incomplete
+            if t[i] == ",":
+                i += 1
+
+    @staticmethod
+    def _ws(t: str, i: int) -> int:
+        while i < len(t) and t[i] in " \t\r\n":
+            i += 1
+        return i
+
+    @staticmethod
+    def _expect(t: str, i: int, ch: str) -> int:
+        if i >= len(t) or t[i] != ch:
+            raise _Incomplete
+        return i + 1
+
+    def _string(self, t: str, i: int) -> tuple[str, int]:
+        end = self._skip(t, self._expect(t, i, '"') - 1)
+        return json.loads(t[i:end]), end
+
+    @staticmethod
+    def _skip(t: str, i: int) -> int:
+        """The end of the JSON value starting at ``i``; raises _Incomplete when the text ends inside it."""
+        if i >= len(t):
+            raise _Incomplete
+        if t[i] == '"':
+            j = i + 1
+            while j < len(t):
+                if t[j] == "\\":
+                    j += 2
+                    continue
+                if t[j] == '"':
+                    return j + 1
+                j += 1
+            raise _Incomplete
+        if t[i] in "{[":
+            depth, j, in_str = 0, i, False
+            while j < len(t):
+                c = t[j]
+                if in_str:
+                    if c == "\\":
+                        j += 1
+                    elif c == '"':
+                        in_str = False
+                elif c == '"':
+                    in_str = True
+                elif c in "{[":
+                    depth += 1
+                elif c in "}]":
+                    depth -= 1
+                    if depth == 0:
+                        return j + 1
+                j += 1
+            raise _Incomplete
+        j = i
+        while j < len(t) and t[j] not in ",}] \t\r\n":
+            j += 1
+        if j >= len(t):
+            raise _Incomplete  # a number or literal may go on
+        return j
 
 
 def _function(i: int, tool) -> dict:
