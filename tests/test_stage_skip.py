@@ -130,3 +130,28 @@ def test_an_op_whose_stream_ends_mid_op_stops_at_the_next_layer_and_goes_on_skip
     # a row that never ends: the op runs whole, as without marks
     full = apply(stages[0], _wire(_op(stages, [seg], [torch.arange(5, 5 + N)], None)), False, ended=bytearray(2))
     assert full.segments == [seg] and _filled(stages[0], 0) == N
+
+
+def test_a_skipped_constrained_segment_drops_its_bitmask_and_its_batch_mate_keeps_its_own(stages):
+    """Bitmasks ride the op like targets (``WANT_ALLOWED``): a skipped segment's rows are dropped, the kept
+    segment's row travels on to the last stage, which restricts the kept segment's argmax by it."""
+    a_ids, b_ids = torch.arange(100, 100 + N), torch.arange(300, 300 + N)
+    width = -(-stages[0].config.vocab // 32)
+    allow = torch.zeros(2, width, dtype=torch.int32)
+    allow[0, 0] = 1 << 7  # the kept segment may only say token 7
+    allow[1, :] = -1  # the ended one anything
+    keep = m.Segment(0, 0, N, m.WANT_LAST | m.WANT_ALLOWED)
+    ended_seg = m.Segment(1, 0, N, m.WANT_LAST | m.WANT_ALLOWED)
+    for s in stages:
+        s.reset()
+    ended = bytearray(2)
+    ended[1] = 1
+    b = stages[0].block_size
+    tables = torch.cat([stages[0].row_table(s.row)[:table_len(s.start + s.n_tokens, b)] for s in (keep, ended_seg)])
+    op = m.Message(m.STEP, segments=[keep, ended_seg], tensors=[torch.cat([a_ids, b_ids]), allow,
+                                                                 tables.to(torch.int32)])
+    fwd = apply(stages[0], _wire(op), False, ended=ended)
+    assert fwd.segments == [keep, m.Segment(1, 0, N, m.SKIPPED)]
+    assert len(fwd.tensors) == 3 and torch.equal(fwd.tensors[1], allow[:1])
+    reply = apply(stages[1], _wire(fwd), True)
+    assert split_reply(reply)[0].ids == [7]
