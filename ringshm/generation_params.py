@@ -23,7 +23,7 @@ MAX_STOP_CHARS = 256  # characters per stop string
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes [-2**63, 2**64 - 1]; stream i of a batch uses seed + i
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema (as JSON text), regex or grammar; bounds what one request brings to compile
-MAX_CHOICES = 4096  # strings of a ``choice``
+MAX_CHOICES = 1000  # strings of a ``choice`` (llguidance's parser holds at most 2,000 items in a row)
 
 
 @dataclass(frozen=True)
@@ -225,6 +225,9 @@ class GenerationParams:
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output must be a StructuredOutput or None, got "
                              f"{type(self.structured_output).__name__}")
+        if self.structured_output is not None and self.stop:
+            raise ValueError("stop strings would cut a structured output where its grammar does not end (a JSON "
+                             "document half written): drop stop or the structured output")
         if self.structured_output is not None and self.min_tokens:
             raise ValueError("min_tokens cannot hold EOS back under a structured output (its grammar decides where "
                              "the output may end): drop min_tokens or the structured output")

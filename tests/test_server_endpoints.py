@@ -195,6 +195,8 @@ def test_served_model_name_takes_several_aliases_on_the_command_line():
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",
      "response_format and structured_outputs"),
     ({"grammar": 5}, "grammar", "non-empty string"),
+    ({"structured_outputs": {"disable_fallback": True}}, "structured_outputs", "got none"),
+    ({"response_format": {"type": "text", "schema": {}}}, "response_format", "does not take"),
 ])
 def test_a_malformed_constraint_gets_400_naming_its_field_before_any_work(serve_fake, path, base, fields, param,
                                                                            says):
@@ -203,6 +205,5 @@ def test_a_malformed_constraint_gets_400_naming_its_field_before_any_work(serve_
     err = _error(body)
     assert status == 400 and err["param"] == param and says in err["message"], body
     assert srv.aengine.step_stats.ops == 0  # nothing was sent
-    status, body, _ = srv.post(path, {**base, "max_tokens": 1, "response_format": {"type": "text"},
-                                      "structured_outputs": {"disable_fallback": True}})
+    status, body, _ = srv.post(path, {**base, "max_tokens": 1, "response_format": {"type": "text"}})
     assert status == 200, body

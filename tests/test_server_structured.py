@@ -75,6 +75,38 @@ def test_vllms_structured_outputs_extra_body_is_honoured(client, body, check):
     assert out.choices[0].finish_reason == "stop" and check(text), text
 
 
+def test_llama_cpp_forms_are_enforced_never_dropped(client):
+    """``response_format: {"type": "json_object", "schema": ...}`` (llama.cpp's form) holds the answer to the schema;
+    ``json_schema: {}`` (any JSON value) still makes the answer JSON."""
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}}, "required": ["colour"],
+              "additionalProperties": False}
+    out = _ask(client, "Name a colour as JSON.", response_format={"type": "json_object", "schema": schema})
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    out = _ask(client, "Say hello.", max_tokens=24, extra_body={"json_schema": {}})
+    if out.choices[0].finish_reason == "stop":
+        json.loads(out.choices[0].message.content)
+    else:
+        assert out.choices[0].message.content.lstrip()[:1] in '{["-0123456789tfn'
+
+
+def test_tool_parameters_with_local_refs_resolve_inside_the_tool(client):
+    """pydantic's tool schemas hold ``$defs`` and ``#/$defs/...`` refs (and ``#`` for recursion): they resolve
+    against the tool's own parameters, not the answer's wrapper schema."""
+    city = {"type": "string", "enum": ["PAR", "TYO"]}
+    book = {"type": "function", "function": {"name": "book", "parameters": {
+        "type": "object", "$defs": {"city": city}, "properties": {"from": {"$ref": "#/$defs/city"},
+                                                                 "to": {"$ref": "#/$defs/city"}},
+        "required": ["from", "to"], "additionalProperties": False}}}
+    out = client.chat.completions.create(model="smollm2", temperature=0, max_tokens=96, tools=[book],
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         messages=[{"role": "user", "content": "Book Paris to Tokyo."}])
+    calls = out.choices[0].message.tool_calls
+    assert out.choices[0].finish_reason == "tool_calls" and calls
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), book["function"]["parameters"])
+
+
 def test_llama_cpp_json_schema_field_on_completions(client):
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 2,
               "maxItems": 3}
@@ -105,6 +137,11 @@ def test_a_streamed_constrained_answer_concatenates_to_the_non_streamed_one(clie
     ({"extra_body": {"structured_outputs": {"regex": "(unclosed"}}}, "structured_outputs", "unclosed group"),
     ({"extra_body": {"grammar": 'root ::= ("a"'}}, "grammar", "does not compile"),
     ({"extra_body": {"json_schema": {"type": "strin"}}}, "json_schema", "not valid"),
+    ({"extra_body": {"structured_outputs": {}}}, "structured_outputs", "got none"),
+    ({"extra_body": {"grammar": ""}}, "grammar", "non-empty"),
+    ({"extra_body": {"structured_outputs": {"regex": "[0-9]+"}}, "stop": ["1"]}, "stop", "drop stop"),
+    ({"extra_body": {"structured_outputs": {"choice": [f"opt{i}" for i in range(1001)]}}}, "structured_outputs",
+     "at most 1000"),
 ])
 def test_a_constraint_that_cannot_be_enforced_is_a_400_naming_the_field(client, fields, param, says):
     with pytest.raises(openai.BadRequestError) as info:
@@ -241,6 +278,8 @@ def test_a_tool_round_trip_call_then_result_then_answer(client):
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}, "tools"),
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools"),
+    ({"tools": TOOLS, "stop": ["}"]}, "stop"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "add", "arguments": "{not json"}}]}]}, "messages"),
 ])
@@ -273,7 +312,8 @@ def test_the_tool_call_reader_streams_what_the_body_returns_at_every_cut():
             assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
                 tuple(streamed[i]) for i in sorted(streamed)], cut
         else:
-            assert not streamed and content == text[:cut], cut
+            assert not streamed and content is None, cut  # cut before a name: no call, and none of the wrapper
     assert reason == "tool_calls" and json.loads(calls[0]["function"]["arguments"])["x"][1] == {"y": "}"}
     assert ToolPlan.parse('{"content": "caf\\u00e9 \\"ok\\""}', "stop") == ('café "ok"', None, "stop")
     assert ToolPlan.parse('{"answer": 1}', "stop") == ('{"answer": 1}', None, "stop")
+    assert ToolPlan.parse('{"content": "half a rep', "length") == (None, None, "length")

@@ -32,6 +32,13 @@ SPECS = {
     "lark": SO("grammar", 'start: "The answer is " ANSWER "."\nANSWER: /(red|green|blue)/'),
     "gbnf": SO("grammar", 'root ::= "Colour: " ("red" | "green" | "blue") "\\n"'),
 }
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
 QUESTION = "Describe a person as JSON with a name and an age. Is the sky green? What colour is grass?"
 N_NEW = 40
 
@@ -198,6 +205,7 @@ def test_a_keyword_that_cannot_be_enforced_is_refused_naming_it_and_its_pointer(
     (SO("regex", "(unclosed"), "unclosed group"),
     (SO("grammar", "start: missing_rule"), "missing_rule"),
     (SO("grammar", 'root ::= ("a" | "b"'), "does not compile"),
+    (SO("json_schema", _nested(120)), "nested too deeply"),
 ])
 def test_a_spec_that_does_not_compile_is_refused_and_the_engine_serves_on(engine1, spec, says):
     with pytest.raises(InvalidParameter) as info:
@@ -210,7 +218,10 @@ def test_params_refuse_what_a_grammar_cannot_take_and_malformed_specs():
     GenerationParams(structured_output=SO("json_object"), spec="ngram")  # speculation stays legal
     with pytest.raises(ValueError, match="min_tokens"):
         GenerationParams(structured_output=SO("json_object"), min_tokens=3)
+    with pytest.raises(ValueError, match="stop strings"):
+        GenerationParams(structured_output=SO("json_object"), stop=["}"])
     for kind, spec in [("yaml", "a"), ("choice", []), ("choice", ["a", ""]), ("regex", ""), ("json_schema", "{x"),
+                       ("choice", ["x"] * 1001),
                        ("json_schema", [1]), ("json_object", {"type": "object"}), ("grammar", "x" * 300_000)]:
         with pytest.raises(ValueError):
             SO(kind, spec)
@@ -340,3 +351,26 @@ def test_a_grammar_that_cannot_go_on_fails_its_own_stream_and_no_other(engine1, 
         if i not in failed:
             assert r.token_ids == s.token_ids, i
     assert engine1.generate("Say hi.", 4, chat=True).n_output_tokens == 4
+
+
+def test_a_compile_that_runs_over_its_time_is_refused_remembered_and_bounded(engine1, monkeypatch):
+    """llguidance's limits do not bound every grammar (``start: X X "b"`` with ``X: "a"+`` computes its first mask
+    forever): a compile gets ``COMPILE_TIMEOUT_S``; one that runs over is refused and remembered, and after
+    ``MAX_STUCK_COMPILES`` of them every compile is refused. Simulated with a build that sleeps (a real one would
+    keep a core busy for the rest of the run)."""
+    import threading
+
+    import ringshm.engine.grammar as grammar
+
+    compiler = grammar.GrammarCompiler(engine1.tokenizer, engine1.model_config.vocab, engine1.eos_ids)
+    release = threading.Event()
+    monkeypatch.setattr(grammar, "COMPILE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(compiler, "_build", lambda spec: release.wait(30))
+    for i in range(grammar.MAX_STUCK_COMPILES):
+        with pytest.raises(InvalidParameter, match="takes more than 0.2 s"):
+            compiler.compile(SO("regex", f"slow{i}"))
+    with pytest.raises(InvalidParameter, match="takes more than"):  # remembered: refused at once
+        compiler.compile(SO("regex", "slow0"))
+    with pytest.raises(InvalidParameter, match="unavailable"):
+        compiler.compile(SO("regex", "fine"))
+    release.set()

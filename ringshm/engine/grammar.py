@@ -34,6 +34,15 @@ from ringshm.generation_params import StructuredOutput
 MAX_JSON_WHITESPACE = 32
 JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{1,{MAX_JSON_WHITESPACE}}}"}
 COMPILE_CACHE_SIZE = 256  # compiled grammars kept (least recently used dropped)
+MAX_ERROR_CHARS = 600  # of llguidance's error text in a message (it may quote the whole grammar)
+COMPILE_TIMEOUT_S = 5.0  # a compile (with its first mask) running longer is refused (``GrammarCompiler.compile``)
+MAX_STUCK_COMPILES = 2  # compile threads left running past the limit before every compile is refused
+
+
+def _short(error: str) -> str:
+    """llguidance's error text cut to ``MAX_ERROR_CHARS`` (a 400 or a log line never echoes a whole grammar)."""
+    error = error.split("\n<state>", 1)[0].strip()
+    return error if len(error) <= MAX_ERROR_CHARS else error[:MAX_ERROR_CHARS] + f" ... ({len(error)} characters)"
 
 
 def _pointer(schema, keys: set[str], path: str = "") -> str | None:
@@ -64,8 +73,8 @@ def _pointer(schema, keys: set[str], path: str = "") -> str | None:
 
 
 def _explain(spec: StructuredOutput, error: str) -> str:
-    """llguidance's compile error, with the JSON pointer of an unimplemented keyword named."""
-    error = error.strip()
+    """llguidance's compile error (cut: ``_short``), with the JSON pointer of an unimplemented keyword named."""
+    error = _short(error.split("\n<state>", 1)[0])  # llguidance appends its parser's dump after "<state>"
     if spec.kind == "json_schema" and error.startswith("Unimplemented keys"):
         try:
             keys = set(json.loads(error.split(":", 1)[1]))
@@ -94,6 +103,8 @@ class GrammarCompiler:
         self._llt = None
         self._lock = threading.Lock()
         self._cache: OrderedDict[str, object] = OrderedDict()  # spec key -> pristine LLMatcher
+        self._refused: dict[str, str] = {}  # spec key -> why (compiles that ran over the time limit)
+        self.n_stuck = 0  # compile threads still running past the limit
         self.n_compiled = self.n_cache_hits = 0
         self.compile_s: list[float] = []  # each compile's time (the server's histogram reads and clears it)
 
@@ -110,27 +121,68 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutput):
         """The pristine llguidance matcher of ``spec``, built once and cached by ``spec.key()`` (streams take
-        copies: ``state``). Builds the tokenizer's tables on first use. Thread-safe; the server calls it off its
-        event loop, since a large grammar can take tens of milliseconds (llguidance drops the GIL meanwhile).
+        copies: ``state``), with its first mask computed once on a copy to prove it. Builds the tokenizer's tables
+        on first use. Thread-safe; the server calls it off its event loop (llguidance drops the GIL).
+
+        The build runs on a thread of its own and is given ``COMPILE_TIMEOUT_S``: llguidance's limits bound most
+        grammars, not all (``start: X X "b"`` with ``X: "a"+`` computes its first mask forever). One that runs
+        over is refused (its spec remembered, so asking again is refused at once); its thread cannot be stopped,
+        so after ``MAX_STUCK_COMPILES`` of them every compile is refused until the engine restarts.
 
         Raises:
             InvalidParameter (param "structured_output"): a schema that is not a valid JSON Schema (the
                 ``jsonschema`` meta-schema check, with where), a keyword the engine cannot enforce (named, with
-                its JSON pointer), a regex or grammar that does not parse, or one over llguidance's limits
-                (``LLParserLimits``' defaults bound the work of a compile and of each mask).
+                its JSON pointer), a regex or grammar that does not parse, one over llguidance's limits or nested
+                too deep, one whose first mask fails or allows nothing, or one over the time limit.
         """
-        from llguidance import LLMatcher, grammar_from
-
         key = spec.key()
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
                 self.n_cache_hits += 1
                 return self._cache[key]
+            if key in self._refused:
+                raise InvalidParameter(self._refused[key], "structured_output")
+            if self.n_stuck >= MAX_STUCK_COMPILES:
+                raise InvalidParameter(f"structured output is unavailable: {self.n_stuck} earlier grammars never "
+                                       f"finished compiling (restart the engine)", "structured_output")
         t0 = time.perf_counter()
-        if spec.kind == "json_schema":
-            _check_schema(spec.spec)
+        out: dict = {}
+
+        def build():
+            try:
+                out["matcher"] = self._build(spec)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+                out["error"] = exc
+
+        worker = threading.Thread(target=build, name="ringshm-grammar-compile", daemon=True)
+        worker.start()
+        worker.join(COMPILE_TIMEOUT_S)
+        if worker.is_alive():
+            why = (f"the {spec.kind.replace('_', ' ')} takes more than {COMPILE_TIMEOUT_S:g} s to compile and "
+                   f"compute its first mask: simplify it")
+            with self._lock:
+                self.n_stuck += 1
+                self._refused[key] = why
+            raise InvalidParameter(why, "structured_output")
+        if "error" in out:
+            raise out["error"]
+        matcher = out["matcher"]
+        with self._lock:
+            self.n_compiled += 1
+            self.compile_s.append(time.perf_counter() - t0)
+            self._cache[key] = matcher
+            while len(self._cache) > COMPILE_CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def _build(self, spec: StructuredOutput):
+        """``compile``'s work: the grammar, checked, its matcher, and its first mask on a copy."""
+        from llguidance import LLMatcher, grammar_from
+
         try:
+            if spec.kind == "json_schema":
+                _check_schema(spec.spec)
             if spec.kind in ("json_schema", "json_object"):
                 schema = spec.spec if spec.kind == "json_schema" else {"type": "object"}
                 grammar = LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
@@ -138,19 +190,23 @@ class GrammarCompiler:
                 grammar = grammar_from("choice", list(spec.spec))
             else:
                 grammar = grammar_from("grammar" if spec.kind == "grammar" else "regex", spec.spec)
+        except RecursionError:
+            raise InvalidParameter(f"the {spec.kind.replace('_', ' ')} is nested too deeply to check",
+                                   "structured_output") from None
         except ValueError as exc:  # llguidance's converters (GBNF -> Lark, JSON text)
+            if isinstance(exc, InvalidParameter):
+                raise
             raise InvalidParameter(_explain(spec, str(exc)), "structured_output") from None
         is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
         matcher = None if is_error else LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher is None or matcher.is_error():
             why = (messages[0] if messages else "unknown error") if matcher is None else matcher.get_error()
             raise InvalidParameter(_explain(spec, why), "structured_output")
-        with self._lock:
-            self.n_compiled += 1
-            self.compile_s.append(time.perf_counter() - t0)
-            self._cache[key] = matcher
-            while len(self._cache) > COMPILE_CACHE_SIZE:
-                self._cache.popitem(last=False)
+        probe = GrammarState(matcher.deep_copy(), self.vocab)
+        try:
+            probe.words()
+        except InvalidParameter as exc:
+            raise InvalidParameter(_explain(spec, str(exc).split(": ", 1)[-1]), "structured_output") from None
         return matcher
 
     def state(self, spec: StructuredOutput) -> GrammarState:
@@ -247,8 +303,8 @@ class GrammarState:
     def _take(self, words: torch.Tensor) -> None:
         """Keep ``words`` as the next position's bitmask. Raises InvalidParameter when it allows no token."""
         if self.matcher.is_error() or not bool(words.any()):
-            raise InvalidParameter(f"the structured output cannot go on: "
-                                   f"{self.matcher.get_error() or 'no token is allowed here'}", "structured_output")
+            why = _short(self.matcher.get_error()) or "no token is allowed here"
+            raise InvalidParameter(f"the structured output cannot go on: {why}", "structured_output")
         self._words = words
 
     def draft_masks(self, drafts: list[int]) -> tuple[list[int], list[torch.Tensor]]:
@@ -266,7 +322,8 @@ class GrammarState:
         try:
             for token in kept:
                 if not self.matcher.consume_token(int(token)):  # validate_tokens said it fits: never here
-                    raise RuntimeError(f"draft token {token} does not fit the grammar: {self.matcher.get_error()}")
+                    why = _short(self.matcher.get_error())
+                    raise RuntimeError(f"draft token {token} does not fit the grammar: {why}")
                 walked += 1
                 self._words = None
                 masks.append(self.words())
@@ -289,7 +346,7 @@ class GrammarState:
         """
         self._words = None
         if not self.matcher.consume_token(int(token)):
-            raise RuntimeError(f"token {token} does not fit the structured output: {self.matcher.get_error()}")
+            raise RuntimeError(f"token {token} does not fit the structured output: {_short(self.matcher.get_error())}")
 
     @property
     def needs_mask(self) -> bool:

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING
 
 from ringshm.engine.coordinator import Stream
 from ringshm.engine.results import GenerationResult
-from ringshm.errors import EngineClosed, QueueTimeout, RequestFailed, RingshmError, StageDied, StageStalled
+from ringshm.errors import (
+    EngineClosed,
+    InvalidParameter,
+    QueueTimeout,
+    RequestFailed,
+    RingshmError,
+    StageDied,
+    StageStalled,
+)
 
 if TYPE_CHECKING:
     from ringshm.engine.async_engine import AsyncEngine
@@ -75,6 +83,8 @@ def copy_error(exc: BaseException) -> BaseException:
         return StageStalled(str(exc), exc.stage)
     if isinstance(exc, QueueTimeout):
         return QueueTimeout(str(exc))
+    if isinstance(exc, InvalidParameter):  # the request's own input (a grammar that cannot go on): 400, not 500
+        return InvalidParameter(str(exc), exc.param)
     what = str(exc) if isinstance(exc, RingshmError) else f"{type(exc).__name__}: {exc}"
     err = RequestFailed(f"request failed: {what}")
     err.__cause__ = exc

@@ -179,6 +179,9 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             if so is not None:
                 raise bad_request(f"tools and {param} both constrain the answer: give one", param)
             so, param = tools.constraint(), "tools"
+        if so is not None and body.stop:
+            raise bad_request(f"stop strings would cut the answer {param} holds to where its grammar does not end: "
+                              f"drop stop or {param}", "stop")
         if so is not None:
             t0 = time.perf_counter()
             try:

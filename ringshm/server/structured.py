@@ -3,11 +3,13 @@
 
 Read, on ``/v1/chat/completions`` and ``/v1/completions`` alike:
 
-- OpenAI's ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}``, ``{"type":
+- OpenAI's ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (with llama.cpp's
+  ``"schema"`` beside it: that schema), ``{"type":
   "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``. ``strict`` true or false, the
   schema is enforced whole (the grammar engine fails closed: a keyword it cannot enforce is a 400, never
   dropped), so ``strict: true`` is never weakened;
-- vLLM's extra body ``structured_outputs``: exactly one of ``json`` (a schema, or its JSON text), ``regex``,
+- vLLM's extra body ``structured_outputs``: exactly one (none is a 400, as in vLLM) of ``json`` (a schema, or its
+  JSON text), ``regex``,
   ``choice`` (a list of strings), ``grammar`` (Lark, or GBNF recognised by ``::=``), ``json_object`` (true);
   ``disable_fallback`` is accepted (ringshm never falls back to another engine); the other vLLM options
   (``whitespace_pattern``, ``disable_any_whitespace``, ``disable_additional_properties``, ``structural_tag``)
@@ -40,10 +42,16 @@ def _response_format(value) -> StructuredOutput | None:
         raise bad_request('response_format must be an object with a "type": "text", "json_object" or '
                           '"json_schema"', "response_format")
     kind = value["type"]
+    extra = sorted(set(value) - {"type", "json_schema", "schema"})
+    if extra or (kind != "json_schema" and "json_schema" in value) or (kind != "json_object" and "schema" in value):
+        raise bad_request(f"response_format of type {kind[:40]!r} does not take {', '.join(extra) or 'that field'}",
+                          "response_format")
     if kind == "text":
         return None
-    if kind == "json_object":
-        return _spec("json_object", None, "response_format")
+    if kind == "json_object":  # llama.cpp's form may carry a schema: enforced, never dropped
+        schema = value.get("schema")
+        return _spec("json_object", None, "response_format") if schema is None else _spec(
+            "json_schema", schema, "response_format")
     if kind != "json_schema":
         raise bad_request(f'response_format type {kind[:40]!r} is not supported: use "text", "json_object" or '
                           f'"json_schema"', "response_format")
@@ -72,11 +80,9 @@ def _vllm(value) -> StructuredOutput | None:
                           f"choice, grammar, json_object; JSON whitespace is bounded, see the README)",
                           "structured_outputs")
     kinds = [k for k in given if k in _VLLM_KINDS]
-    if len(kinds) > 1:
+    if len(kinds) != 1:  # vLLM's rule too: exactly one kind
         raise bad_request(f"structured_outputs: give one of json, regex, choice, grammar, json_object, got "
-                          f"{', '.join(kinds)}", "structured_outputs")
-    if not kinds:
-        return None
+                          f"{', '.join(kinds) or 'none'}", "structured_outputs")
     name = kinds[0]
     if name == "json_object" and given[name] is not True:
         raise bad_request("structured_outputs.json_object must be true", "structured_outputs")
@@ -95,11 +101,11 @@ def structured_output(body) -> tuple[StructuredOutput | None, str | None]:
     found = []
     if body.response_format is not None:
         found.append((_response_format(body.response_format), "response_format"))
-    if extra.get("structured_outputs"):
+    if extra.get("structured_outputs") is not None:
         found.append((_vllm(extra["structured_outputs"]), "structured_outputs"))
-    if extra.get("json_schema"):
+    if extra.get("json_schema") is not None:  # {} is a schema: any JSON value
         found.append((_spec("json_schema", extra["json_schema"], "json_schema"), "json_schema"))
-    if extra.get("grammar"):
+    if extra.get("grammar") is not None:  # "" is refused as empty, not read as absent
         found.append((_spec("grammar", extra["grammar"], "grammar"), "grammar"))
     found = [(so, param) for so, param in found if so is not None]
     if len(found) > 1:

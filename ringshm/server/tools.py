@@ -23,8 +23,8 @@ The reply: ``message.tool_calls`` (``id`` "call_<24 hex>", ``type`` "function", 
 are generated (``ToolCallStream``): per call, a delta with its index, id, type and name (empty arguments) once the
 name is complete, then the arguments' text as it grows; a reply's content once its string is complete. Both read
 the text the same way, so the concatenated stream equals the non-streamed reply. An answer cut by ``max_tokens``
-keeps its calls so far (the last one's arguments cut short, as OpenAI returns them) with "length"; text that is
-not the format (cut before its first key) comes back as it is.
+keeps its calls so far (the last one's arguments cut short, as OpenAI returns them) with "length"; cut before its
+first key or inside a reply, it comes back with no content (the format's own text never reaches the client).
 
 Not built yet: a model's own tool-call format from its chat template (Qwen's ``<tool_call>``, Llama 3.1's JSON,
 Mistral's ``[TOOL_CALLS]``): every model gets the generic format.
@@ -79,9 +79,12 @@ class ToolPlan:
     # --------------------------------------------------------------------------------------- constraint
     def constraint(self) -> StructuredOutput:
         """The JSON schema the answer is held to."""
-        items = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": t["parameters"]},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for t in self.tools if t["name"] in self.allowed]
+        # each tool's parameters its own schema resource ($id): its "#/$defs/..." and "#" refs resolve inside it,
+        # not against this wrapper (what pydantic's schemas hold)
+        items = [{"type": "object", "properties": {"name": {"const": t["name"]}, "arguments": {
+            "$id": f"urn:ringshm:tool:{t['name']}", **t["parameters"]} if "$id" not in t["parameters"] else
+            t["parameters"]}, "required": ["name", "arguments"], "additionalProperties": False}
+            for t in self.tools if t["name"] in self.allowed]
         calls = {"type": "object", "properties": {"tool_calls": {
             "type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1,
             "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1}}, "required": ["tool_calls"],
@@ -105,6 +108,8 @@ class ToolPlan:
             return None, calls, "tool_calls" if finish_reason == "stop" else finish_reason
         if stream.kind == "content" and stream.content is not None:
             return stream.content, None, finish_reason
+        if finish_reason != "stop":  # cut before its first key or inside a reply: none of the wrapper goes out
+            return None, None, finish_reason
         return text, None, finish_reason
 
 
@@ -276,9 +281,10 @@ def _function(i: int, tool) -> dict:
     if not isinstance(name, str) or not _NAME.match(name):
         raise bad_request(f"{where}.function.name must be 1-64 letters, digits, _ or -, got {str(name)[:70]!r}",
                           "tools")
-    params = fn.get("parameters", {"type": "object", "properties": {}})
-    if not isinstance(params, dict):
-        raise bad_request(f"{where}.function.parameters must be a JSON Schema object", "tools")
+    params = fn.get("parameters", {"type": "object", "properties": {}, "additionalProperties": False})  # none
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise bad_request(f'{where}.function.parameters must be a JSON Schema of an object ({{"type": "object", '
+                          f'"properties": ...}}): arguments are a JSON object', "tools")
     description = fn.get("description", "")
     if not isinstance(description, str):
         raise bad_request(f"{where}.function.description must be a string", "tools")
