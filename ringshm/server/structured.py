@@ -4,17 +4,15 @@
 Read, on ``/v1/chat/completions`` and ``/v1/completions`` alike:
 
 - OpenAI's ``response_format``: ``{"type": "text"}`` (none), ``{"type": "json_object"}`` (with llama.cpp's
-  ``"schema"`` beside it: that schema), ``{"type":
-  "json_schema", "json_schema": {"name", "schema", "strict", "description"}}``. ``strict`` true or false, the
-  schema is enforced whole (the grammar engine fails closed: a keyword it cannot enforce is a 400, never
-  dropped), so ``strict: true`` is never weakened;
+  ``"schema"`` beside it: that schema), ``{"type": "json_schema", "json_schema": {"name", "schema", "strict",
+  "description"}}``. ``strict`` true or false, the schema is enforced whole (the grammar engine fails closed: a
+  keyword it cannot enforce is a 400, never dropped), so ``strict: true`` is never weakened;
 - vLLM's extra body ``structured_outputs``: exactly one (none is a 400, as in vLLM) of ``json`` (a schema, or its
-  JSON text), ``regex``,
-  ``choice`` (a list of strings), ``grammar`` (Lark, or GBNF recognised by ``::=``), ``json_object`` (true);
-  ``disable_fallback`` is accepted (ringshm never falls back to another engine); the other vLLM options
-  (``whitespace_pattern``, ``disable_any_whitespace``, ``disable_additional_properties``, ``structural_tag``)
-  are refused by name;
-- llama.cpp server's ``json_schema`` (a schema) and ``grammar`` (GBNF) body fields.
+  JSON text), ``regex``, ``choice`` (a list of strings), ``grammar`` (Lark, or GBNF recognised by ``::=``),
+  ``json_object`` (true); ``disable_fallback`` is accepted (ringshm never falls back to another engine); the other
+  vLLM options (``whitespace_pattern``, ``disable_any_whitespace``, ``disable_additional_properties``,
+  ``structural_tag``) are refused by name;
+- llama.cpp server's ``json_schema`` (a schema; ``{}`` is any JSON value) and ``grammar`` (GBNF) body fields.
 
 At most one of these per request. vLLM's removed ``guided_*`` fields stay refused, pointing to
 ``structured_outputs``.
