@@ -189,6 +189,10 @@ def test_a_fuzz_of_malformed_constraints_gets_only_200_or_400_and_the_server_ser
     assert _ask(client, "Name a colour.", max_tokens=8).choices[0].message.content == plain
     metrics = srv.get("/metrics")[1]
     assert "ringshm_structured_requests_total" in metrics and "ringshm_grammar_compile_seconds_count" in metrics
+    values = {line.split()[0]: float(line.split()[1]) for line in metrics.splitlines()
+              if line.startswith("ringshm_grammar_")}
+    assert values["ringshm_grammar_masks"] > 0 and values["ringshm_grammar_mask_seconds"] > 0
+    assert values["ringshm_grammar_cache_hits"] > 0  # each request: compiled off the loop, then found at its start
 
 
 # ------------------------------------------------------------------------------------------------ tools

@@ -270,6 +270,16 @@ class Engine:
             self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab, self.eos_ids)
         return self._grammars
 
+    @property
+    def grammar_stats(self) -> dict[str, float]:
+        """Structured output so far (zeros before the first): grammars compiled, compile-cache hits, masks
+        computed and the seconds they took. Reads without building anything."""
+        g = self._grammars
+        if g is None:
+            return {"compiled": 0, "cache_hits": 0, "masks": 0, "mask_s": 0.0}
+        return {"compiled": g.n_compiled, "cache_hits": g.n_cache_hits, "masks": g.mask_totals[1],
+                "mask_s": g.mask_totals[0]}
+
     def _decode_depth(self, p: GenerationParams) -> int:
         """Decode ops in flight for a request: the engine's ``depth``, raised to ``spec_depth`` when it
         speculates (each link of a verify chain is its own step op)."""

@@ -105,6 +105,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[str, object] = OrderedDict()  # spec key -> pristine LLMatcher
         self._refused: dict[str, str] = {}  # spec key -> why (compiles that ran over the time limit)
         self.n_stuck = 0  # compile threads still running past the limit
+        self.mask_totals = [0.0, 0]  # seconds computing masks and masks computed, over every stream
         self.n_compiled = self.n_cache_hits = 0
         self.compile_s: list[float] = []  # each compile's time (the server's histogram reads and clears it)
 
@@ -215,7 +216,7 @@ class GrammarCompiler:
         matcher = self.compile(spec)
         with self._lock:
             copy = matcher.deep_copy()
-        return GrammarState(copy, self.vocab)
+        return GrammarState(copy, self.vocab, self.mask_totals)
 
 
 _EXECUTOR: list = []  # llguidance's thread pool for many masks at once, made on first use
@@ -245,7 +246,7 @@ def fill_masks(states: list[GrammarState]) -> list[BaseException | None]:
     nonempty = masks.any(dim=1).tolist()  # one pass for all rows
     errors: list[BaseException | None] = []
     for st, row, ok in zip(states, masks, nonempty):
-        st.mask_s += share
+        st._count(share)
         if ok and not st.matcher.is_error():
             st._words = row
             errors.append(None)
@@ -280,10 +281,11 @@ class GrammarState:
     once per position. ``accept(token)`` moves on; ``stopped``: the grammar is complete (nothing but EOS fits).
     """
 
-    def __init__(self, matcher, vocab: int):
+    def __init__(self, matcher, vocab: int, totals: list | None = None):
         self.matcher, self.vocab = matcher, vocab
         self._words: torch.Tensor | None = None
         self.mask_s = 0.0  # time spent computing masks (seconds)
+        self.totals = totals  # the compiler's [mask seconds, masks] over every stream (its metrics), or None
 
     def words(self) -> torch.Tensor:
         """The next position's bitmask, int32 ``[ceil(vocab / 32)]`` (computed on first call per position, unless
@@ -296,9 +298,15 @@ class GrammarState:
             t0 = time.perf_counter()
             words = torch.zeros(-(-self.vocab // 32), dtype=torch.int32)
             self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * 4)
-            self.mask_s += time.perf_counter() - t0
+            self._count(time.perf_counter() - t0)
             self._take(words)
         return self._words
+
+    def _count(self, seconds: float) -> None:
+        self.mask_s += seconds
+        if self.totals is not None:
+            self.totals[0] += seconds
+            self.totals[1] += 1
 
     def _take(self, words: torch.Tensor) -> None:
         """Keep ``words`` as the next position's bitmask. Raises InvalidParameter when it allows no token."""

@@ -53,6 +53,14 @@ class Metrics:
         self.grammar_compile = Histogram("ringshm_grammar_compile_seconds", "Compile time of each structured output "
                                          "not in the cache (the tokenizer's tables included on first use)",
                                          registry=r, buckets=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1, 3))
+        stats = getattr(aengine.engine, "grammar_stats", None)  # a test's fake engine may have none
+        for name, key, what in (("ringshm_grammar_cache_hits", "cache_hits", "Structured outputs whose grammar "
+                                 "came from the compile cache (since start)"),
+                                ("ringshm_grammar_masks", "masks", "Allowed-token masks computed (since start)"),
+                                ("ringshm_grammar_mask_seconds", "mask_s", "Seconds spent computing allowed-token "
+                                 "masks (since start)")):
+            Gauge(name, what, registry=r).set_function(
+                lambda key=key: aengine.engine.grammar_stats[key] if stats is not None else 0)
         self.step_running = Histogram("ringshm_step_running_requests", "Requests holding a row at each reply "
                                       "the dispatcher takes (continuous batching)", registry=r,
                                       buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
