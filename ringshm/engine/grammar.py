@@ -40,7 +40,8 @@ MAX_STUCK_COMPILES = 2  # compile threads left running past the limit before eve
 
 
 def _short(error: str) -> str:
-    """llguidance's error text cut to ``MAX_ERROR_CHARS`` (a 400 or a log line never echoes a whole grammar)."""
+    """llguidance's error text without the parser dump it appends after "<state>", cut to ``MAX_ERROR_CHARS`` (a
+    400 or a log line never echoes a whole grammar)."""
     error = error.split("\n<state>", 1)[0].strip()
     return error if len(error) <= MAX_ERROR_CHARS else error[:MAX_ERROR_CHARS] + f" ... ({len(error)} characters)"
 
@@ -74,7 +75,7 @@ def _pointer(schema, keys: set[str], path: str = "") -> str | None:
 
 def _explain(spec: StructuredOutput, error: str) -> str:
     """llguidance's compile error (cut: ``_short``), with the JSON pointer of an unimplemented keyword named."""
-    error = _short(error.split("\n<state>", 1)[0])  # llguidance appends its parser's dump after "<state>"
+    error = _short(error)
     if spec.kind == "json_schema" and error.startswith("Unimplemented keys"):
         try:
             keys = set(json.loads(error.split(":", 1)[1]))
@@ -247,12 +248,8 @@ def fill_masks(states: list[GrammarState]) -> list[BaseException | None]:
     errors: list[BaseException | None] = []
     for st, row, ok in zip(states, masks, nonempty):
         st._count(share)
-        if ok and not st.matcher.is_error():
-            st._words = row
-            errors.append(None)
-            continue
         try:
-            st._take(row)  # raises, naming llguidance's error
+            st._take(row, ok)
             errors.append(None)
         except InvalidParameter as exc:
             errors.append(exc)
@@ -308,9 +305,10 @@ class GrammarState:
             self.totals[0] += seconds
             self.totals[1] += 1
 
-    def _take(self, words: torch.Tensor) -> None:
-        """Keep ``words`` as the next position's bitmask. Raises InvalidParameter when it allows no token."""
-        if self.matcher.is_error() or not bool(words.any()):
+    def _take(self, words: torch.Tensor, nonempty: bool | None = None) -> None:
+        """Keep ``words`` as the next position's bitmask (``nonempty``: whether it allows a token, when the caller
+        already knows). Raises InvalidParameter when it allows none or the matcher is in error."""
+        if self.matcher.is_error() or not (bool(words.any()) if nonempty is None else nonempty):
             why = _short(self.matcher.get_error()) or "no token is allowed here"
             raise InvalidParameter(f"the structured output cannot go on: {why}", "structured_output")
         self._words = words
