@@ -138,6 +138,8 @@ class ToolCallStream:
         self._sent: list[tuple[bool, int]] = []  # per call: name sent, argument characters sent
 
     def feed(self, delta: str) -> None:
+        """Add ``delta`` (the answer's next text) and re-read the whole answer; never raises (text that is not the
+        format leaves ``kind`` None)."""
         self.text += delta
         self.calls, self.content = [], None
         try:
