@@ -89,12 +89,14 @@ def engine_params():
 
 
 def test_compile_time_over_the_corpus(engine, figures):
+    from ringshm.server.tool_formats import FORMATS, make_format
     from ringshm.server.tools import tool_plan
 
     specs = [SO("json_schema", s) for s in CORPUS] + [SO("json_schema", PERSON), SO("json_object"),
                                                       SO("regex", r"[0-9]{3}-[0-9]{4}"),
                                                       SO("choice", ["yes", "no", "maybe"])]
-    specs += [tool_plan(TOOLS, choice, None).constraint() for choice in ("auto", "required")]
+    specs += [tool_plan(TOOLS, choice, None, make_format(name, engine.tokenizer)).constraint()
+              for choice in ("auto", "required") for name in FORMATS]
     times = []
     for _ in range(5):
         compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab, engine.eos_ids)

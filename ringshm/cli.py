@@ -197,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="decode greedy requests speculatively with n-gram drafts (lossless)")
     srv.add_argument("--spec-k", type=int, default=4, help="draft tokens per verify segment (at most 16)")
     srv.add_argument("--spec-depth", type=int, default=1, help="verify segments in flight per stream")
+    srv.add_argument("--tool-call-parser", default="auto",
+                     choices=["auto", "generic", "hermes", "llama3_json", "mistral"],
+                     help="the format tool calls are written in (vLLM's names): auto = the one the chat template "
+                          "writes (hermes: <tool_call>, mistral: [TOOL_CALLS], llama3_json: Llama 3.1 JSON), "
+                          "generic for a template without tool support")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                      help="uvicorn's log level")
     wrk = sub.add_parser("worker", help="run this host's stages of a multi-host engine (node 1 and up)",
@@ -351,7 +356,7 @@ def _serve(a: argparse.Namespace) -> int:
                  max_queue_wait_s=a.max_queue_wait, max_body_bytes=a.max_body_bytes,
                  header_timeout_s=a.header_timeout, body_timeout_s=a.body_timeout,
                  model_name=a.served_model_name, spec=a.spec, spec_k=a.spec_k, spec_depth=a.spec_depth,
-                 log_level=a.log_level,
+                 log_level=a.log_level, tool_call_parser=a.tool_call_parser,
                  **_engine_kwargs(a))
 
 

@@ -294,15 +294,22 @@ def test_malformed_tools_get_a_400_naming_the_field(srv, fields, param):
 
 
 def test_the_tool_call_reader_streams_what_the_body_returns_at_every_cut():
-    """``ToolCallStream`` fed a character at a time agrees with ``ToolPlan.parse`` of the whole text at every
+    """``ToolCallStream`` fed a character at a time agrees with ``result`` of the whole text at every
     prefix (a body cut there by max_tokens): names once complete, arguments as the model wrote them, escapes and
     numbers included; a reply's content and text that is not the format come back whole."""
-    from ringshm.server.tools import ToolCallStream, ToolPlan
+    from ringshm.server.tool_formats import ToolCallStream, make_format
+
+    fmt = make_format("generic", None)
+
+    def parse(text: str, finish: str):
+        stream = ToolCallStream(fmt)
+        stream.feed(text)
+        return stream.result(finish)
 
     text = ('{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Pa\\"ris\\\\", "n": 12.5e1, "x": [1, '
             '{"y": "}"}]}}, {"name":"add","arguments":{"a":-1,"b":true}}]}')
     for cut in range(len(text) + 1):
-        stream, streamed = ToolCallStream(), {}
+        stream, streamed = ToolCallStream(fmt), {}
         for ch in text[:cut]:
             stream.feed(ch)
             for d in stream.deltas():
@@ -311,13 +318,13 @@ def test_the_tool_call_reader_streams_what_the_body_returns_at_every_cut():
                     call[0] += c["function"].get("name") or ""
                     call[1] += c["function"]["arguments"]
         finish = "stop" if cut == len(text) else "length"
-        content, calls, reason = ToolPlan.parse(text[:cut], finish)
+        content, calls, reason = parse(text[:cut], finish)
         if calls is not None:
             assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
                 tuple(streamed[i]) for i in sorted(streamed)], cut
         else:
             assert not streamed and content is None, cut  # cut before a name: no call, and none of the wrapper
     assert reason == "tool_calls" and json.loads(calls[0]["function"]["arguments"])["x"][1] == {"y": "}"}
-    assert ToolPlan.parse('{"content": "caf\\u00e9 \\"ok\\""}', "stop") == ('café "ok"', None, "stop")
-    assert ToolPlan.parse('{"answer": 1}', "stop") == ('{"answer": 1}', None, "stop")
-    assert ToolPlan.parse('{"content": "half a rep', "length") == (None, None, "length")
+    assert parse('{"content": "caf\\u00e9 \\"ok\\""}', "stop") == ('café "ok"', None, "stop")
+    assert parse('{"answer": 1}', "stop") == ('{"answer": 1}', None, "stop")
+    assert parse('{"content": "half a rep', "length") == (None, None, "length")

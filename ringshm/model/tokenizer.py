@@ -175,10 +175,14 @@ def encode_text(tokenizer, text: str, what: str = "prompt") -> list[int]:
     return [int(t) for t in tokenizer(text, split_special_tokens=True)["input_ids"]]
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of ``messages`` (``[{"role", "content"}]``) through the model's chat template, where only the
-    template adds turn markers: each message's content is tokenised as plain text, so ``<|im_end|>`` or
-    ``<|im_start|>system`` typed by a user cannot close or open a turn.
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> list[int]:
+    """Token ids of ``messages`` (``[{"role", "content", ...}]``: other keys, e.g. an assistant's ``tool_calls``,
+    go to the template as they are) through the model's chat template, where only the template adds turn markers:
+    each message's content is tokenised as plain text, so ``<|im_end|>`` or ``<|im_start|>system`` typed by a user
+    cannot close or open a turn. ``tools``: transformers' ``apply_chat_template(tools=...)`` (OpenAI's function
+    entries), for a template that describes them itself; what the template writes of them (and of ``tool_calls``)
+    is template text, so a caller refuses special-token spellings in them first.
 
     How: the template is rendered with a unique placeholder per content. The tokenizer itself splits text at
     special tokens and tokenises the runs between them independently; here the template's text is split at
@@ -189,7 +193,8 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     Raises:
         MissingChatTemplate: the tokenizer has no chat template.
         ValueError: a content is not valid Unicode, or the template alters contents (so they cannot be
-            tokenised apart from it).
+            tokenised apart from it). An empty content the template leaves out (an assistant turn that is only
+            tool calls) is no alteration.
     """
     import re
     import secrets
@@ -203,7 +208,8 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     for i, msg in enumerate(messages):
         check_text(msg["content"], f"messages[{i}].content")
     rendered = tokenizer.apply_chat_template([dict(msg, content=mark) for msg, mark in zip(messages, marks)],
-                                             add_generation_prompt=add_generation_prompt, tokenize=False)
+                                             add_generation_prompt=add_generation_prompt, tokenize=False,
+                                             **({"tools": tools} if tools else {}))
     specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len,
                       reverse=True)
     split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
@@ -211,7 +217,10 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     rest = rendered
     for i, msg in enumerate(messages + [None]):
         if msg is not None:
-            head, found, rest = rest.partition(marks[i])
+            head, found, after = rest.partition(marks[i])
+            if not found and not msg["content"]:
+                continue  # an empty content the template leaves out
+            rest = after
             if not found:
                 raise ValueError("the model's chat template alters message contents; ringshm tokenises contents "
                                  "apart from the template's markers and cannot use this template")

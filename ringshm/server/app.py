@@ -16,8 +16,10 @@ of prompts; vLLM's extensions: ``top_k``, ``repetition_penalty`` (> 0), ``min_to
 ``json_schema``), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``, ``json_object``) and
 llama.cpp's ``json_schema`` / ``grammar`` (``ringshm.server.structured``; compiled off the loop, a schema or grammar
 that does not compile is a 400 naming the field and, for a keyword that cannot be enforced, its JSON pointer).
-Tools: ``tools``, ``tool_choice``, ``parallel_tool_calls`` (``ringshm.server.tools``: a generic JSON format held
-to a schema built from the tools). How choices, logprobs and echo are answered: ``ringshm.server.openai_responses``.
+Tools: ``tools``, ``tool_choice``, ``parallel_tool_calls`` (``ringshm.server.tools``: the model's own format
+where its chat template has one (``hermes``, ``llama3_json``, ``mistral``; ``--tool-call-parser`` to choose),
+else a generic JSON format; held to a grammar built from the tools). How choices, logprobs and echo are answered:
+``ringshm.server.openai_responses``.
 A request with a logit control (not ``ignore_eos``) or logprobs is decoded without speculation even when the server
 has ``--spec``. ``max_tokens`` defaults to the rest of the context for chat and to 16 for completions (OpenAI's
 defaults). Types are strict (400 naming the field). Fields ringshm does not implement are refused (400 naming them)
@@ -82,6 +84,7 @@ from ringshm.server.openai_schema import (
 )
 from ringshm.server.structured import structured_output
 from ringshm.server.tokenizing import Tokenizers
+from ringshm.server.tool_formats import detect_format, make_format
 from ringshm.server.tools import ToolPlan, tool_plan
 from ringshm.transport.segment import is_alive
 
@@ -95,13 +98,18 @@ STAGE_WATCH_S = 0.25  # how often the server looks for a dead stage while no req
 
 def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: str | None = None,
                spec_k: int = 4, spec_depth: int = 1, graceful_s: float = 0.0, max_body_bytes: int = 2 * 1024 * 1024,
-               on_stage_died: Callable[[StageDied], None] | None = None) -> FastAPI:
+               on_stage_died: Callable[[StageDied], None] | None = None, tool_call_parser: str = "auto") -> FastAPI:
     """The FastAPI app serving ``aengine`` under ``model_names`` (one name or several aliases; responses
     echo the one a request used, the first when it names none). Its lifespan shutdown closes ``aengine``
     (open requests get ``graceful_s`` more to finish). ``spec="ngram"`` decodes greedy requests
     speculatively with ``spec_k`` drafts per verify segment and ``spec_depth`` verify segments in flight.
     ``max_body_bytes``: larger request bodies get 413. ``on_stage_died``: called once, on the event loop,
-    when a stage is found dead (``serve`` then shuts down and exits 3)."""
+    when a stage is found dead (``serve`` then shuts down and exits 3). ``tool_call_parser``: the tool-call format
+    (``ringshm.server.tool_formats.FORMATS``), or "auto": the one the chat template writes (``detect_format``).
+
+    Raises:
+        ValueError: ``max_body_bytes`` below 1, or an unknown ``tool_call_parser``.
+    """
 
     async def watch_stages():
         while True:
@@ -126,6 +134,12 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
 
     if not isinstance(max_body_bytes, int) or max_body_bytes < 1:
         raise ValueError(f"max_body_bytes must be an int >= 1, got {max_body_bytes!r}")
+    try:
+        engine_tokenizer = aengine.engine.tokenizer
+    except ValueError:  # a checkpoint without a tokenizer: no chat, so no tools either
+        engine_tokenizer = None
+    tool_format = make_format(detect_format(getattr(engine_tokenizer, "chat_template", None))
+                              if tool_call_parser == "auto" else tool_call_parser, engine_tokenizer)
     app = FastAPI(title="ringshm", lifespan=lifespan, docs_url=None, redoc_url=None)
     metrics = Metrics(aengine, spec is not None)
     served = ServedModels(model_names, aengine.max_seq_len, int(time.time()))
@@ -178,6 +192,11 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         if tools is not None:
             if so is not None:
                 raise bad_request(f"tools and {param} both constrain the answer: give one", param)
+            for where, check in tools.checks():  # each tool's schema alone first: errors name the tool
+                try:
+                    await asyncio.to_thread(aengine.engine.grammars.compile, check)
+                except ValueError as exc:
+                    raise bad_request(f"{where}: {exc}", "tools") from None
             so, param = tools.constraint(), "tools"
         if so is not None and body.stop:
             raise bad_request(f"stop strings would cut the answer {param} holds to where its grammar does not end: "
@@ -264,7 +283,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
 
     async def respond(watch: ClientWatch, body: RequestBody, jobs: list[Job], kind: str, n_choices: int,
                       echoes: list[str | None], logprobs: int | None, score_only: bool = False,
-                      tools: bool = False):
+                      tools: ToolPlan | None = None):
         """The answer of a started request: its SSE stream or its body; 499 when its client went away (its
         streams are cancelled at once, wherever they are: ``ClientWatch``). Stops ``watch`` when the answer
         ends."""
@@ -313,8 +332,8 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         if max_tokens == 0:
             raise bad_request("max_tokens must be at least 1 for chat (0 is for completions with echo)", "max_tokens")
         k = body.logprob_k()
-        messages = plain_messages(body.messages)
-        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
+        messages = plain_messages(body.messages, tool_format)
+        tools = tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, tool_format)
         if tools is not None:
             if k is not None:
                 raise bad_request("logprobs are not returned with tool calls: drop logprobs or tools", "logprobs")
@@ -324,7 +343,8 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         try:
             try:
                 ids = await tokenize_text(sum(len(m["content"]) for m in messages), "messages",
-                                          lambda tok: encode_chat(tok, messages))
+                                          lambda tok: encode_chat(tok, messages,
+                                                                  tools=tools and tools.template_tools()))
             except ApiError:
                 raise
             except MissingChatTemplate as exc:  # a base model: no template at all (say so, not "the roles")
@@ -339,7 +359,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         except BaseException:
             watch.stop()
             raise
-        return await respond(watch, body, jobs, "chat", body.n, [None] * body.n, k, tools=tools is not None)
+        return await respond(watch, body, jobs, "chat", body.n, [None] * body.n, k, tools=tools)
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
@@ -390,7 +410,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         return await respond(watch, body, jobs, "completion", len(prompts) * body.n, echoes, k,
                              score_only=body.max_tokens == 0)
 
-    add_info_routes(app, aengine, served, tokenizers, tokenize_text)
+    add_info_routes(app, aengine, served, tokenizers, tokenize_text, tool_format)
 
     return app
 

@@ -40,10 +40,11 @@ from ringshm.version import __version__
 
 
 def add_info_routes(app: FastAPI, aengine: AsyncEngine, served: ServedModels, tokenizers: Tokenizers,
-                    tokenize_text: Callable[..., Awaitable]) -> None:
+                    tokenize_text: Callable[..., Awaitable], tool_format=None) -> None:
     """Register ``/v1/models``, ``/v1/models/{id}``, ``/version``, ``/tokenize`` and ``/detokenize`` on
     ``app``. Tokenisation runs on the generation endpoints' lanes (``ringshm.server.tokenizing``):
-    ``tokenize_text(n_chars, param, fn)`` after the cheap length check, ``tokenizers.run`` for decoding."""
+    ``tokenize_text(n_chars, param, fn)`` after the cheap length check, ``tokenizers.run`` for decoding.
+    ``tool_format``: the server's ``ToolFormat``: messages' tool turns are rendered as chat renders them."""
 
     @app.get("/v1/models")
     async def models():
@@ -62,7 +63,7 @@ def add_info_routes(app: FastAPI, aengine: AsyncEngine, served: ServedModels, to
         served.pick(body.model)
         body.refuse_unsupported()
         if body.messages is not None:
-            messages = plain_messages(body.messages)
+            messages = plain_messages(body.messages, tool_format)
             try:
                 ids = await tokenize_text(sum(len(m["content"]) for m in messages), "messages",
                                           lambda tok: encode_chat(tok, messages, body.add_generation_prompt))

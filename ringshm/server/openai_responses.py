@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 from ringshm.engine.logprobs import TokenLogprob
 from ringshm.server.openai_schema import engine_error
-from ringshm.server.tools import ToolCallStream, ToolPlan
+from ringshm.server.tool_formats import ToolCallStream
+from ringshm.server.tools import ToolPlan
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -158,13 +159,14 @@ class OpenAIRequest:
             each logprob token reads ``"token_id:<id>"`` instead of its text.
         watch: the request's ``ClientWatch``: when the client goes away, every stream of the request is cancelled
             at once (waiting, prefilling or decoding) and counted "cancelled"; the answer then ends.
-        tools: the answer is in ``ringshm.server.tools``' format: each choice's message carries its parsed
-            ``tool_calls`` (or its reply's content); a stream sends calls as they are generated.
+        tools: the request's ``ringshm.server.tools.ToolPlan`` (None: no tools): each choice's message carries its
+            parsed ``tool_calls`` and content; a stream sends calls as they are generated. A marker of its format
+            that is a special token (not decoded) is put back into the text the reader sees.
     """
 
     def __init__(self, kind: str, model_id: str, jobs: list[Job], n_choices: int, echoes: list[str | None],
                  logprobs: int | None, score_only: bool, token_text: TokenText, metrics, include_usage: bool,
-                 created: int, tokens_as_ids: bool = False, watch=None, tools: bool = False):
+                 created: int, tokens_as_ids: bool = False, watch=None, tools: ToolPlan | None = None):
         self.kind, self.model_id, self.jobs, self.tools = kind, model_id, jobs, tools
         self._tool_streams: dict[int, ToolCallStream] = {}
         self.logprobs, self.score_only, self.tt, self.metrics = logprobs, score_only, token_text, metrics
@@ -250,6 +252,8 @@ class OpenAIRequest:
                         tokens = list(job.prompt_ids)
                         lps = list(chunk.prompt_logprobs or [None] * len(tokens))
             if not self.score_only:
+                if self.tools is not None and self.tools.fmt.marker_ids:
+                    text += self.tools.fmt.marker_ids.get(chunk.token_id, "")
                 text += chunk.text
                 c.completion_tokens += 1
                 if self.logprobs is not None:
@@ -269,8 +273,8 @@ class OpenAIRequest:
     def _choice_body(self, c: _Choice, logprobs) -> dict:
         body = {"index": c.index, "finish_reason": c.finish_reason, "logprobs": logprobs}
         text = "".join(c.text)
-        if self.kind == "chat" and self.tools:
-            content, calls, body["finish_reason"] = ToolPlan.parse(text, c.finish_reason)
+        if self.kind == "chat" and self.tools is not None:
+            content, calls, body["finish_reason"] = self.tools.parse(text, c.finish_reason)
             body["message"] = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
         elif self.kind == "chat":
             body["message"] = {"role": "assistant", "content": text}
@@ -279,16 +283,17 @@ class OpenAIRequest:
         return body
 
     def _tool_deltas(self, c: _Choice, text: str, finish: str | None) -> tuple[list[dict], str | None]:
-        """A tool-format choice's stream deltas for its new ``text`` (``ringshm.server.tools.ToolCallStream``: calls
-        as they are generated), and at its finish what is left: a reply's content, or the raw text when the answer
-        is not the format. Returns (deltas, finish_reason), both as ``ToolPlan.parse`` reads the whole text."""
-        stream = self._tool_streams.setdefault(c.index, ToolCallStream())
+        """A tool-format choice's stream deltas for its new ``text`` (``ringshm.server.tool_formats.ToolCallStream``:
+        content and calls as they are generated), and at its finish what is left (held-back text, a generic reply's
+        content, or the raw text when the answer is not the format). Returns (deltas, finish_reason), both as
+        ``ToolPlan.parse`` reads the whole text."""
+        stream = self._tool_streams.setdefault(c.index, ToolCallStream(self.tools.fmt))
         stream.feed(text)
-        deltas = stream.deltas()
         if finish is None:
-            return deltas, None
-        content, _, finish = ToolPlan.parse(stream.text, finish)
-        if content:
+            return stream.deltas(), None
+        content, _, finish = stream.result(finish)
+        deltas = stream.deltas()
+        if content and not stream.calls and content != stream.content:  # the raw text, not the format
             deltas.append({"content": content})
         return deltas, finish
 
@@ -345,7 +350,7 @@ class OpenAIRequest:
             while item is not None:
                 j, chunk = item
                 for c, text, payload, finish in self._on_chunk(j, chunk):
-                    if self.tools and self.kind == "chat":  # calls streamed as their JSON grows
+                    if self.tools is not None and self.kind == "chat":  # calls streamed as their JSON grows
                         deltas, finish = self._tool_deltas(c, text, finish)
                         for delta in deltas:
                             yield _event({**head, "choices": [{"index": c.index, "delta": delta, "finish_reason": None,

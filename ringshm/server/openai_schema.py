@@ -219,15 +219,19 @@ class _Message(BaseModel):
     tool_call_id: Annotated[str, Strict()] | None = None  # tool
 
 
-def plain_messages(messages: list[_Message]) -> list[dict]:
+def plain_messages(messages: list[_Message], fmt=None) -> list[dict]:
     """``[{"role", "content"}]`` for the chat template: text content parts joined, ``developer`` as ``system``, no
-    content as "". Tool turns become text any template takes (``ringshm.server.tools``' generic format): an
-    assistant turn's ``tool_calls`` the JSON it would have written (``{"tool_calls": [{"name", "arguments"}]}``
-    after its content), a ``tool`` turn a user turn "Result of tool call <id>: <content>". Raises a 400 naming
-    ``messages`` for text that is not valid Unicode (``check_text``), call arguments that are not JSON text, a
-    ``tool`` turn without ``tool_call_id`` or ``tool_calls`` outside an assistant turn; a part that is not
-    ``{"type": "text", "text": <string>}`` is refused by the schema."""
-    out = []
+    content as "". Tool turns, with ``fmt`` a native ``ringshm.server.tool_formats.ToolFormat``, go to the template
+    as transformers takes them (an assistant's ``tool_calls`` with their arguments parsed, a ``tool`` turn with its
+    ``tool_call_id`` and the called function's ``name``); otherwise they become text any template takes
+    (``ringshm.server.tools``' generic format): an assistant turn's ``tool_calls`` the JSON it would have written
+    (``{"tool_calls": [{"name", "arguments"}]}`` after its content), a ``tool`` turn a user turn "Result of tool
+    call <id>: <content>". Raises a 400 naming ``messages`` for text that is not valid Unicode (``check_text``),
+    call arguments that are not JSON text (or, native, that spell a special token), a ``tool`` turn without
+    ``tool_call_id`` or ``tool_calls`` outside an assistant turn; a part that is not ``{"type": "text", "text":
+    <string>}`` is refused by the schema."""
+    native = fmt is not None and fmt.native
+    out, names = [], {}  # names: call id -> function name, for the tool turns that answer them
     for i, m in enumerate(messages):
         content = m.content
         if isinstance(content, list):  # content parts: text only
@@ -237,10 +241,15 @@ def plain_messages(messages: list[_Message]) -> list[dict]:
         except ValueError as exc:
             raise bad_request(str(exc), "messages") from None
         content, role = content or "", "system" if m.role == "developer" else m.role
+        extra: dict = {}
         if m.role == "tool":
             if not m.tool_call_id:
                 raise bad_request(f"messages[{i}]: a tool message needs tool_call_id", "messages")
-            role, content = "user", f"Result of tool call {m.tool_call_id}: {content}"
+            if native:
+                extra = {"tool_call_id": m.tool_call_id, **({"name": names[m.tool_call_id]}
+                                                           if m.tool_call_id in names else {})}
+            else:
+                role, content = "user", f"Result of tool call {m.tool_call_id}: {content}"
         if m.tool_calls:
             if m.role != "assistant":
                 raise bad_request(f"messages[{i}]: only an assistant message carries tool_calls", "messages")
@@ -250,8 +259,17 @@ def plain_messages(messages: list[_Message]) -> list[dict]:
             except ValueError:
                 raise bad_request(f"messages[{i}].tool_calls: function.arguments must be JSON text",
                                   "messages") from None
-            content += json.dumps({"tool_calls": calls}, ensure_ascii=False)
-        out.append({"role": role, "content": content})
+            if native:
+                spelled = fmt.spells_special(json.dumps(calls, ensure_ascii=False))
+                if spelled:
+                    raise bad_request(f"messages[{i}].tool_calls spell the special token {spelled!r}, which the "
+                                      f"chat template would read as the token itself: remove it", "messages")
+                names.update({c.id: c.function.name for c in m.tool_calls if c.id})
+                extra = {"tool_calls": [{**({"id": c.id} if c.id else {}), "type": "function",
+                                         "function": call} for c, call in zip(m.tool_calls, calls)]}
+            else:
+                content += json.dumps({"tool_calls": calls}, ensure_ascii=False)
+        out.append({"role": role, "content": content, **extra})
     return out
 
 

@@ -39,7 +39,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
           max_queue_wait_s: float | None = 60.0, max_body_bytes: int = 2 * 1024 * 1024,
           header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
           model_name: str | Sequence[str] | None = None, spec: str | None = None, spec_k: int = 4,
-          spec_depth: int = 1, log_level: str = "info",
+          spec_depth: int = 1, log_level: str = "info", tool_call_parser: str = "auto",
           **engine_kwargs) -> int:
     """Start the stages, then serve until SIGTERM / SIGINT / SIGHUP; returns 0 after a clean shutdown, and
     ``STAGE_DIED_EXIT`` (3) when a stage died: the open requests fail with 503, the server shuts down (every
@@ -53,7 +53,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
     shut down on once it is done; ``serve`` treats that signal as the request for a clean exit, so the process
     exits 0. SIGHUP (the terminal closed, a supervisor's reload) is a stop signal like SIGTERM: open responses
     get ``graceful_s`` to finish. ``header_timeout_s`` / ``body_timeout_s``: how long a request's headers and
-    body may take to arrive (``ringshm.server.connection.ReadTimeoutH11``).
+    body may take to arrive (``ringshm.server.connection.ReadTimeoutH11``). ``tool_call_parser``: ``create_app``'s.
 
     Raises:
         ValueError: the port is in use or out of range, before the stages start.
@@ -118,7 +118,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
 
     app = create_app(aengine, model_name or model_id_of(engine.model_path), spec=spec, spec_k=spec_k,
                      spec_depth=spec_depth, graceful_s=graceful_s, max_body_bytes=max_body_bytes,
-                     on_stage_died=on_stage_died)
+                     on_stage_died=on_stage_died, tool_call_parser=tool_call_parser)
     try:
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,
                                 timeout_graceful_shutdown=graceful_s)
