@@ -258,6 +258,17 @@ def test_each_formats_reader_streams_what_the_body_returns_at_every_cut(name, wh
             assert [(c[0], c[1]) for _, c in sorted(calls.items())] == [
                 (c["function"]["name"], c["function"]["arguments"]) for c in want_calls or ()], (name, cut)
     assert result[2] == ("tool_calls" if result[1] else "stop")
+    got = (result[0], [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in result[1] or ()])
+    assert got == READ[name][which]
+
+
+READ = {  # format -> what ANSWERS' two texts read as: (content, [(name, arguments)])
+    "hermes": (("Let me look.", [("get_weather", {"city": "Paris", "unit": "celsius"}), ("add", {"a": 1, "b": 2})]),
+               (None, [("add", {"a": 1, "b": 2})])),
+    "llama3_json": ((ANSWERS["llama3_json"][0], []), (None, [("add", {"a": 1, "b": 2})])),
+    "mistral": ((ANSWERS["mistral"][0], []), (None, [("add", {"a": 1, "b": 2})])),
+    "generic": (('It is "sunny".', []), (None, [("add", {"a": 1, "b": 2})])),
+}
 
 
 def _apply(deltas, calls) -> None:
