@@ -44,6 +44,25 @@ class OracleGreedy:
     margins: torch.Tensor
 
 
+@torch.inference_mode()
+def masked_greedy(model, prompt: list[int], state, n_new: int, eos_ids) -> OracleGreedy:
+    """transformers ``model``'s fp32 greedy after ``prompt`` with a grammar's mask applied as a logits processor:
+    ``state`` (``ringshm.engine.grammar.GrammarState``, driven by the oracle's own choices) allows the tokens of each
+    step; stops at EOS or where the grammar is complete. Margins are inf where one token is allowed."""
+    tokens, margins = [], []
+    out = model(torch.tensor([prompt]), use_cache=True)
+    for _ in range(n_new):
+        logits = out.logits[0, -1].masked_fill(~state.allowed(), float("-inf"))
+        top2 = logits.topk(2).values
+        tokens.append(int(logits.argmax()))
+        margins.append(float(top2[0] - top2[1]))
+        state.accept(tokens[-1])
+        if state.stopped or tokens[-1] in eos_ids:
+            break
+        out = model(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+    return OracleGreedy(torch.tensor(tokens), torch.tensor(margins))
+
+
 @pytest.fixture(scope="module")
 def torch_one_thread():
     """Run a module's model tests with one torch thread, then restore the count.

@@ -152,7 +152,7 @@ def test_greedy_under_the_format_equals_transformers_greedy_with_the_same_mask(s
                                                                                 assert_greedy_matches):
     """The format's grammar (``required``: the answer is calls only) through the ring equals transformers fp32
     greedy with the same llguidance mask applied as a logits processor, token for token up to a float tie."""
-    from conftest import OracleGreedy
+    from conftest import masked_greedy
 
     engine = srv.aengine.engine
     plan = tool_plan(TOOLS, "required", None, make_format(SPECS[family][0], engine.tokenizer))
@@ -164,22 +164,9 @@ def test_greedy_under_the_format_equals_transformers_greedy_with_the_same_mask(s
         return [c.token_id async for c in srv.aengine.stream(prompt, n_new, structured_output=spec)]
 
     tokens_ours = asyncio.run(ours())
-    state = engine.grammars.state(spec)
-    oracle = model.oracle()
-    tokens, margins = [], []
-    with torch.inference_mode():
-        out = oracle(torch.tensor([prompt]), use_cache=True)
-        for _ in range(n_new):
-            logits = out.logits[0, -1].masked_fill(~state.allowed(), float("-inf"))
-            top2 = logits.topk(2).values
-            tokens.append(int(logits.argmax()))
-            margins.append(float(top2[0] - top2[1]))
-            state.accept(tokens[-1])
-            if state.stopped or tokens[-1] in engine.eos_ids:
-                break
-            out = oracle(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-    n = assert_greedy_matches(torch.tensor(tokens_ours), OracleGreedy(torch.tensor(tokens), torch.tensor(margins)),
-                              f"{family} tool grammar")
+    ref = masked_greedy(model.oracle(), prompt, engine.grammars.state(spec), n_new, engine.eos_ids)
+    tokens = ref.tokens.tolist()
+    n = assert_greedy_matches(torch.tensor(tokens_ours), ref, f"{family} tool grammar")
     if n == len(tokens):
         assert tokens_ours == tokens
 

@@ -76,23 +76,12 @@ def test_greedy_under_a_grammar_equals_transformers_greedy_with_the_same_mask(en
     spec = SPECS[name]
     prompt = engine3.encode(QUESTION, chat=True)
     ours = engine3.generate(prompt, N_NEW, structured_output=spec)
-    state = engine3.grammars.state(spec)  # the same library's matcher, driven by the oracle's choices
-    tokens, margins = [], []
-    with torch.inference_mode():
-        out = oracle(torch.tensor([prompt]), use_cache=True)
-        for _ in range(N_NEW):
-            logits = out.logits[0, -1].masked_fill(~state.allowed(), float("-inf"))
-            top2 = logits.topk(2).values
-            tokens.append(int(logits.argmax()))
-            margins.append(float(top2[0] - top2[1]))  # inf when one token is allowed
-            state.accept(tokens[-1])
-            if state.stopped or tokens[-1] in engine3.eos_ids:
-                break
-            out = oracle(torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-    from conftest import OracleGreedy
+    from conftest import masked_greedy
 
-    n = assert_greedy_matches(torch.tensor(ours.token_ids), OracleGreedy(torch.tensor(tokens), torch.tensor(margins)),
-                              f"grammar {name}")
+    # the same library's matcher, driven by the oracle's choices
+    ref = masked_greedy(oracle, prompt, engine3.grammars.state(spec), N_NEW, engine3.eos_ids)
+    tokens = ref.tokens.tolist()
+    n = assert_greedy_matches(torch.tensor(ours.token_ids), ref, f"grammar {name}")
     if n == len(tokens):  # no float tie: the same tokens to the end, and the same ending
         assert ours.token_ids == tokens, (ours.text, engine3.tokenizer.decode(tokens))
     if ours.finish_reason == "stop" and name == "choice":
