@@ -146,6 +146,11 @@ def test_a_tool_that_spells_a_special_token_is_refused(srv, family):
     status, out, _ = srv.post("/v1/chat/completions", {"model": "zoo", "messages": ASK, "tools": [tool],
                                                        "max_tokens": 4})
     assert status == 400 and out["error"]["param"] == "tools" and special in out["error"]["message"], out
+    call = {"id": f"c{special}", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    for turns in ([{"role": "assistant", "tool_calls": [call]}],
+                  [{"role": "tool", "tool_call_id": f"x{special}", "content": "1"}]):
+        status, out, _ = srv.post("/v1/chat/completions", {"model": "zoo", "messages": ASK + turns, "max_tokens": 4})
+        assert status == 400 and out["error"]["param"] == "messages" and special in out["error"]["message"], out
 
 
 def test_greedy_under_the_format_equals_transformers_greedy_with_the_same_mask(srv, model, family,

@@ -227,7 +227,7 @@ def plain_messages(messages: list[_Message], fmt=None) -> list[dict]:
     (``ringshm.server.tools``' generic format): an assistant turn's ``tool_calls`` the JSON it would have written
     (``{"tool_calls": [{"name", "arguments"}]}`` after its content), a ``tool`` turn a user turn "Result of tool
     call <id>: <content>". Raises a 400 naming ``messages`` for text that is not valid Unicode (``check_text``),
-    call arguments that are not JSON text (or, native, that spell a special token), a ``tool`` turn without
+    call arguments that are not JSON text (or, native, calls or ids that spell a special token), a ``tool`` turn without
     ``tool_call_id`` or ``tool_calls`` outside an assistant turn; a part that is not ``{"type": "text", "text":
     <string>}`` is refused by the schema."""
     native = fmt is not None and fmt.native
@@ -246,6 +246,10 @@ def plain_messages(messages: list[_Message], fmt=None) -> list[dict]:
             if not m.tool_call_id:
                 raise bad_request(f"messages[{i}]: a tool message needs tool_call_id", "messages")
             if native:
+                spelled = fmt.spells_special(m.tool_call_id)
+                if spelled:
+                    raise bad_request(f"messages[{i}].tool_call_id spells the special token {spelled!r}: remove it",
+                                      "messages")
                 extra = {"tool_call_id": m.tool_call_id, **({"name": names[m.tool_call_id]}
                                                            if m.tool_call_id in names else {})}
             else:
@@ -260,7 +264,7 @@ def plain_messages(messages: list[_Message], fmt=None) -> list[dict]:
                 raise bad_request(f"messages[{i}].tool_calls: function.arguments must be JSON text",
                                   "messages") from None
             if native:
-                spelled = fmt.spells_special(json.dumps(calls, ensure_ascii=False))
+                spelled = fmt.spells_special(json.dumps([calls, [c.id for c in m.tool_calls]], ensure_ascii=False))
                 if spelled:
                     raise bad_request(f"messages[{i}].tool_calls spell the special token {spelled!r}, which the "
                                       f"chat template would read as the token itself: remove it", "messages")
