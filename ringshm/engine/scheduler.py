@@ -36,6 +36,7 @@ exactly the bytes it gets alone, whatever its batch-mates, the depths, the chunk
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -50,6 +51,28 @@ from ringshm.errors import ReplyMismatch, RingTimeout
 from ringshm.transport import messages as m
 
 PREFILL, DECODE, VERIFY = 0, 1, 2  # what a segment is to the coordinator (the stage only sees the table)
+
+
+def _one_torch_thread(fn):
+    """Run the coordinator's own torch work (sampling, building and encoding ops, stacking bitmasks) on one
+    thread, and give the caller's thread count back after. torch's threads are per calling thread (OpenMP), and
+    the stages hold the cores: at 2, a core held by a stage made every coordinator torch op wait a time slice
+    (59 vs 1.7 ms), and an op built on 2 threads left libgomp's second thread spinning into the stage's op
+    (measured, 16 JSON-constrained streams on 2 cores: the stage's decode op 57.6 ms against 50.1 ms for the
+    same streams free, 5.8 involuntary switches per op against 1.7; 51.8 ms and 2.2 on one thread)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        threads = torch.get_num_threads()
+        if threads == 1:
+            return fn(*args, **kwargs)
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+
+    return run
 
 
 @dataclass(eq=False)
@@ -250,6 +273,7 @@ class Scheduler:
                 return False
         return True
 
+    @_one_torch_thread
     def _fill(self) -> None:
         """Send step ops while a window has room and some stream has work (module docstring)."""
         while self.n_decode_ops < self.depth or self.n_prefill_ops < self.prefill_depth:
@@ -338,20 +362,14 @@ class Scheduler:
             budget -= n
             tag.add(s, PREFILL)
 
+    @_one_torch_thread
     def _on_reply(self, reply: m.Message, tag: StepTag) -> list[TokenEvent]:
         """Commit what one step reply carries, segment by segment, and free the rows of finished streams.
 
         A segment's own work (prompt logprobs, sampling, speculative acceptance, detokenisation, stop strings)
         that raises fails that stream alone: it ends with finish_reason "error" and an event carrying the
         exception; the op's other segments are committed as usual."""
-        threads = torch.get_num_threads()  # per calling thread (OpenMP): the coordinator's sampling runs on one
-        if threads != 1:  # thread: at 2, a core held by a stage made every torch op wait a time slice (59 vs 1.7 ms)
-            torch.set_num_threads(1)
-        try:
-            return self._commit_reply(reply, tag)
-        finally:
-            if threads != 1:
-                torch.set_num_threads(threads)
+        return self._commit_reply(reply, tag)
 
     def _commit_reply(self, reply: m.Message, tag: StepTag) -> list[TokenEvent]:
         self.last_segments = len(tag.streams)
