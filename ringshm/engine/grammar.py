@@ -199,11 +199,9 @@ class GrammarCompiler:
             if isinstance(exc, InvalidParameter):
                 raise
             raise InvalidParameter(_explain(spec, str(exc)), "structured_output") from None
-        is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar, self.tokenizer)
-        matcher = None if is_error else LLMatcher(self.tokenizer, grammar, log_level=0)
-        if matcher is None or matcher.is_error():
-            why = (messages[0] if messages else "unknown error") if matcher is None else matcher.get_error()
-            raise InvalidParameter(_explain(spec, why), "structured_output")
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0)  # one compile: its error is validate's own text
+        if matcher.is_error():
+            raise InvalidParameter(_explain(spec, matcher.get_error() or "unknown error"), "structured_output")
         probe = GrammarState(matcher.deep_copy(), self.vocab)
         try:
             probe.words()
