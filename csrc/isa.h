@@ -36,6 +36,8 @@ struct ringshm_kv_pool; /* kernels.h */
     void ringshm_silu_mul_rows_##S(float *out, const float *gu, int64_t m, int64_t inter);                   \
     void ringshm_gelu_tanh_mul_rows_##S(float *out, const float *gu, int64_t m, int64_t inter);              \
     void ringshm_kv_widen_rows_##S(float *out, const void *src, int64_t n, int kv_type);                     \
+    void ringshm_argmax_rows_impl_##S(int64_t *out, const float *logits, const uint32_t *words, int64_t m,     \
+                                      int64_t vocab, int64_t width);                                          \
     void ringshm_mm_panels_##S(const struct ringshm_mm_args *a, int64_t p_begin, int64_t p_end);           \
     int ringshm_fma_chains_##S(int64_t iters, float *sink);                                                  \
     void ringshm_read_chains_##S(const float *p, int64_t n, float *sink);

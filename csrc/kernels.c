@@ -253,6 +253,13 @@ int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t w_len, 
     return RINGSHM_KERNEL_OK;
 }
 
+int ringshm_argmax_rows(int64_t *out, const float *logits, const int32_t *words, int64_t m, int64_t vocab,
+                        int64_t width) {
+    if (m <= 0 || vocab <= 0 || (words && width < (vocab + 31) / 32)) return RINGSHM_KERNEL_ERR_SHAPE;
+    ISA_PICK(ringshm_argmax_rows_impl)(out, logits, (const uint32_t *)words, m, vocab, width);
+    return RINGSHM_KERNEL_OK;
+}
+
 int ringshm_silu_mul(float *out, const float *gu, int64_t m, int64_t inter) {
     if (m <= 0 || inter <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
     ISA_PICK(ringshm_silu_mul_rows)(out, gu, m, inter);

@@ -172,6 +172,24 @@ void ringshm_kv_mark(int32_t *fill, int block_size, const int32_t *tables, const
  * (nothing written). */
 int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t w_len, int64_t m, int64_t k, float eps);
 
+/* ringshm_argmax_rows: each row's greedy choice, optionally restricted to the tokens a bitmask allows (the last
+ * stage's head: a structured-output row's mask rides in its step op).
+ *
+ *     logits  [m, vocab] fp32
+ *     words   [m, width] int32, or NULL (every token allowed): token t of row r is allowed iff bit t % 32 of
+ *             words[r, t / 32] is set; width >= ceil(vocab / 32), bits at t >= vocab are ignored
+ *     out     [m] int64
+ *
+ * out[r] = the smallest allowed t whose logit is the largest allowed one (torch.argmax's rule, NaN counted as the
+ * largest: the first allowed NaN wins); with a mask, masked_fill(~allowed, -inf).argmax() whenever some allowed
+ * logit is above -inf (all allowed at -inf: the first allowed token, where masked_fill would give token 0); a row
+ * that allows no token gets -1. Two passes per row in token order: the largest allowed value (a compare-select
+ * per element, any NaN noted), then the first allowed token equal to it. Row r reads only row r (batch
+ * invariance); comparisons only, so the answer is exact whatever the ISA.
+ * Returns RINGSHM_KERNEL_ERR_SHAPE if m or vocab <= 0, or words is given with width < ceil(vocab / 32). */
+int ringshm_argmax_rows(int64_t *out, const float *logits, const int32_t *words, int64_t m, int64_t vocab,
+                        int64_t width);
+
 /* ringshm_silu_mul: the SwiGLU gate, out[r, j] = silu(gu[r, j]) * gu[r, inter + j] for j < inter.
  *
  *     gu   [m, 2 * inter] fp32: each row is [gate | up] (the fused gate-up matmul's output)

@@ -271,9 +271,8 @@ def test_the_last_stage_restricts_each_rows_argmax_by_that_rows_own_mask():
 @pytest.mark.parametrize("levels", [12, 300])
 @pytest.mark.parametrize("density", [0.0005, 0.02, 0.3, 0.97])
 def test_the_restricted_argmax_equals_the_masked_argmax_ties_included(density, levels):
-    """Every path of ``_restrict_argmax`` (the argmax allowed, a sparse mask read directly, an allowed token among
-    the top 16, a dense mask read whole) against ``masked_fill(-inf).argmax()``, on logits with many exact ties
-    (small integers)."""
+    """The head's restricted argmax (the C kernel ``ringshm_argmax_rows``) against ``masked_fill(-inf).argmax()``,
+    sparse to dense masks, on logits with many exact ties (small integers), a vocabulary that ends mid-word."""
     gen = torch.Generator().manual_seed(int(density * 1e4) + levels)
     vocab, n = 5000, 64  # 157 words: sparse masks (<= 64 nonzero words) and dense ones
     logits = torch.randint(0, levels, (n, vocab), generator=gen).float()
@@ -287,6 +286,36 @@ def test_the_restricted_argmax_equals_the_masked_argmax_ties_included(density, l
     segs = [m.Segment(i, 0, 1, m.WANT_LAST | m.WANT_ALLOWED) for i in range(n)]
     out = head_outputs(logits, plan_head(segs, [], words, vocab))
     assert out.token_ids.tolist() == logits.masked_fill(~ok, float("-inf")).argmax(dim=-1).tolist()
+
+
+def test_the_argmax_kernel_keeps_torchs_rules_for_nan_inf_and_ties():
+    """``argmax_rows`` without a mask equals ``torch.argmax`` (the first NaN wins, ties go to the smallest index,
+    -inf rows give 0), and with one, ``masked_fill(-inf).argmax()`` wherever an allowed logit is finite; the
+    documented difference: every allowed logit at -inf gives the first allowed token; none allowed gives -1."""
+    from ringshm.model.head import argmax_rows
+
+    gen = torch.Generator().manual_seed(7)
+    vocab = 1000
+    logits = torch.randint(0, 5, (8, vocab), generator=gen).float()
+    logits[1, 700] = float("nan")
+    logits[1, 900] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 999] = 50.0  # the last token, in the last partial word
+    logits[4, :500] = float("inf")
+    assert argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+    ok = torch.rand(8, vocab, generator=gen) < 0.5
+    ok[:, 3] = True
+    ok[1, 700] = False  # a refused NaN does not win
+    padded = torch.zeros(8, 1024, dtype=torch.int64)
+    padded[:, :vocab] = ok.long()
+    words = (padded.view(8, -1, 32) << torch.arange(32)).sum(dim=-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    want = logits.masked_fill(~ok, float("-inf")).argmax(dim=-1).tolist()
+    got = argmax_rows(logits, words).tolist()
+    assert got[:2] + got[3:] == want[:2] + want[3:] and got[1] == 900
+    assert got[2] == int(ok[2].nonzero()[0, 0])  # all allowed at -inf: the first allowed (masked_fill: 0)
+    words[5] = 0
+    assert argmax_rows(logits, words)[5] == -1
 
 
 def test_speculative_decoding_under_a_grammar_commits_the_plain_constrained_tokens(engine3):
