@@ -254,9 +254,16 @@ int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t w_len, 
 }
 
 int ringshm_argmax_rows(int64_t *out, const float *logits, const int32_t *words, int64_t m, int64_t vocab,
-                        int64_t width) {
+                        int64_t width, int isa) {
     if (m <= 0 || vocab <= 0 || (words && width < (vocab + 31) / 32)) return RINGSHM_KERNEL_ERR_SHAPE;
-    ISA_PICK(ringshm_argmax_rows_impl)(out, logits, (const uint32_t *)words, m, vocab, width);
+    if (isa >= 0 && !ringshm_isa_supported(isa)) return RINGSHM_KERNEL_ERR_SHAPE;
+    void (*fn)(int64_t *, const float *, const uint32_t *, int64_t, int64_t, int64_t) =
+        isa < 0 ? ISA_PICK(ringshm_argmax_rows_impl) : ringshm_argmax_rows_impl_v1;
+#if RINGSHM_HAVE_X86_ISAS
+    if (isa == RINGSHM_ISA_AVX512) fn = ringshm_argmax_rows_impl_v4;
+    if (isa == RINGSHM_ISA_AVX2) fn = ringshm_argmax_rows_impl_v3;
+#endif
+    fn(out, logits, (const uint32_t *)words, m, vocab, width);
     return RINGSHM_KERNEL_OK;
 }
 

@@ -186,9 +186,11 @@ int ringshm_rms_norm(float *out, const float *x, const float *w, int64_t w_len, 
  * that allows no token gets -1. Two passes per row in token order: the largest allowed value (a compare-select
  * per element, any NaN noted), then the first allowed token equal to it. Row r reads only row r (batch
  * invariance); comparisons only, so the answer is exact whatever the ISA.
- * Returns RINGSHM_KERNEL_ERR_SHAPE if m or vocab <= 0, or words is given with width < ceil(vocab / 32). */
+ * isa: a RINGSHM_ISA_* path (the tests run each; every path gives the same answer), or -1 for the CPU's best.
+ * Returns RINGSHM_KERNEL_ERR_SHAPE if m or vocab <= 0, words is given with width < ceil(vocab / 32), or the isa is
+ * not supported here. */
 int ringshm_argmax_rows(int64_t *out, const float *logits, const int32_t *words, int64_t m, int64_t vocab,
-                        int64_t width);
+                        int64_t width, int isa);
 
 /* ringshm_silu_mul: the SwiGLU gate, out[r, j] = silu(gu[r, j]) * gu[r, inter + j] for j < inter.
  *

@@ -18,9 +18,11 @@ from ringshm.engine.grammar import MAX_JSON_WHITESPACE
 from ringshm.errors import InvalidParameter
 from ringshm.generation_params import GenerationParams
 from ringshm.generation_params import StructuredOutput as SO
-from ringshm.model.head import head_outputs, plan_head, unpack_bitmask
+from ringshm.model.head import argmax_rows, head_outputs, plan_head, unpack_bitmask
+from ringshm.model.qmatmul import ISA_NAMES, lib
 from ringshm.transport import messages as m
 
+SUPPORTED_ISAS = [i for i in ISA_NAMES if lib.ringshm_isa_supported(i)]
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 130}},
           "required": ["name", "age"], "additionalProperties": False}
@@ -285,15 +287,16 @@ def test_the_restricted_argmax_equals_the_masked_argmax_ties_included(density, l
     assert torch.equal(unpack_bitmask(words, vocab), ok)
     segs = [m.Segment(i, 0, 1, m.WANT_LAST | m.WANT_ALLOWED) for i in range(n)]
     out = head_outputs(logits, plan_head(segs, [], words, vocab))
-    assert out.token_ids.tolist() == logits.masked_fill(~ok, float("-inf")).argmax(dim=-1).tolist()
+    want = logits.masked_fill(~ok, float("-inf")).argmax(dim=-1).tolist()
+    assert out.token_ids.tolist() == want
+    for isa in SUPPORTED_ISAS:  # every path the kernel has, not only this CPU's best
+        assert argmax_rows(logits, words, isa).tolist() == want, ISA_NAMES[isa]
 
 
 def test_the_argmax_kernel_keeps_torchs_rules_for_nan_inf_and_ties():
     """``argmax_rows`` without a mask equals ``torch.argmax`` (the first NaN wins, ties go to the smallest index,
     -inf rows give 0), and with one, ``masked_fill(-inf).argmax()`` wherever an allowed logit is finite; the
     documented difference: every allowed logit at -inf gives the first allowed token; none allowed gives -1."""
-    from ringshm.model.head import argmax_rows
-
     gen = torch.Generator().manual_seed(7)
     vocab = 1000
     logits = torch.randint(0, 5, (8, vocab), generator=gen).float()
@@ -302,7 +305,8 @@ def test_the_argmax_kernel_keeps_torchs_rules_for_nan_inf_and_ties():
     logits[2] = float("-inf")
     logits[3, 999] = 50.0  # the last token, in the last partial word
     logits[4, :500] = float("inf")
-    assert argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+    for isa in [-1, *SUPPORTED_ISAS]:
+        assert argmax_rows(logits, None, isa).tolist() == logits.argmax(dim=-1).tolist(), isa
     ok = torch.rand(8, vocab, generator=gen) < 0.5
     ok[:, 3] = True
     ok[1, 700] = False  # a refused NaN does not win
@@ -311,9 +315,10 @@ def test_the_argmax_kernel_keeps_torchs_rules_for_nan_inf_and_ties():
     words = (padded.view(8, -1, 32) << torch.arange(32)).sum(dim=-1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     want = logits.masked_fill(~ok, float("-inf")).argmax(dim=-1).tolist()
-    got = argmax_rows(logits, words).tolist()
-    assert got[:2] + got[3:] == want[:2] + want[3:] and got[1] == 900
-    assert got[2] == int(ok[2].nonzero()[0, 0])  # all allowed at -inf: the first allowed (masked_fill: 0)
+    for isa in [-1, *SUPPORTED_ISAS]:
+        got = argmax_rows(logits, words, isa).tolist()
+        assert got[:2] + got[3:] == want[:2] + want[3:] and got[1] == 900, isa
+        assert got[2] == int(ok[2].nonzero()[0, 0]), isa  # all allowed at -inf: the first allowed (masked_fill: 0)
     words[5] = 0
     assert argmax_rows(logits, words)[5] == -1
 

@@ -123,14 +123,14 @@ def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
     return bits.reshape(words.shape[0], -1)[:, :vocab].bool()
 
 
-def argmax_rows(logits: torch.Tensor, words: torch.Tensor | None = None) -> torch.Tensor:
+def argmax_rows(logits: torch.Tensor, words: torch.Tensor | None = None, isa: int = -1) -> torch.Tensor:
     """Each row's argmax (int64 ``[n]``) of ``logits`` (``[n, vocab]``), over the tokens bitmask ``words`` (int32
     ``[n, ceil(vocab / 32)]``, ``unpack_bitmask``'s layout) allows, or every token: the smallest index of the
     largest allowed value, ties and NaN as ``masked_fill(~allowed, -inf).argmax()`` (csrc/kernels.h
     ``ringshm_argmax_rows``: one C pass for the value, one for its first index; a row reads only itself). CPU fp32
-    runs the kernel (49k tokens: ~30 us a row, against ~100 us for torch's argmax and ~300 us more for a mask
-    through top-k); elsewhere (CUDA) torch's masked argmax. A row that allows no token is a caller's bug: -1 there
-    (CPU).
+    runs the kernel (49k tokens, measured: 41 us a row, 44 with a mask, against 102 us for torch's argmax, and
+    ~300 us more for a mask taken through a top-k); elsewhere (CUDA) torch's masked argmax. A row that allows no
+    token is a caller's bug: -1 there (CPU). ``isa``: for tests, one ``RINGSHM_ISA_*`` path (-1: the CPU's best).
 
     Raises:
         ValueError: a shape or dtype other than the above.
@@ -154,7 +154,7 @@ def argmax_rows(logits: torch.Tensor, words: torch.Tensor | None = None) -> torc
         words = words.contiguous()
         wptr = ffi.cast("const int32_t *", words.data_ptr())
     check_status(lib.ringshm_argmax_rows(ffi.cast("int64_t *", out.data_ptr()), ffi.cast("const float *",
-                 logits.data_ptr()), wptr, n, vocab, 0 if words is None else words.shape[1]), "argmax_rows")
+                 logits.data_ptr()), wptr, n, vocab, 0 if words is None else words.shape[1], isa), "argmax_rows")
     return out
 
 
