@@ -284,6 +284,11 @@ def test_a_tool_round_trip_call_then_result_then_answer(client):
     ({"messages": [{"role": "tool", "content": "42"}]}, "messages"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools"),
     ({"tools": TOOLS, "stop": ["}"]}, "stop"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {  # its schema over the size limit
+        "type": "object", "properties": {"x": {"enum": [f"value-{i:06d}" for i in range(20000)]}}}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": f"f{j}", "parameters": {  # the answer over it
+        "type": "object", "properties": {"x": {"enum": [f"v{i:06d}" for i in range(2500)]}}}}}
+        for j in range(12)]}, "tools"),
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function", "function": {
         "name": "add", "arguments": "{not json"}}]}]}, "messages"),
 ])

@@ -192,12 +192,15 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         if tools is not None:
             if so is not None:
                 raise bad_request(f"tools and {param} both constrain the answer: give one", param)
-            for where, check in tools.checks():  # each tool's schema alone first: errors name the tool
-                try:
-                    await asyncio.to_thread(aengine.engine.grammars.compile, check)
-                except ValueError as exc:
-                    raise bad_request(f"{where}: {exc}", "tools") from None
-            so, param = tools.constraint(), "tools"
+            try:  # each tool's schema alone first: errors name the tool; then the answer's (too long: 400)
+                for where, check in tools.checks():
+                    try:
+                        await asyncio.to_thread(aengine.engine.grammars.compile, check)
+                    except ValueError as exc:
+                        raise bad_request(f"{where}: {exc}", "tools") from None
+                so, param = tools.constraint(), "tools"
+            except ValueError as exc:
+                raise bad_request(f"tools: {exc}", "tools") from None
         if so is not None and body.stop:
             raise bad_request(f"stop strings would cut the answer {param} holds to where its grammar does not end: "
                               f"drop stop or {param}", "stop")
