@@ -175,6 +175,13 @@ def encode_text(tokenizer, text: str, what: str = "prompt") -> list[int]:
     return [int(t) for t in tokenizer(text, split_special_tokens=True)["input_ids"]]
 
 
+def special_spellings(tokenizer) -> list[str]:
+    """The texts of ``tokenizer``'s special tokens (added tokens marked special), longest first: where a chat
+    template's text is split into its markers (``encode_chat``), and what text written by the template outside the
+    content placeholders must not spell (``ringshm.server.tool_formats``)."""
+    return sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+
+
 def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None) -> list[int]:
     """Token ids of ``messages`` (``[{"role", "content", ...}]``: other keys, e.g. an assistant's ``tool_calls``,
@@ -210,8 +217,7 @@ def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     rendered = tokenizer.apply_chat_template([dict(msg, content=mark) for msg, mark in zip(messages, marks)],
                                              add_generation_prompt=add_generation_prompt, tokenize=False,
                                              **({"tools": tools} if tools else {}))
-    specials = sorted((t.content for t in tokenizer.added_tokens_decoder.values() if t.special), key=len,
-                      reverse=True)
+    specials = special_spellings(tokenizer)
     split = re.compile("(" + "|".join(map(re.escape, specials)) + ")") if specials else None
     pieces: list[tuple[str, bool]] = []  # (text, is a special token of the template)
     rest = rendered

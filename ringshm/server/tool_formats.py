@@ -36,10 +36,11 @@ import re
 import secrets
 import string
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ringshm.engine.grammar import MAX_JSON_WHITESPACE
 from ringshm.generation_params import StructuredOutput
+from ringshm.model.tokenizer import special_spellings
 
 FORMATS = ("generic", "hermes", "llama3_json", "mistral")
 MAX_PARALLEL_CALLS = 8  # calls in one answer when parallel_tool_calls is true
@@ -70,9 +71,9 @@ class ToolFormat:
     (``marker_ids``: the ones marked special)."""
 
     name: str
-    special: dict | None = None  # marker text -> token id, for markers the grammar must write as tokens
-    marker_ids: dict | None = None  # token id -> marker text, for markers that decoding drops
-    specials: tuple = ()  # the tokenizer's special tokens' spellings, longest first
+    special: dict = field(default_factory=dict)  # marker text -> token id, markers the grammar writes as tokens
+    marker_ids: dict = field(default_factory=dict)  # token id -> marker text, markers that decoding drops
+    specials: tuple = ()  # the tokenizer's special tokens' spellings, longest first (``special_spellings``)
 
     def spells_special(self, text: str) -> str | None:
         """The first special token of the tokenizer that ``text`` spells, for a native format (its template writes
@@ -97,7 +98,7 @@ class ToolFormat:
     # --------------------------------------------------------------------------------------------- grammar
     def _mark(self, text: str) -> str:
         """``text`` in the grammar: its special token (by id: ``<[id]>``), or a string."""
-        return f"<[{self.special[text]}]>" if text in (self.special or ()) else json.dumps(text)
+        return f"<[{self.special[text]}]>" if text in self.special else json.dumps(text)
 
     def constraint(self, tools: list[dict], allowed: list[str], required: bool, parallel: bool) -> StructuredOutput:
         """The grammar an answer is held to: calls of ``allowed`` tools (each ``{"name", "description",
@@ -128,7 +129,7 @@ class ToolFormat:
             more = f'("\\n" {start} body)~0..{n_max - 1}' if n_max > 1 else ""
             if required:
                 rules = f"start: {start} body {more}\n"
-            elif "<tool_call>" in (self.special or ()):  # text ends where the token comes, and never spells it
+            elif "<tool_call>" in self.special:  # text ends where the token comes, and never spells it
                 rules = (f"start: TEXT | TEXT {start} body {more}\n"
                          f"TEXT: /(?s:.*)/ & ~/(?s:.*)<tool_call>(?s:.*)/\n")
             else:
@@ -173,17 +174,21 @@ class ToolFormat:
 
 
 def make_format(name: str, tokenizer) -> ToolFormat:
-    """``name``'s ``ToolFormat`` on ``tokenizer`` (which of its markers are special tokens there)."""
+    """``name``'s ``ToolFormat`` on ``tokenizer`` (a transformers tokenizer, or None: no markers are tokens):
+    which of its markers are tokens to the grammar engine, which ones decoding drops.
+
+    Raises:
+        ValueError: ``name`` is not one of ``FORMATS``.
+    """
     if name not in FORMATS:
         raise ValueError(f"the tool-call format must be one of {', '.join(FORMATS)}, got {name!r}")
     markers = {"hermes": ("<tool_call>", "</tool_call>"), "mistral": ("[TOOL_CALLS]",)}.get(name, ())
     added = tokenizer.added_tokens_decoder if tokenizer is not None else {}
     as_tokens = {t.content: i for i, t in added.items()
                  if t.special or (t.content[:1] == "<" and t.content[-1:] == ">")}
-    hidden = {t.content for t in added.values() if t.special}
+    hidden = special_spellings(tokenizer) if tokenizer is not None else []
     special = {m: as_tokens[m] for m in markers if m in as_tokens}
-    return ToolFormat(name, special, {i: m for m, i in special.items() if m in hidden},
-                      tuple(sorted(hidden, key=len, reverse=True)))
+    return ToolFormat(name, special, {i: m for m, i in special.items() if m in hidden}, tuple(hidden))
 
 
 class _Incomplete(Exception):
