@@ -7,13 +7,13 @@
  * full fp32 copy, and every quantized type packs into exactly the file's bytes (16 rows x its block):
  *
  *   type  GGUF block, per row                      packed, per panel (16 rows n) per block                    B
- *   Q4_0   32 w  18 B: d | qs[16]                  d f16[16] | qs u8[16 j][16 n]                            288
- *   Q4_1   32 w  20 B: d | m | qs[16]              d f16[16] | m f16[16] | qs u8[16 j][16 n]                320
+ *   Q4_0   32 w  18 B: d | qs[16]                  d f16[16] | qs u32[4 g][16 n]                            288
+ *   Q4_1   32 w  20 B: d | m | qs[16]              d f16[16] | m f16[16] | qs u32[4 g][16 n]                320
  *   Q5_0   32 w  22 B: d | qh[4] | qs[16]          d f16[16] | qh u8[4 r][16 n] | qs u8[16 j][16 n]         352
  *   Q5_1   32 w  24 B: d | m | qh[4] | qs[16]      d f16[16] | m f16[16] | qh u8[4 r][16 n] | qs ..         384
  *   Q8_0   32 w  34 B: d | qs i8[32]               d f16[16] | qs i8[32 k][16 n]                            544
  *   Q4_K  256 w 144 B: d | dmin | scales[12] |     d f16[16] | dmin f16[16] | scales u8[12][16 n] |
- *                      qs[128]                       8 sub-blocks s x ( qs u8[16 j][16 n] )                2304
+ *                      qs[128]                       8 sub-blocks s x ( qs u32[4 g][16 n] )                2304
  *   Q5_K  256 w 176 B: Q4_K's | qh[32] | qs[128]   d f16[16] | dmin f16[16] | scales u8[12][16 n] |
  *                                                    8 sub-blocks s x ( qh u8[4 r][16 n] | qs u8[16 j][16 n] )
  *                                                                                                         2816
@@ -24,7 +24,9 @@
  *
  *   Packed nibble byte (j, n): low nibble = the low 4 bits of weight 2j of row n in its block of 32 (a K-quant's
  *   sub-block s of 32), high nibble = weight 2j + 1, so the walk over k is in order (in GGUF, weights j and
- *   j + 16 share a byte; in a K-quant, sub-blocks 2c and 2c + 1 share 32 bytes). The high bits go where a byte
+ *   j + 16 share a byte; in a K-quant, sub-blocks 2c and 2c + 1 share 32 bytes). Q4_0, Q4_1 and Q4_K hold the
+ *   same bytes as words: word (g, n) = bytes (j = 4g .. 4g + 3, n) in order, little-endian, so its nibble i is
+ *   weight 8g + i of row n and one shift brings any of them to a lane's low bits. The high bits go where a byte
  *   SIMD op finds them for 64 nibble bytes (4 rows j) at once, with one shift for all:
  *   Q5 qh byte (r, n), r < 4: bits 2a, 2a + 1 = bit 4 of the two weights of nibble row j = 4a + r.
  *   Q6_K qh byte (r, n), r < 8: bits 0-3 hold nibble row j = 8 (r / 4) + r % 4, bits 4-7 row j + 4; each row as

@@ -23,6 +23,10 @@ static inline unsigned nibble32(const uint8_t *qs, int i) { return i < 16 ? qs[i
 /* Packed nibble bytes of one block of 32: byte (j, l) = weight 2j | weight 2j + 1 << 4, from `low4(i)`. */
 #define PUT_NIBBLES(o, l, low4)                                                                                 \
     for (int j = 0; j < 16; j++) (o)[j * 16 + (l)] = (uint8_t)((low4(2 * j)) | (low4(2 * j + 1)) << 4)
+/* The Q4 types' words: the same bytes, row l's four of weights 8g .. 8g + 7 side by side (one little-endian
+ * 32-bit word: nibble i = weight 8g + i), words of rows 0 .. 15 for g = 0 .. 3. */
+#define PUT_NIBBLE_WORDS(o, l, low4)                                                                            \
+    for (int j = 0; j < 16; j++) (o)[64 * (j / 4) + 4 * (l) + j % 4] = (uint8_t)((low4(2 * j)) | (low4(2 * j + 1)) << 4)
 
 /* The fifth bits of a block of 32 (bit i of h = weight i) as packed: byte (r, l), r < 4, holds in bits 2a and
  * 2a + 1 those of weights 2 (4a + r) and 2 (4a + r) + 1, the two weights of nibble byte row j = 4a + r. */
@@ -43,13 +47,13 @@ static void pack_legacy(int type, const uint8_t *blk, uint8_t *o, int l) {
     case RINGSHM_W_Q4_0: {
         const uint8_t *qs = blk + 2;
 #define LOW4(i) nibble32(qs, i)
-        PUT_NIBBLES(o + 32, l, LOW4);
+        PUT_NIBBLE_WORDS(o + 32, l, LOW4);
         return;
     }
     case RINGSHM_W_Q4_1: {
         const uint8_t *qs = blk + 4;
         memcpy(o + 32 + 2 * l, blk + 2, 2); /* m */
-        PUT_NIBBLES(o + 64, l, LOW4);
+        PUT_NIBBLE_WORDS(o + 64, l, LOW4);
         return;
     }
     case RINGSHM_W_Q5_0: {
@@ -86,8 +90,10 @@ static void pack_q45_k(int type, const uint8_t *blk, uint8_t *o, int l) {
             for (int i = 0; i < 32; i++) h |= (uint32_t)((qh[i] >> s) & 1) << i;
             put_q5_high(so, l, h);
             so += 64;
+            PUT_NIBBLES(so, l, LOW4);
+        } else {
+            PUT_NIBBLE_WORDS(so, l, LOW4);
         }
-        PUT_NIBBLES(so, l, LOW4);
 #undef LOW4
     }
 }
