@@ -21,12 +21,12 @@ _Static_assert(16 * sizeof(struct block_q4_K) == 2304 && 16 * sizeof(struct bloc
 static inline unsigned nibble32(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 15u : (unsigned)qs[i - 16] >> 4; }
 
 /* Packed nibble bytes of one block of 32: byte (j, l) = weight 2j | weight 2j + 1 << 4, from `low4(i)`. */
-#define PUT_NIBBLES(o, l, low4)                                                                                 \
-    for (int j = 0; j < 16; j++) (o)[j * 16 + (l)] = (uint8_t)((low4(2 * j)) | (low4(2 * j + 1)) << 4)
+#define NIBBLE_PAIR(low4, j) (uint8_t)((low4(2 * (j))) | (low4(2 * (j) + 1)) << 4)
+#define PUT_NIBBLES(o, l, low4) for (int j = 0; j < 16; j++) (o)[j * 16 + (l)] = NIBBLE_PAIR(low4, j)
 /* The Q4 types' words: the same bytes, row l's four of weights 8g .. 8g + 7 side by side (one little-endian
  * 32-bit word: nibble i = weight 8g + i), words of rows 0 .. 15 for g = 0 .. 3. */
 #define PUT_NIBBLE_WORDS(o, l, low4)                                                                            \
-    for (int j = 0; j < 16; j++) (o)[64 * (j / 4) + 4 * (l) + j % 4] = (uint8_t)((low4(2 * j)) | (low4(2 * j + 1)) << 4)
+    for (int j = 0; j < 16; j++) (o)[64 * (j / 4) + 4 * (l) + j % 4] = NIBBLE_PAIR(low4, j)
 
 /* The fifth bits of a block of 32 (bit i of h = weight i) as packed: byte (r, l), r < 4, holds in bits 2a and
  * 2a + 1 those of weights 2 (4a + r) and 2 (4a + r) + 1, the two weights of nibble byte row j = 4a + r. */
