@@ -225,7 +225,8 @@ class FakeRing:
 
 
 def start_fake_ring(model: OracleModel, swap_at: int | None = None, tamper_at: int | None = None,
-                    max_op_tokens: int = 1 << 20, relays: list[RelayModel] = ()) -> FakeRing:
+                    max_op_tokens: int = 1 << 20, relays: list[RelayModel] = (), ring_timeout_s: float = 5
+                    ) -> FakeRing:
     """The oracle ``model`` as the last of ``len(relays) + 1`` fake stages, each ``serve`` on its own thread."""
     models = [*relays, model]
     n = len(models)
@@ -235,7 +236,7 @@ def start_fake_ring(model: OracleModel, swap_at: int | None = None, tamper_at: i
     for i, stage_model in enumerate(models):
         spec = StageSpec(index=i, n_stages=n, model_path="", layer_start=i, layer_stop=i + 1,
                          max_rows=model.max_rows, max_seq_len=model.max_seq_len, dtype="float32", device="cpu",
-                         in_ring=rings[i].name, out_ring=rings[i + 1].name, cores=1, ring_timeout_s=5,
+                         in_ring=rings[i].name, out_ring=rings[i + 1].name, cores=1, ring_timeout_s=ring_timeout_s,
                          max_op_tokens=max_op_tokens)
         out = rings[i + 1]
         if i == n - 1:

@@ -2,7 +2,7 @@
 tree (``python -m ringshm worker``, a new session) with its own segment tag; they meet on 127.0.0.1.
 
 - Golden: 2 nodes x 2 stages equal the oracle (tie-aware) and, byte for byte, the same 4-stage split on one
-  host, over greedy, seeded sampling and speculative streams at once. The worker starts before the head.
+  host, over greedy, seeded sampling, speculative and JSON-constrained streams at once. The worker starts before the head.
 - Faults: SIGKILL of the worker mid-decode -> StageDied naming the remote stage within 5 s; SIGSTOP -> the same
   within the edge timeout; SIGKILL of the head -> the worker's stages exit and leave no segment; a wrong token
   or a model copy whose fingerprint differs is refused by name on both sides.
@@ -28,11 +28,14 @@ import torch
 from engine_prompts import long_user_message
 from ringshm.engine.engine import Engine
 from ringshm.errors import ClusterRefused, StageDied
+from ringshm.generation_params import StructuredOutput
 from ringshm.transport.segment import list_segments, sweep_stale
 from test_bridge import free_port
 
 pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
 ENGINE = dict(max_rows=4, max_seq_len=1024, prefill_chunk=64, progress=False)
+JSON = StructuredOutput("json_schema", {"type": "object", "properties": {"city": {"type": "string"}},
+                                        "required": ["city"]})
 
 
 def start_worker(port: int, *args: str, env: dict | None = None) -> subprocess.Popen:
@@ -77,6 +80,8 @@ def _run(engine, tokenizer) -> dict:
         "greedy": [r.token_ids for r in engine.generate_batch(prompts, 24).results],
         "sampled": [r.token_ids for r in engine.generate_batch(prompts, 24, temperature=0.8, seed=7).results],
         "spec": engine.generate(prompts[3], 24, spec="ngram").token_ids,
+        # greedy under a JSON schema: each op's MASKS record crosses the edge behind it to the last stage
+        "json": [r.token_ids for r in engine.generate_batch(prompts[:2], 24, structured_output=JSON).results],
         "alone": engine.generate(prompts[2], 24).token_ids,
     }
 

@@ -5,17 +5,19 @@ Runs in seconds."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fake_stage import EOS, OracleModel, RecordingModel, fake_kv, make_stream, start_fake_ring
+from fake_stage import EOS, OracleModel, RecordingModel, RelayModel, fake_kv, make_stream, start_fake_ring
+from ringshm.engine.logprobs import split_reply
 from ringshm.engine.scheduler import Scheduler
 from ringshm.engine.spec import NGramDrafter
 from ringshm.engine.spec_decode import SpecDecoder
-from ringshm.errors import ReplyMismatch, RingTimeout, StageError
+from ringshm.errors import ReplyMismatch, RingStateError, RingTimeout, StageError
 from ringshm.transport import messages as m
 
 CHUNK = 4
@@ -253,6 +255,56 @@ def row_tables(model: OracleModel, segments) -> torch.Tensor:
 
 def step_op(model: OracleModel, segments, ids) -> m.Message:
     return m.Message(m.STEP, segments=segments, tensors=[torch.tensor(ids), row_tables(model, segments)])
+
+
+def _ban(model: OracleModel, token: int) -> torch.Tensor:
+    """One bitmask row allowing every token but ``token``."""
+    words = torch.full((1, -(-model.vocab // 32)), -1, dtype=torch.int32)
+    words[0, token // 32] = ~(1 << token % 32) if token % 32 != 31 else 0x7FFFFFFF
+    return words
+
+
+@pytest.mark.parametrize("relays", [0, 2])
+def test_masks_travel_behind_their_op_and_the_last_stage_reads_them_only_when_it_needs_them(fake, relays):
+    """A constrained op goes out first; its MASKS record may follow any time after (the last stage holds the
+    logits and waits for it), and nothing else may go between them. A MASKS record no op reads (here one of a
+    seq never sent) is dropped by the last stage, after the stages before it forwarded it."""
+    (t,) = scripts(1, seed=21)
+    model = OracleModel([t], max_rows=2)
+    ring = fake(model, relays=[RelayModel() for _ in range(relays)])
+    seg = m.Segment(0, 0, 4, m.WANT_LAST | m.WANT_ALLOWED)
+    ring.link.send(step_op(model, [seg], t[:4]))
+    with pytest.raises(RingStateError, match="MASKS record must be sent before a reply"):
+        ring.link.recv()
+    with pytest.raises(RingStateError, match="MASKS record must be sent before the next op"):
+        ring.link.send(step_op(model, [m.Segment(1, 0, 1, m.WANT_LAST)], t[:1]))
+    time.sleep(0.2)  # the op is applied up to its head, which waits
+    ring.link.send_masks(_ban(model, t[4]))
+    reply, _ = ring.link.recv()
+    assert split_reply(reply)[0].ids == [(t[4] + 1) % model.vocab], "the answer was banned: the next id"
+    with pytest.raises(RingStateError, match="no op sent owes"):
+        ring.link.send_masks(_ban(model, t[4]))
+    stray = m.Message(m.MASKS, seq=1000, segments=[seg], tensors=[_ban(model, t[5])])
+    ring.link.to_first.send(m.encode(stray))
+    ring.link.send(step_op(model, [m.Segment(0, 4, 1, m.WANT_LAST)], t[4:5]))
+    reply, _ = ring.link.recv()
+    assert split_reply(reply)[0].ids == [t[5]], "the stray record restricted nothing"
+
+
+def test_masks_that_never_come_fail_their_op_within_the_ring_timeout_and_come_late_to_nothing(fake):
+    (t,) = scripts(1, seed=22)
+    model = OracleModel([t], max_rows=2)
+    ring = fake(model, ring_timeout_s=0.5)
+    seg = m.Segment(0, 0, 4, m.WANT_LAST | m.WANT_ALLOWED)
+    op = step_op(model, [seg], t[:4])
+    ring.link.send(op)
+    ring.link.owed = None  # a coordinator that never sends them (a bug this test stands in for)
+    with pytest.raises(StageError, match="RingTimeout"):
+        ring.link.recv(timeout_s=5)
+    ring.link.to_first.send(m.encode(m.masks_record(op, _ban(model, t[4]))))  # too late: dropped
+    ring.link.send(step_op(model, [m.Segment(0, 0, 4, m.WANT_LAST)], t[:4]))
+    reply, _ = ring.link.recv()
+    assert split_reply(reply)[0].ids == [t[4]]
 
 
 def test_an_op_reading_kv_never_written_comes_back_as_a_stage_error_naming_the_segment(fake):

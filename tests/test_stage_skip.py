@@ -132,26 +132,35 @@ def test_an_op_whose_stream_ends_mid_op_stops_at_the_next_layer_and_goes_on_skip
     assert full.segments == [seg] and _filled(stages[0], 0) == N
 
 
-def test_a_skipped_constrained_segment_drops_its_bitmask_and_its_batch_mate_keeps_its_own(stages):
-    """Bitmasks ride the op like targets (``WANT_ALLOWED``): a skipped segment's rows are dropped, the kept
-    segment's row travels on to the last stage, which restricts the kept segment's argmax by it."""
-    a_ids, b_ids = torch.arange(100, 100 + N), torch.arange(300, 300 + N)
+def test_a_skipped_constrained_segment_takes_no_mask_row_and_its_batch_mate_reads_its_own(stages):
+    """Bitmasks travel behind their op (a MASKS record, ``WANT_ALLOWED``): the op a stage forwards carries none; the
+    last stage reads the rows of the segments it computes by the record's own table, so the ended segment first in
+    the table (skipped, its ``want`` cleared) does not shift the kept segment's row (a reader that counted rows by
+    the skipped table would take the ended one's allow-all row, and not say 7)."""
+    a_ids, b_ids = torch.arange(300, 300 + N), torch.arange(100, 100 + N)
     width = -(-stages[0].config.vocab // 32)
     allow = torch.zeros(2, width, dtype=torch.int32)
-    allow[0, 0] = 1 << 7  # the kept segment may only say token 7
-    allow[1, :] = -1  # the ended one anything
-    keep = m.Segment(0, 0, N, m.WANT_LAST | m.WANT_ALLOWED)
+    allow[0, :] = -1  # the ended one anything
+    allow[1, 0] = 1 << 7  # the kept segment may only say token 7
     ended_seg = m.Segment(1, 0, N, m.WANT_LAST | m.WANT_ALLOWED)
+    keep = m.Segment(0, 0, N, m.WANT_LAST | m.WANT_ALLOWED)
     for s in stages:
         s.reset()
     ended = bytearray(2)
     ended[1] = 1
-    b = stages[0].block_size
-    tables = torch.cat([stages[0].row_table(s.row)[:table_len(s.start + s.n_tokens, b)] for s in (keep, ended_seg)])
-    op = m.Message(m.STEP, segments=[keep, ended_seg], tensors=[torch.cat([a_ids, b_ids]), allow,
-                                                                 tables.to(torch.int32)])
+    op = _op(stages, [ended_seg, keep], [a_ids, b_ids], None)
+    masks = _wire(m.masks_record(op, allow))
     fwd = apply(stages[0], _wire(op), False, ended=ended)
-    assert fwd.segments == [keep, m.Segment(1, 0, N, m.SKIPPED)]
-    assert len(fwd.tensors) == 3 and torch.equal(fwd.tensors[1], allow[:1])
-    reply = apply(stages[1], _wire(fwd), True)
-    assert split_reply(reply)[0].ids == [7]
+    assert fwd.segments == [m.Segment(1, 0, N, m.SKIPPED), keep]
+    assert len(fwd.tensors) == 2, "a forwarded op carries no bitmasks: they follow it"
+    fwd = _wire(fwd)
+    reply = apply(stages[1], fwd, True, masks=lambda kept: m.mask_rows(masks, fwd, kept))
+    assert split_reply(reply)[1].ids == [7]
+    free_op = _op(stages, [m.Segment(0, 0, N, m.WANT_LAST)], [b_ids], None)
+    free = apply(stages[1], _wire(apply(stages[0], _wire(free_op), False)), True)
+    assert split_reply(free)[0].ids != [7], "token 7 is the mask's doing, not the model's own argmax"
+    with pytest.raises(ValueError, match="no MASKS record"):
+        apply(stages[1], fwd, True)
+    other = m.Message(m.MASKS, seq=fwd.seq + 1, segments=fwd.segments, tensors=[allow])
+    with pytest.raises(m.ProtocolError, match="wants its MASKS record"):
+        m.mask_rows(other, fwd, [1])

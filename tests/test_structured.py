@@ -351,24 +351,28 @@ def test_draft_masks_walk_the_grammar_and_leave_its_state_unchanged(engine1):
 
 
 def test_a_grammar_that_cannot_go_on_fails_its_own_stream_and_no_other(engine1, solo, monkeypatch):
+    """The masks are computed as each op goes out (the MASKS record behind it): the first constrained stream's
+    third mask "allows nothing"; that stream ends with the error, every other keeps its solo bytes."""
     import ringshm.engine.grammar as grammar
 
-    real = grammar.fill_masks
-    calls = []
+    real = grammar.GrammarState.words
+    calls: dict[int, int] = {}
+    first: list[int] = []
 
-    def fill(states):
-        out = real(states)
-        calls.append(len(states))
-        if len(calls) == 3:  # the third reply: the first constrained stream's grammar "allows nothing"
-            out[0] = InvalidParameter("the structured output cannot go on: no token is allowed here",
-                                      "structured_output")
-        return out
+    def words(self):
+        if self._words is None:
+            first[:] = first or [id(self)]
+            calls[id(self)] = calls.get(id(self), 0) + 1
+            if id(self) == first[0] and calls[id(self)] == 3:
+                raise InvalidParameter("the structured output cannot go on: no token is allowed here",
+                                       "structured_output")
+        return real(self)
 
-    monkeypatch.setattr(grammar, "fill_masks", fill)
+    monkeypatch.setattr(grammar.GrammarState, "words", words)
     jobs = _mixed_jobs()
     out = _batch(engine1, jobs)
     failed = [i for i, r in enumerate(out.results) if r.finish_reason == "error"]
-    assert len(failed) == 1 and jobs[failed[0]][1].structured_output is not None
+    assert failed == [0], "the first constrained stream (greedy: its masks go out behind its ops) fails alone"
     assert "cannot go on" in out.results[failed[0]].error
     for i, (r, s) in enumerate(zip(out.results, solo)):
         if i not in failed:

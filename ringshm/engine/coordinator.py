@@ -48,6 +48,8 @@ class Link:
         self.work_s = 0.0  # coordinator time between taking a reply and sending the next op (see send)
         self._t_reply: float | None = None
         self.busy_since = 0.0  # time.monotonic() of the last send that found nothing in flight (see send)
+        self.owed: m.Message | None = None  # a sent STEP op with WANT_ALLOWED whose MASKS record is not out yet
+        self._masks_out: m.Message | None = None  # a MASKS record that found stage 0's ring full (sent first next)
 
     @property
     def in_flight(self) -> int:
@@ -59,11 +61,17 @@ class Link:
         return self._seq
 
     def send(self, msg: m.Message, tag: object = None) -> None:
-        """Number ``msg`` with the next sequence number, write it into the first ring and remember it.
+        """Number ``msg`` with the next sequence number, write it into the first ring and remember it. A STEP op
+        with a ``WANT_ALLOWED`` segment owes its MASKS record (``send_masks``) before anything else is sent.
 
         Raises:
-            StageDied: a stage died while the ring was full. RingTimeout: full for op_timeout_s.
+            StageDied: a stage died while the ring was full. RingTimeout: full for op_timeout_s (a MASKS record
+                still waiting to go out is tried first, and raises the same).
+            RingStateError: the MASKS record of the op sent before is owed.
         """
+        self._flush_masks()
+        if self.owed is not None:
+            raise errors.RingStateError(f"op {self.owed.seq}'s MASKS record must be sent before the next op")
         if self._t_reply is not None:  # the coordinator's own work since the last reply (sampling, text, ...)
             self.work_s += time.perf_counter() - self._t_reply
             self._t_reply = None
@@ -76,6 +84,31 @@ class Link:
         m.encode_into(view, msg)
         self.to_first.commit(n)
         self.pending.append(_Pending(msg.seq, msg.op, msg.segments, tag))
+        if msg.op == m.STEP and m.needs_masks(msg.segments):
+            self.owed = msg
+
+    def send_masks(self, allowed) -> None:
+        """Send the MASKS record the op sent last owes (``messages.masks_record``: ``allowed`` int32
+        ``[Σ n_allowed_rows, ceil(vocab / 32)]``), right behind it. Once made, the record goes out even if this
+        call raises: a full ring keeps it, and the next ``send`` / ``recv`` sends it first.
+
+        Raises:
+            RingStateError: no op owes a MASKS record. ValueError: ``allowed`` of the wrong shape or dtype.
+            StageDied, RingTimeout: as ``send``.
+        """
+        if self.owed is None:
+            raise errors.RingStateError("no op sent owes a MASKS record")
+        self._masks_out, self.owed = m.masks_record(self.owed, allowed), None
+        self._flush_masks()
+
+    def _flush_masks(self) -> None:
+        if self._masks_out is None:
+            return
+        n = m.encoded_size(self._masks_out)
+        view = self._wait(lambda t: self.to_first.reserve(n, timeout_s=t), "room in stage 0's input ring")
+        m.encode_into(view, self._masks_out)
+        self.to_first.commit(n)
+        self._masks_out = None
 
     def recv(self, timeout_s: float | None = None) -> tuple[m.Message, object]:
         """The reply to the oldest op in flight (tensors copied out of the ring) and that op's tag.
@@ -90,6 +123,9 @@ class Link:
         """
         if not self.pending:
             raise errors.RingStateError("recv with no op in flight")
+        if self.owed is not None:  # the last stage waits for it: no reply could come
+            raise errors.RingStateError(f"op {self.owed.seq}'s MASKS record must be sent before a reply can come")
+        self._flush_masks()
         view = self._wait(lambda t: self.from_last.peek(timeout_s=t), "a reply", timeout_s)
         try:
             reply = m.decode(view)

@@ -7,9 +7,9 @@ a JSON Schema keyword it cannot enforce is an error ("Unimplemented keys"), neve
 (``LLParserLimits``: lexer fuel, Earley items, grammar size), and needs no torch. xgrammar silently ignores
 part of what it does not support (multi-branch ``allOf``), which this engine must refuse.
 
-Where the mask goes: a greedy stream's bitmask rides in the step op (``WANT_ALLOWED``: vocab / 8 bytes, 6 KB
-for SmolLM2, instead of shipping 192 KB of fp32 logits back) and the last stage takes the argmax among allowed
-tokens; a stream whose logits come back anyway (sampling, logit_bias, penalties) is masked by the coordinator
+Where the mask goes: a greedy stream's bitmask travels in the MASKS record right behind its step op
+(``WANT_ALLOWED``: vocab / 8 bytes, 6 KB for SmolLM2, instead of shipping 192 KB of fp32 logits back), computed
+on the dispatcher thread while the stages run the op, and the last stage takes the argmax among allowed tokens; a stream whose logits come back anyway (sampling, logit_bias, penalties) is masked by the coordinator
 (``ringshm.engine.sampling.Sampler``). Either way the mask depends only on the stream's own tokens, so batch
 invariance holds: a constrained stream's bytes do not depend on its batch-mates.
 
@@ -218,42 +218,6 @@ class GrammarCompiler:
         return GrammarState(copy, self.vocab, self.mask_totals)
 
 
-_EXECUTOR: list = []  # llguidance's thread pool for many masks at once, made on first use
-
-
-def fill_masks(states: list[GrammarState]) -> list[BaseException | None]:
-    """Compute the next position's bitmask of every state in ``states`` at once, on llguidance's thread pool
-    (2 threads; the GIL is released): what one step reply's constrained streams need before the next op. Returns,
-    per state, None or the error that state's own grammar raised (``InvalidParameter``: it allows no token), so
-    that one stream's failure ends that stream alone."""
-    if len(states) == 1:
-        try:
-            states[0].words()
-            return [None]
-        except InvalidParameter as exc:
-            return [exc]
-    from llguidance import LLExecutor
-
-    if not _EXECUTOR:
-        _EXECUTOR.append(LLExecutor(num_threads=2))
-    t0 = time.perf_counter()
-    width = -(-states[0].vocab // 32)
-    masks = torch.zeros(len(states), width, dtype=torch.int32)
-    _EXECUTOR[0].unsafe_compute_mask_ptr([(st.matcher, i) for i, st in enumerate(states)], masks.data_ptr(),
-                                         width * 4, len(states))
-    share = (time.perf_counter() - t0) / len(states)
-    nonempty = masks.any(dim=1).tolist()  # one pass for all rows
-    errors: list[BaseException | None] = []
-    for st, row, ok in zip(states, masks, nonempty):
-        st._count(share)
-        try:
-            st._take(row, ok)
-            errors.append(None)
-        except InvalidParameter as exc:
-            errors.append(exc)
-    return errors
-
-
 def _check_schema(schema) -> None:
     """Raise InvalidParameter unless ``schema`` is a valid JSON Schema of the draft it names (2020-12 when none),
     saying what and where."""
@@ -283,8 +247,7 @@ class GrammarState:
         self.totals = totals  # the compiler's [mask seconds, masks] over every stream (its metrics), or None
 
     def words(self) -> torch.Tensor:
-        """The next position's bitmask, int32 ``[ceil(vocab / 32)]`` (computed on first call per position, unless
-        ``fill_masks`` computed it).
+        """The next position's bitmask, int32 ``[ceil(vocab / 32)]`` (computed on first call per position).
 
         Raises:
             InvalidParameter: no token is allowed (the grammar cannot go on: llguidance's error named).
@@ -303,10 +266,10 @@ class GrammarState:
             self.totals[0] += seconds
             self.totals[1] += 1
 
-    def _take(self, words: torch.Tensor, nonempty: bool | None = None) -> None:
-        """Keep ``words`` as the next position's bitmask (``nonempty``: whether it allows a token, when the caller
-        already knows). Raises InvalidParameter when it allows none or the matcher is in error."""
-        if self.matcher.is_error() or not (bool(words.any()) if nonempty is None else nonempty):
+    def _take(self, words: torch.Tensor) -> None:
+        """Keep ``words`` as the next position's bitmask. Raises InvalidParameter when it allows none or the
+        matcher is in error."""
+        if self.matcher.is_error() or not bool(words.any()):
             why = _short(self.matcher.get_error()) or "no token is allowed here"
             raise InvalidParameter(f"the structured output cannot go on: {why}", "structured_output")
         self._words = words
@@ -351,11 +314,6 @@ class GrammarState:
         self._words = None
         if not self.matcher.consume_token(int(token)):
             raise RuntimeError(f"token {token} does not fit the structured output: {_short(self.matcher.get_error())}")
-
-    @property
-    def needs_mask(self) -> bool:
-        """Its next position's bitmask is not computed yet (``fill_masks`` computes it)."""
-        return self._words is None
 
     @property
     def stopped(self) -> bool:

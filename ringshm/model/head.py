@@ -11,7 +11,7 @@ logprobs do not depend on its batch-mates or on how its prompt was chunked.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -54,7 +54,9 @@ class HeadPlan(NamedTuple):
     ``out_rows`` (argmax ids, table order), ``logit_rows`` (logits returned), ``lp_rows`` (logprobs returned,
     reply order) with ``lp_ids`` (the id scored there: a target, or -1 for the row's own argmax) and ``lp_k``
     (its top-k count), ``allowed_rows`` (outputs whose argmax is restricted, in the order of ``allowed``'s rows).
-    ``allowed``: int32 ``[len(allowed_rows), ceil(vocab / 32)]`` token bitmasks, or None.
+    ``allowed``: int32 ``[len(allowed_rows), ceil(vocab / 32)]`` token bitmasks, a callable that returns them when
+    the logits are ready (the last stage's MASKS record, read from its ring only then), or None. ``width``: the
+    rows' int32 words, ``ceil(vocab / 32)``.
     """
 
     positions: list[int]
@@ -64,14 +66,16 @@ class HeadPlan(NamedTuple):
     lp_ids: list[int]
     lp_k: list[int]
     allowed_rows: list[int]
-    allowed: torch.Tensor | None = None
+    allowed: torch.Tensor | Callable[[], torch.Tensor] | None = None
+    width: int = -1
 
 
-def plan_head(segments: Sequence[Segment], targets: Sequence[int] = (), allowed: torch.Tensor | None = None,
-              vocab: int | None = None) -> HeadPlan:
+def plan_head(segments: Sequence[Segment], targets: Sequence[int] = (),
+              allowed: torch.Tensor | Callable[[], torch.Tensor] | None = None, vocab: int | None = None) -> HeadPlan:
     """The ``HeadPlan`` of a checked segment table, its ``targets`` (int ids, ``Σ n_targets`` of them) and its
-    ``allowed`` bitmasks (int32 ``[Σ n_allowed_rows, ceil(vocab / 32)]``, or None when no segment has
-    ``WANT_ALLOWED``; ``vocab``: the model's vocabulary, which fixes the row width).
+    ``allowed`` bitmasks (int32 ``[Σ n_allowed_rows, ceil(vocab / 32)]``, or a callable returning them, checked when
+    ``head_outputs`` calls it; None when no segment has ``WANT_ALLOWED``; ``vocab``: the model's vocabulary, which
+    fixes the row width).
 
     Raises:
         ValueError: ``targets`` does not hold one id per target position, or ``allowed`` one row of
@@ -82,13 +86,10 @@ def plan_head(segments: Sequence[Segment], targets: Sequence[int] = (), allowed:
     if len(targets) != need:
         raise ValueError(f"the segments score {need} target ids, the op carries {len(targets)}")
     n_masked = sum(s.n_allowed_rows() for s in segs)
-    if n_masked or allowed is not None:
-        width = -(-vocab // 32) if vocab is not None else -1
-        if allowed is None or allowed.dtype != torch.int32 or tuple(allowed.shape) != (n_masked, width):
-            got = "none" if allowed is None else f"{allowed.dtype} {tuple(allowed.shape)}"
-            raise ValueError(f"the segments restrict {n_masked} outputs: the op's allowed-token bitmasks must be "
-                             f"int32 [{n_masked}, {width}], got {got}")
-    plan = HeadPlan([], [], [], [], [], [], [], allowed if n_masked else None)
+    width = -(-vocab // 32) if vocab is not None else -1
+    if (n_masked or allowed is not None) and not callable(allowed):
+        _check_allowed(allowed, n_masked, width)
+    plan = HeadPlan([], [], [], [], [], [], [], allowed if n_masked else None, width)
     o = ti = 0
     for s in segs:
         n_t = s.n_targets()
@@ -113,6 +114,15 @@ def plan_head(segments: Sequence[Segment], targets: Sequence[int] = (), allowed:
             plan.logit_rows.append(len(plan.positions) - 1)
         o += s.n_tokens
     return plan
+
+
+def _check_allowed(allowed: torch.Tensor | None, n_masked: int, width: int) -> None:
+    if not isinstance(allowed, torch.Tensor) or allowed.dtype != torch.int32 or tuple(allowed.shape) != (n_masked,
+                                                                                                        width):
+        got = (f"{allowed.dtype} {tuple(allowed.shape)}" if isinstance(allowed, torch.Tensor)
+               else type(allowed).__name__)
+        raise ValueError(f"the segments restrict {n_masked} outputs: the op's allowed-token bitmasks must be "
+                         f"int32 [{n_masked}, {width}], got {got}")
 
 
 def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -163,13 +173,20 @@ def head_outputs(logits: torch.Tensor, plan: HeadPlan) -> StageOutput:
 
     An output in ``plan.allowed_rows`` takes its argmax over the tokens its bitmask allows (the others are
     -inf for the choice only: logits and logprobs returned stay the model's). Row by row, so a row's choice
-    does not depend on the op's other rows."""
+    does not depend on the op's other rows. A callable ``plan.allowed`` is called here, once, after the logits.
+
+    Raises:
+        ValueError: the bitmasks are not int32 ``[len(plan.allowed_rows), plan.width]``; whatever a callable
+            ``plan.allowed`` raises (the last stage: a MASKS record that did not come, or not this op's)."""
     if not plan.positions:
         return StageOutput(torch.zeros(0, dtype=torch.int64))
     words = None
     if plan.allowed_rows:  # every row's mask: the plan's where given, all tokens elsewhere
-        words = torch.full((logits.shape[0], plan.allowed.shape[1]), -1, dtype=torch.int32)
-        words[plan.allowed_rows] = plan.allowed.cpu()
+        allowed = plan.allowed() if callable(plan.allowed) else plan.allowed  # late masks: read only now
+        if callable(plan.allowed):
+            _check_allowed(allowed, len(plan.allowed_rows), plan.width)
+        words = torch.full((logits.shape[0], allowed.shape[1]), -1, dtype=torch.int32)
+        words[plan.allowed_rows] = allowed.cpu()
     argmax = argmax_rows(logits, words)  # [n_pos]
     out = StageOutput(argmax[plan.out_rows] if plan.out_rows else torch.zeros(0, dtype=torch.int64),
                       logits[plan.logit_rows].float() if plan.logit_rows else None)

@@ -397,7 +397,7 @@ class StageModel:
         return StepPlan(table, starts, lens, tables, offs)
 
     def step(self, x: torch.Tensor, segments: Sequence[Sequence[int]], targets: torch.Tensor | None = None,
-             tables: torch.Tensor | None = None, abandoned=None, allowed: torch.Tensor | None = None
+             tables: torch.Tensor | None = None, abandoned=None, allowed=None
              ) -> torch.Tensor | StageOutput:
         """Run one step op: a ragged batch of segments, each ``n ≥ 1`` positions of a stream in the blocks its
         table names.
@@ -416,7 +416,8 @@ class StageModel:
         ``ringshm.transport.messages``'). ``targets``: int64 ``[Σ n_targets]``, the id after each prompt position
         that ``WANT_PROMPT_LOGPROBS`` scores (only the last stage reads it). ``allowed``: int32
         ``[Σ n_allowed_rows, ceil(vocab / 32)]``, the token bitmask of each output position of the ``WANT_ALLOWED``
-        segments (``ringshm.model.head.head_outputs``; only the last stage reads it). On the native path a segment's
+        segments, or a callable returning it, called once the logits are computed (the last stage's MASKS record:
+        ``ringshm.runtime.stage``) (``ringshm.model.head.head_outputs``; only the last stage reads it). On the native path a segment's
         bytes do not depend on the other segments nor on where its blocks sit in the pool (batch invariance).
         ``abandoned``: None, or a callable asked before each layer whether every segment's stream has ended (a
         client that left: ``ringshm.runtime.stage.apply``); when it says so the op stops there.

@@ -12,6 +12,7 @@ coordinator never leaves stages behind.
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import time
@@ -143,23 +144,42 @@ def _send(ring, msg, timeout_s: float) -> None:
 
 def serve(model, spec: StageSpec, rin, rout, status, ended=None) -> None:
     """The loop: peek → decode (zero-copy) → apply (skipping what ``ended`` marks) → encode into the output ring
-    → release."""
+    → release.
+
+    A STEP op with ``WANT_ALLOWED`` segments is followed by its MASKS record (``ringshm.transport.messages``): a
+    stage before the last forwards it as it forwards every record; the last stage copies the op's tensors out,
+    releases the op and reads the MASKS record behind it only once the LM head has the logits (``read_masks``), so
+    the coordinator computes the masks while the layers run. A MASKS record the last stage meets here is one no
+    op read (its op failed upstream, or every constrained segment was skipped): dropped."""
     from ringshm.transport import messages as m
 
     base = spec.index * N_SLOTS
+    is_last = spec.index == spec.n_stages - 1
     threads = ThreadPicker(spec, status)
     while True:
         view = rin.peek(timeout_s=None)  # no deadline: idle is fine; a dead upstream raises PeerDied
         msg = m.decode(view)
         m.hold_until_delivered(msg, spec.link_latency_ms)
+        if msg.op == m.MASKS and is_last:
+            del msg, view
+            rin.release()
+            continue
         t0 = time.perf_counter()
-        if msg.op == m.ERROR or msg.op == m.PING or msg.op == m.SHUTDOWN:
-            out = msg if msg.op != m.PING or spec.index < spec.n_stages - 1 else msg.reply([])
+        released = False
+        if msg.op in (m.ERROR, m.PING, m.SHUTDOWN, m.MASKS):
+            out = msg if msg.op != m.PING or not is_last else msg.reply([])
         else:
+            masks = None
+            if is_last and msg.op == m.STEP and m.needs_masks(msg.segments):
+                msg.tensors = [t.clone() for t in msg.tensors]  # the op's record goes: its MASKS record is next
+                view = None
+                rin.release()
+                released = True
+                masks = functools.partial(read_masks, rin, msg, spec.ring_timeout_s, spec.link_latency_ms)
             threads.before_op()
             status[base + SLOT_ACTIVE] = 1.0
             try:
-                out = apply(model, msg, spec.index == spec.n_stages - 1, spec.max_op_tokens, ended)
+                out = apply(model, msg, is_last, spec.max_op_tokens, ended, masks)
             except Exception as exc:
                 out = msg.error(exc, spec.index)
             finally:
@@ -176,9 +196,30 @@ def serve(model, spec: StageSpec, rin, rout, status, ended=None) -> None:
         rout.commit(n)
         stop = msg.op == m.SHUTDOWN
         del msg, out, view  # drop tensors that view the input record before releasing it
-        rin.release()
+        if not released:
+            rin.release()
         if stop:
             return
+
+
+def read_masks(rin, op, timeout_s: float, link_latency_ms: float, kept: list[int]):
+    """The last stage's read of the MASKS record behind STEP ``op`` (already released from ``rin``): the rows of
+    segments ``kept`` (indices into ``op``'s table), int32 ``[Σ n_allowed_rows of those, ceil(vocab / 32)]``
+    (``messages.mask_rows``). The record is released once read; a record that is not ``op``'s stays for the loop.
+
+    Raises:
+        RingTimeout: no record within ``timeout_s`` (the op fails; its MASKS record, if it comes, is dropped).
+        PeerDied: the coordinator is gone. ProtocolError: the next record is not ``op``'s MASKS record.
+    """
+    from ringshm.transport import messages as m
+
+    view = rin.peek(timeout_s=timeout_s)
+    record = m.decode(view)
+    m.hold_until_delivered(record, link_latency_ms)
+    rows = m.mask_rows(record, op, kept)
+    del record, view
+    rin.release()
+    return rows
 
 
 class ThreadPicker:
@@ -274,8 +315,12 @@ def _involuntary_switches() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
 
 
-def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None):
+def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None, masks=None):
     """Apply one op to ``model`` and build the message to send on (hidden states, or the reply).
+
+    ``masks``: on the last stage, for an op with ``WANT_ALLOWED`` segments, a callable taking the indices of the
+    segments computed and returning their bitmask rows (``read_masks`` over the ring; ``messages.mask_rows``),
+    called once the logits are ready.
 
     ``ended``: the coordinator's per-row marks of streams that ended with ops in flight (a byte per row, shared
     memory; None: no marks on this host). A segment whose row is marked, or that an earlier stage marked
@@ -284,8 +329,9 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None):
     ``abandoned``).
 
     Raises:
-        ValueError / KVRangeError: a malformed op, a step op over ``max_op_tokens`` tokens, or a bad segment
-            table (sent back as an ERROR reply naming the segment).
+        ValueError / KVRangeError: a malformed op, a step op over ``max_op_tokens`` tokens, a bad segment
+            table (sent back as an ERROR reply naming the segment), or (last stage) ``WANT_ALLOWED`` segments and
+            no ``masks``.
     """
     import torch
 
@@ -295,41 +341,37 @@ def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None):
     if msg.op != m.STEP:
         raise ValueError(f"unknown op code {msg.op}")
     n_targets = sum(seg.n_targets() for seg in msg.segments)
-    n_allowed = sum(seg.n_allowed_rows() for seg in msg.segments)
-    n_tensors = 2 + bool(n_targets) + bool(n_allowed)
+    n_tensors = 2 + bool(n_targets)
     if len(msg.tensors) != n_tensors:
-        raise ValueError(f"a step op carries its tokens{', its target ids' if n_targets else ''}"
-                         f"{', its allowed-token bitmasks' if n_allowed else ''} and its block tables: {n_tensors} "
-                         f"tensors, got {len(msg.tensors)}")
+        raise ValueError(f"a step op carries its tokens{', its target ids' if n_targets else ''} and its block "
+                         f"tables: {n_tensors} tensors, got {len(msg.tensors)}")
     if msg.n_tokens > max_op_tokens:
         raise ValueError(f"a step op of {msg.n_tokens} tokens is over the op budget of {max_op_tokens}")
+    if is_last and masks is None and m.needs_masks(msg.segments):
+        raise ValueError("the op restricts outputs (WANT_ALLOWED) and no MASKS record reaches the last stage")
     x, tables = msg.tensors[0], msg.tensors[-1]
     targets = msg.tensors[1] if n_targets else None
-    allowed = msg.tensors[1 + bool(n_targets)] if n_allowed else None
     if targets is not None and (targets.dtype != torch.int64 or targets.shape != (n_targets,)):
         raise ValueError(f"the op's targets must be int64 [{n_targets}], got {targets.dtype} {tuple(targets.shape)}")
-    if allowed is not None and (allowed.dtype != torch.int32 or allowed.dim() != 2 or allowed.shape[0] != n_allowed):
-        raise ValueError(f"the op's allowed-token bitmasks must be int32 [{n_allowed}, ceil(vocab / 32)], got "
-                         f"{allowed.dtype} {tuple(allowed.shape)}")  # the width: the last stage's check
-    riders = [t for t in (targets, allowed) if t is not None]  # forwarded unchanged to the last stage
+    masks = masks if is_last else None
     segments = mark_ended(msg.segments, ended)
     if any(seg.want & m.SKIPPED for seg in segments):
-        return _apply_skipping(model, msg, segments, x, targets, allowed, tables, is_last)
+        return _apply_skipping(model, msg, segments, x, targets, masks, tables, is_last)
     if model.device.type != "cpu":
         x = x.to(model.device)  # the one copy to the stage's device
     kw = {}
     if ended is not None:  # asked between layers: an op whose streams all end mid-op stops there
         rows = [seg.row for seg in segments]
         kw["abandoned"] = lambda: all(0 <= r < len(ended) and ended[r] for r in rows)
-    if allowed is not None:
-        kw["allowed"] = allowed
+    if masks is not None:
+        kw["allowed"] = functools.partial(masks, list(range(len(segments))))
     try:
         out = model.step(x, msg.segments, targets, tables, **kw)
     except OpAbandoned:
-        return _apply_skipping(model, msg, mark_ended(segments, ended), x, targets, allowed, tables, is_last)
-    if not is_last:  # the targets, bitmasks and tables travel on unchanged to the last stage
+        return _apply_skipping(model, msg, mark_ended(segments, ended), x, targets, masks, tables, is_last)
+    if not is_last:  # the targets and tables travel on unchanged to the last stage
         hidden = (out if out.device.type == "cpu" else out.cpu()).contiguous()
-        return msg.forward([hidden] + riders + [tables])
+        return msg.forward([hidden] + ([] if targets is None else [targets]) + [tables])
     return msg.reply(out.tensors())
 
 
@@ -345,10 +387,11 @@ def mark_ended(segments: list, ended) -> list:
             and ended[s.row] else s for s in segments]
 
 
-def _apply_skipping(model, msg, segments: list, x, targets, allowed, tables, is_last: bool):
+def _apply_skipping(model, msg, segments: list, x, targets, masks, tables, is_last: bool):
     """``apply`` for an op with ``SKIPPED`` segments: the model runs on the others alone (their bytes are what they
     would be beside any batch-mates: batch invariance); the skipped ones write no KV, forward zero hidden states
-    and no target ids or bitmasks, and reply nothing. Returns the message to send on, its table ``segments``.
+    and no target ids, take no bitmask rows (``masks``, the last stage's: asked for the kept segments' only) and
+    reply nothing. Returns the message to send on, its table ``segments``.
 
     Raises:
         ValueError: a skipped segment of < 1 token or a negative start, or block tables that do not fit the table.
@@ -369,14 +412,12 @@ def _apply_skipping(model, msg, segments: list, x, targets, allowed, tables, is_
     if tables.dtype != torch.int32 or tables.dim() != 1 or tables.numel() != tab[-1]:
         raise ValueError(f"the op's block tables must be int32 [{tab[-1]}], got {tables.dtype} {tuple(tables.shape)}")
     kept = [i for i, s in enumerate(segments) if not s.want & m.SKIPPED]
-    msk = [0, *itertools.accumulate(s.n_allowed_rows() for s in msg.segments)]
     sub_targets = _kept_rows(targets, tgt, kept)
-    sub_allowed = _kept_rows(allowed, msk, kept)
     out = None
     if kept:
         sub_x = torch.cat([x[tok[i]:tok[i + 1]] for i in kept]).to(model.device)
         sub_tables = torch.cat([tables[tab[i]:tab[i + 1]] for i in kept])
-        kw = {} if sub_allowed is None else {"allowed": sub_allowed}
+        kw = {} if masks is None else {"allowed": functools.partial(masks, kept)}
         out = model.step(sub_x, [segments[i] for i in kept], sub_targets, sub_tables, **kw)
     if is_last:
         reply = msg.reply(out.tensors() if out is not None else [torch.zeros(0, dtype=torch.int64)])
@@ -388,7 +429,7 @@ def _apply_skipping(model, msg, segments: list, x, targets, allowed, tables, is_
         n = segments[i].n_tokens
         hidden[tok[i]:tok[i + 1]] = out[o:o + n]
         o += n
-    fwd = msg.forward([hidden] + [t for t in (sub_targets, sub_allowed) if t is not None] + [tables])
+    fwd = msg.forward([hidden] + ([] if sub_targets is None else [sub_targets]) + [tables])
     fwd.segments = segments
     return fwd
 

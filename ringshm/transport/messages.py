@@ -25,15 +25,28 @@ chunk n tokens; one op may mix them, a row at most once). Its tensors, in this o
     targets  only when a segment has WANT_PROMPT_LOGPROBS: int64 [Σ n_targets], the token that follows each of
              those positions (the prompt's next id), in table order; every stage forwards it unchanged, so the
              last stage, which never sees ids, can score them
-    allowed  only when a segment has WANT_ALLOWED: int32 [Σ n_outputs of those segments, ceil(vocab / 32)], one
-             packed bitmask per output position in table order (token t allowed iff bit t % 32 of word t // 32
-             is set: llguidance's layout), built by the coordinator from the stream's grammar; every stage
-             forwards it unchanged, and the last stage takes those positions' argmax among allowed tokens only
     tables   int32 [Σ ceil((start + n_tokens) / B)]: each segment's KV block table (its stream's blocks in
              position order, B the engine's block size), in table order; every stage forwards it unchanged
 
 The coordinator owns the tables (ringshm.engine.kv_blocks); a table covers exactly the positions the segment
 reaches, so its length follows from the segment and needs no field of its own.
+
+**Masks travel behind their op.** A STEP op with a ``WANT_ALLOWED`` segment (a constrained stream: structured
+output) is followed in the same ring, directly, by one ``MASKS`` record: the op's seq, the op's segment table as
+the coordinator sent it, and one tensor
+
+    allowed  int32 [Σ n_allowed_rows over that table, ceil(vocab / 32)]: one packed bitmask per output position of
+             each WANT_ALLOWED segment, in table order (token t allowed iff bit t % 32 of word t // 32 is set:
+             llguidance's layout), built by the coordinator from each stream's grammar
+
+The coordinator sends the op first and computes the masks while the stages run it: a mask depends on the
+stream's newest token, so computed before the op it would sit between a reply and the next op, with every stage
+idle (16 constrained streams: ~0.6 ms a step). Every stage but the last forwards a MASKS record unchanged, in
+order; the last stage reads it once its LM head has the op's logits (``ringshm.runtime.stage``), takes the rows of
+the segments it computes (by the record's own table, so segments skipped on the way change nothing) and the
+argmax of those positions among the allowed tokens only. A MASKS record the last stage meets between ops (its op
+failed upstream, or every constrained segment of it was skipped) is dropped. Nothing else is sent between an op
+and its MASKS record (``ringshm.engine.coordinator.Link``).
 
 ``want`` (u32) says what the last stage returns for the segment:
 
@@ -45,8 +58,8 @@ reaches, so its length follows from the segment and needs no field of its own.
                target's logprob and the top-k; that is every position, or all but the last with WANT_LAST
                (the last position's next token is the one being generated)
     bit 5      WANT_ALLOWED (with LAST or ALL, not with LOGITS): the argmax at each output position is taken over
-               the tokens its ``allowed`` row permits (a constrained stream: structured output); logprobs stay
-               the raw model's (the chosen id is the masked argmax)
+               the tokens its row of the MASKS record behind the op permits (a constrained stream: structured
+               output); logprobs stay the raw model's (the chosen id is the masked argmax)
     bits 8-15  k, the top-k count (0 .. MAX_TOP_LOGPROBS) of both logprob kinds; 0 unless one is set
     bit 16     SKIPPED: set by a stage, never by the coordinator (which sends bits 16-31 zero): the segment's stream
                ended (cancelled, failed or finished) while the op was in flight, so no stage computes it (see
@@ -93,11 +106,12 @@ from ringshm.generation_params import MAX_TOP_LOGPROBS
 
 # ---------------------------------------------------------------------------------------------- op codes
 STEP = 2  # the compute op: a segment table and one tensor (see the module docstring)
+MASKS = 3  # the allowed-token bitmasks of the STEP op just before it (same seq; module docstring)
 SHUTDOWN = 5  # the stage forwards it and exits its loop
 PING = 6  # startup / liveness: every stage forwards it; reply carries nothing
 ERROR = 0x7F  # a stage failed an op: payload names the exception
 
-OP_NAMES = {STEP: "step", SHUTDOWN: "shutdown", PING: "ping", ERROR: "error"}
+OP_NAMES = {STEP: "step", MASKS: "masks", SHUTDOWN: "shutdown", PING: "ping", ERROR: "error"}
 
 # ------------------------------------------------------------------------------------------------- flags
 REPLY = 1 << 0  # set by the last stage on what it sends back to the coordinator
@@ -110,7 +124,7 @@ WANT_ALL = 2  # the argmax at every position (speculative verify)
 WANT_LOGITS = 4  # with WANT_LAST: also the last position's fp32 logits (sampling)
 WANT_LOGPROBS = 8  # with LAST / ALL: the output positions' logprobs and top-k (module docstring)
 WANT_PROMPT_LOGPROBS = 16  # the logprob of each position's target (the next prompt id) and the top-k
-WANT_ALLOWED = 32  # with LAST / ALL: the op's ``allowed`` bitmask rows restrict each output position's argmax
+WANT_ALLOWED = 32  # with LAST / ALL: the MASKS record behind the op restricts each output position's argmax
 WANT_K_SHIFT = 8  # bits 8-15: k, the top-k count of either logprob kind
 WANT_VALID = (WANT_LAST | WANT_ALL | WANT_LOGITS | WANT_LOGPROBS | WANT_PROMPT_LOGPROBS | WANT_ALLOWED
               | (0xFF << WANT_K_SHIFT))  # every bit a coordinator may set
@@ -124,7 +138,7 @@ def want_k(k: int) -> int:
     return k << WANT_K_SHIFT
 
 MAGIC = 0x5352  # "RS"
-VERSION = 6  # the record layout above; a record of another version is refused (ProtocolError)
+VERSION = 7  # the record layout above; a record of another version is refused (ProtocolError)
 HEADER = struct.Struct("<HBBHBxIiQqqQ")
 SEGMENT = struct.Struct("<iiiI")
 TENSOR_DESC = struct.Struct("<BBxx4iQ")
@@ -182,6 +196,50 @@ def same_table(sent: list[Segment], got: list[Segment]) -> bool:
     ``SKIPPED`` (its stream ended while the op was in flight; module docstring)."""
     return len(sent) == len(got) and all(
         a == b or (b.want == SKIPPED and a[:3] == b[:3]) for a, b in zip(sent, got))
+
+
+def needs_masks(segments: list[Segment]) -> bool:
+    """Whether a STEP op with this table is followed by a MASKS record (a segment has ``WANT_ALLOWED``)."""
+    return any(seg.want & WANT_ALLOWED for seg in segments)
+
+
+def masks_record(op: "Message", allowed: torch.Tensor) -> "Message":
+    """The MASKS record that follows ``op``: its job, seq and table, and ``allowed`` (int32 ``[Σ n_allowed_rows,
+    ceil(vocab / 32)]``, module docstring).
+
+    Raises:
+        ValueError: ``allowed`` is not int32 2-d with one row per output position of ``op``'s ``WANT_ALLOWED``
+            segments.
+    """
+    n = sum(seg.n_allowed_rows() for seg in op.segments)
+    if allowed.dtype != torch.int32 or allowed.dim() != 2 or allowed.shape[0] != n:
+        raise ValueError(f"the masks of op {op.seq} must be int32 [{n}, ceil(vocab / 32)], got {allowed.dtype} "
+                         f"{tuple(allowed.shape)}")
+    return Message(MASKS, op.job, op.seq, segments=op.segments, tensors=[allowed])
+
+
+def mask_rows(record: "Message", op: "Message", kept: list[int]) -> torch.Tensor:
+    """The rows of MASKS ``record`` for segments ``kept`` (indices into ``op``'s table) of STEP ``op``, in table
+    order: int32 ``[Σ n_allowed_rows of those segments, ceil(vocab / 32)]`` (a copy). Rows are found by the record's
+    own table (what the coordinator sent), so segments skipped on the way do not shift them.
+
+    Raises:
+        ProtocolError: ``record`` is not the MASKS record of ``op`` (another op code or seq, a table of other
+            positions, not one int32 row per output position of its ``WANT_ALLOWED`` segments).
+    """
+    if record.op != MASKS or record.seq != op.seq or len(record.segments) != len(op.segments) or any(
+            a[:3] != b[:3] for a, b in zip(record.segments, op.segments)):
+        raise ProtocolError(f"op {op.seq} wants its MASKS record next, got {OP_NAMES.get(record.op, record.op)} "
+                            f"seq {record.seq} with {len(record.segments)} segments")
+    offs = [0]
+    for seg in record.segments:
+        offs.append(offs[-1] + seg.n_allowed_rows())
+    allowed = record.tensors[0] if len(record.tensors) == 1 else None
+    if allowed is None or allowed.dtype != torch.int32 or allowed.dim() != 2 or allowed.shape[0] != offs[-1]:
+        got = "no single tensor" if allowed is None else f"{allowed.dtype} {tuple(allowed.shape)}"
+        raise ProtocolError(f"the MASKS record of op {op.seq} must hold int32 [{offs[-1]}, ceil(vocab / 32)], "
+                            f"got {got}")
+    return torch.cat([allowed[offs[i]:offs[i + 1]] for i in kept]) if kept else allowed[:0].clone()
 
 
 def _align(n: int, a: int = 8) -> int:
