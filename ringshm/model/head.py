@@ -185,8 +185,11 @@ def head_outputs(logits: torch.Tensor, plan: HeadPlan) -> StageOutput:
         allowed = plan.allowed() if callable(plan.allowed) else plan.allowed  # late masks: read only now
         if callable(plan.allowed):
             _check_allowed(allowed, len(plan.allowed_rows), plan.width)
-        words = torch.full((logits.shape[0], allowed.shape[1]), -1, dtype=torch.int32)
-        words[plan.allowed_rows] = allowed.cpu()
+        if len(plan.allowed_rows) == logits.shape[0]:  # every position restricted (rows in position order)
+            words = allowed.cpu()
+        else:
+            words = torch.full((logits.shape[0], allowed.shape[1]), -1, dtype=torch.int32)
+            words[plan.allowed_rows] = allowed.cpu()
     argmax = argmax_rows(logits, words)  # [n_pos]
     out = StageOutput(argmax[plan.out_rows] if plan.out_rows else torch.zeros(0, dtype=torch.int64),
                       logits[plan.logit_rows].float() if plan.logit_rows else None)
