@@ -2,7 +2,8 @@
 tree (``python -m ringshm worker``, a new session) with its own segment tag; they meet on 127.0.0.1.
 
 - Golden: 2 nodes x 2 stages equal the oracle (tie-aware) and, byte for byte, the same 4-stage split on one
-  host, over greedy, seeded sampling, speculative and JSON-constrained streams at once. The worker starts before the head.
+  host, over greedy, seeded sampling, speculative and JSON-constrained streams at once. The worker starts before
+  the head.
 - Faults: SIGKILL of the worker mid-decode -> StageDied naming the remote stage within 5 s; SIGSTOP -> the same
   within the edge timeout; SIGKILL of the head -> the worker's stages exit and leave no segment; a wrong token
   or a model copy whose fingerprint differs is refused by name on both sides.

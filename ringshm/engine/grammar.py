@@ -9,7 +9,8 @@ part of what it does not support (multi-branch ``allOf``), which this engine mus
 
 Where the mask goes: a greedy stream's bitmask travels in the MASKS record right behind its step op
 (``WANT_ALLOWED``: vocab / 8 bytes, 6 KB for SmolLM2, instead of shipping 192 KB of fp32 logits back), computed
-on the dispatcher thread while the stages run the op, and the last stage takes the argmax among allowed tokens; a stream whose logits come back anyway (sampling, logit_bias, penalties) is masked by the coordinator
+on the dispatcher thread while the stages run the op, and the last stage takes the argmax among allowed tokens; a
+stream whose logits come back anyway (sampling, logit_bias, penalties) is masked by the coordinator
 (``ringshm.engine.sampling.Sampler``). Either way the mask depends only on the stream's own tokens, so batch
 invariance holds: a constrained stream's bytes do not depend on its batch-mates.
 

@@ -500,8 +500,8 @@ def _want(s: Stream) -> int:
     """What a stream's decode or last prefill chunk asks of the last stage: the argmax, plus the logits when
     it samples or processes them (logit_bias, penalties, min_tokens: ``Sampler.needs_logits``; a grammar's mask
     is then the coordinator's), else the argmax among the tokens its grammar allows (``WANT_ALLOWED``, its
-    bitmask in the op) and, when it asks for logprobs, the argmax's logprob and top-k (with logits, the
-    coordinator computes them)."""
+    bitmask in the MASKS record behind the op) and, when it asks for logprobs, the argmax's logprob and top-k
+    (with logits, the coordinator computes them)."""
     if s.sampler.needs_logits:
         return m.WANT_LAST | m.WANT_LOGITS
     want = m.WANT_LAST | (m.WANT_ALLOWED if s.grammar is not None else 0)

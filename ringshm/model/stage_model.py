@@ -417,8 +417,9 @@ class StageModel:
         that ``WANT_PROMPT_LOGPROBS`` scores (only the last stage reads it). ``allowed``: int32
         ``[Σ n_allowed_rows, ceil(vocab / 32)]``, the token bitmask of each output position of the ``WANT_ALLOWED``
         segments, or a callable returning it, called once the logits are computed (the last stage's MASKS record:
-        ``ringshm.runtime.stage``) (``ringshm.model.head.head_outputs``; only the last stage reads it). On the native path a segment's
-        bytes do not depend on the other segments nor on where its blocks sit in the pool (batch invariance).
+        ``ringshm.runtime.stage``; ``ringshm.model.head.head_outputs``; only the last stage reads it). On the native
+        path a segment's bytes do not depend on the other segments nor on where its blocks sit in the pool (batch
+        invariance).
         ``abandoned``: None, or a callable asked before each layer whether every segment's stream has ended (a
         client that left: ``ringshm.runtime.stage.apply``); when it says so the op stops there.
 
