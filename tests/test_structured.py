@@ -380,6 +380,34 @@ def test_a_grammar_that_cannot_go_on_fails_its_own_stream_and_no_other(engine1, 
     assert engine1.generate("Say hi.", 4, chat=True).n_output_tokens == 4
 
 
+class _Interrupt(BaseException):
+    """Stands in for a KeyboardInterrupt (which pytest would take for its own)."""
+
+
+def test_an_interrupt_while_the_masks_are_computed_still_sends_them_and_the_engine_serves_on(engine1, solo,
+                                                                                            monkeypatch):
+    """The op is out when its masks are computed: whatever interrupts that, its MASKS record still goes out (else
+    the last stage would hold the op, and the link refuse every send, until the ring timeout)."""
+    import ringshm.engine.grammar as grammar
+
+    real = grammar.GrammarState.words
+    calls = [0]
+
+    def words(self):
+        if self._words is None:
+            calls[0] += 1
+            if calls[0] == 3:
+                raise _Interrupt()
+        return real(self)
+
+    monkeypatch.setattr(grammar.GrammarState, "words", words)
+    with pytest.raises(_Interrupt):
+        _batch(engine1, _mixed_jobs()[:1])
+    monkeypatch.setattr(grammar.GrammarState, "words", real)
+    assert engine1._link.owed is None
+    assert _batch(engine1, _mixed_jobs()[:1]).results[0].token_ids == solo[0].token_ids
+
+
 def test_a_compile_that_runs_over_its_time_is_refused_remembered_and_bounded(engine1, monkeypatch):
     """llguidance's limits do not bound every grammar (``start: X X "b"`` with ``X: "a"+`` computes its first mask
     forever): a compile gets ``COMPILE_TIMEOUT_S``; one that runs over is refused and remembered, and after

@@ -405,22 +405,28 @@ class Scheduler:
         threads, left every stage idle ~0.6 ms a step at 16 streams; on their 2 threads while the stage runs, they took
         its cores: 16-stream decode 0.76 x). A grammar that allows no token, or fails, ends its own stream: its
         rows allow every token (its reply is dropped), and the record always goes out."""
+        constrained = [(st, v) for st, seg, v in zip(tag.streams, segs, tag.verifies) if seg.want & m.WANT_ALLOWED]
+        width = -(-constrained[0][0].grammar.vocab // 32)
         rows: list[torch.Tensor] = []
-        for st, seg, v in zip(tag.streams, segs, tag.verifies):
-            if not seg.want & m.WANT_ALLOWED:
-                continue
-            if v is not None:
-                rows += v.allowed
-                continue
-            try:
-                rows.append(st.grammar.words())
-            except Exception as exc:  # noqa: BLE001 - this stream's grammar failed: it ends alone
-                rows.append(torch.full((-(-st.grammar.vocab // 32),), -1, dtype=torch.int32))
-                if st.error is None:
-                    st.fail(exc)
-                    self._late_events.append(TokenEvent(st.index, -1, "", error=exc))
-                self._maybe_free(st)
-        self.link.send_masks(torch.stack(rows))
+        try:
+            for st, v in constrained:
+                if v is not None:
+                    rows += v.allowed
+                    continue
+                try:
+                    rows.append(st.grammar.words())
+                except Exception as exc:  # noqa: BLE001 - this stream's grammar failed: it ends alone
+                    rows.append(torch.full((width,), -1, dtype=torch.int32))
+                    if st.error is None:
+                        st.fail(exc)
+                        self._late_events.append(TokenEvent(st.index, -1, "", error=exc))
+                    self._maybe_free(st)
+            masks = torch.stack(rows)
+        except BaseException:  # anything else (an interrupt): the record still goes out, or the op would hold its
+            n = sum(seg.n_allowed_rows() for seg in segs)  # last stage, and the link, until the ring timeout
+            self.link.send_masks(torch.full((n, width), -1, dtype=torch.int32))
+            raise
+        self.link.send_masks(masks)
 
     def _commit_segment(self, s: Stream, seg: m.Segment, kind: int, v: VerifyTag | None, part,
                         events: list[TokenEvent]) -> None:
