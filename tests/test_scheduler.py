@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from fake_stage import EOS, OracleModel, RecordingModel, RelayModel, fake_kv, make_stream, start_fake_ring
 from ringshm.engine.logprobs import split_reply
 from ringshm.engine.scheduler import Scheduler
+from ringshm.runtime.stage import N_SLOTS, SLOT_OPS
 from ringshm.engine.spec import NGramDrafter
 from ringshm.engine.spec_decode import SpecDecoder
 from ringshm.errors import ReplyMismatch, RingStateError, RingTimeout, StageError
@@ -282,6 +283,8 @@ def test_masks_travel_behind_their_op_and_the_last_stage_reads_them_only_when_it
     ring.link.send_masks(_ban(model, t[4]))
     reply, _ = ring.link.recv()
     assert split_reply(reply)[0].ids == [(t[4] + 1) % model.vocab], "the answer was banned: the next id"
+    ops = [ring.status[i * N_SLOTS + SLOT_OPS] for i in range(relays + 1)]
+    assert ops == [ring.link.n_sent] * (relays + 1), "a MASKS record is not an op: the stall watch compares these"
     with pytest.raises(RingStateError, match="no op sent owes"):
         ring.link.send_masks(_ban(model, t[4]))
     stray = m.Message(m.MASKS, seq=1000, segments=[seg], tensors=[_ban(model, t[5])])
@@ -289,6 +292,20 @@ def test_masks_travel_behind_their_op_and_the_last_stage_reads_them_only_when_it
     ring.link.send(step_op(model, [m.Segment(0, 4, 1, m.WANT_LAST)], t[4:5]))
     reply, _ = ring.link.recv()
     assert split_reply(reply)[0].ids == [t[5]], "the stray record restricted nothing"
+
+
+def test_drain_gives_an_op_whose_masks_were_never_made_a_record_its_last_stage_refuses(fake):
+    """The masks' computation broke off (an interrupt) with the op out: ``drain`` sends a MASKS record of zero-width
+    rows, the last stage fails that op, the ERROR reply is dropped, and the link serves on."""
+    (t,) = scripts(1, seed=23)
+    model = OracleModel([t], max_rows=2)
+    ring = fake(model)
+    ring.link.send(step_op(model, [m.Segment(0, 0, 4, m.WANT_LAST | m.WANT_ALLOWED)], t[:4]))
+    ring.link.drain()
+    assert ring.link.owed is None and not ring.link.in_flight
+    ring.link.send(step_op(model, [m.Segment(0, 0, 4, m.WANT_LAST)], t[:4]))
+    reply, _ = ring.link.recv()
+    assert split_reply(reply)[0].ids == [t[4]]
 
 
 def test_masks_that_never_come_fail_their_op_within_the_ring_timeout_and_come_late_to_nothing(fake):

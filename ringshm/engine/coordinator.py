@@ -101,11 +101,11 @@ class Link:
         self._masks_out, self.owed = m.masks_record(self.owed, allowed), None
         self._flush_masks()
 
-    def _flush_masks(self) -> None:
+    def _flush_masks(self, timeout_s: float | None = None) -> None:
         if self._masks_out is None:
             return
         n = m.encoded_size(self._masks_out)
-        view = self._wait(lambda t: self.to_first.reserve(n, timeout_s=t), "room in stage 0's input ring")
+        view = self._wait(lambda t: self.to_first.reserve(n, timeout_s=t), "room in stage 0's input ring", timeout_s)
         m.encode_into(view, self._masks_out)
         self.to_first.commit(n)
         self._masks_out = None
@@ -125,7 +125,7 @@ class Link:
             raise errors.RingStateError("recv with no op in flight")
         if self.owed is not None:  # the last stage waits for it: no reply could come
             raise errors.RingStateError(f"op {self.owed.seq}'s MASKS record must be sent before a reply can come")
-        self._flush_masks()
+        self._flush_masks(timeout_s)
         view = self._wait(lambda t: self.from_last.peek(timeout_s=t), "a reply", timeout_s)
         try:
             reply = m.decode(view)
@@ -152,7 +152,18 @@ class Link:
     def drain(self) -> None:
         """Receive and drop every reply still in flight (after an error), so the next request starts clean.
 
-        Stops quietly when a stage is gone (nothing more will come)."""
+        Stops quietly when a stage is gone (nothing more will come). An op whose MASKS record was never made (its
+        masks' computation broke off) gets one of zero-width rows, which its last stage refuses: that op's ERROR
+        reply is dropped like the rest, and the link sends again."""
+        if self.owed is not None:
+            import torch
+
+            rows = sum(seg.n_allowed_rows() for seg in self.owed.segments)
+            try:
+                self.send_masks(torch.zeros(rows, 0, dtype=torch.int32))
+            except (errors.PeerDied, RingTimeout):
+                self.pending.clear()
+                return
         while self.pending:
             try:
                 self.recv()

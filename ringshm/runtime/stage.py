@@ -192,7 +192,8 @@ def serve(model, spec: StageSpec, rin, rout, status, ended=None) -> None:
         # Busy time ends, and is counted, before the record is published: once it is, the next stage may
         # already compute, and the coordinator may read the counters as soon as it has the reply.
         status[base + SLOT_BUSY_S] += time.perf_counter() - t0
-        status[base + SLOT_OPS] += 1
+        if msg.op != m.MASKS:  # ops only: every stage's count stays comparable with the coordinator's (stall watch)
+            status[base + SLOT_OPS] += 1
         rout.commit(n)
         stop = msg.op == m.SHUTDOWN
         del msg, out, view  # drop tensors that view the input record before releasing it
