@@ -13,6 +13,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from ringshm import errors
 from ringshm.engine.sampling import Sampler, TextStream
 from ringshm.errors import KVCacheOverflow, ReplyMismatch, RingTimeout, StageError
@@ -156,8 +158,6 @@ class Link:
         masks' computation broke off) gets one of zero-width rows, which its last stage refuses: that op's ERROR
         reply is dropped like the rest, and the link sends again."""
         if self.owed is not None:
-            import torch
-
             rows = sum(seg.n_allowed_rows() for seg in self.owed.segments)
             try:
                 self.send_masks(torch.zeros(rows, 0, dtype=torch.int32))

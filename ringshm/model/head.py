@@ -182,8 +182,9 @@ def head_outputs(logits: torch.Tensor, plan: HeadPlan) -> StageOutput:
         return StageOutput(torch.zeros(0, dtype=torch.int64))
     words = None
     if plan.allowed_rows:  # every row's mask: the plan's where given, all tokens elsewhere
-        allowed = plan.allowed() if callable(plan.allowed) else plan.allowed  # late masks: read only now
-        if callable(plan.allowed):
+        allowed = plan.allowed
+        if callable(allowed):  # late masks (the last stage's MASKS record): read only now
+            allowed = allowed()
             _check_allowed(allowed, len(plan.allowed_rows), plan.width)
         if len(plan.allowed_rows) == logits.shape[0]:  # every position restricted (rows in position order)
             words = allowed.cpu()

@@ -150,7 +150,8 @@ def serve(model, spec: StageSpec, rin, rout, status, ended=None) -> None:
     stage before the last forwards it as it forwards every record; the last stage copies the op's tensors out,
     releases the op and reads the MASKS record behind it only once the LM head has the logits (``read_masks``), so
     the coordinator computes the masks while the layers run. A MASKS record the last stage meets here is one no
-    op read (its op failed upstream, or every constrained segment was skipped): dropped."""
+    op read (its op failed upstream, every constrained segment was skipped, or it came after ``read_masks`` gave
+    up): dropped."""
     from ringshm.transport import messages as m
 
     base = spec.index * N_SLOTS

@@ -45,7 +45,8 @@ idle (16 constrained streams: ~0.6 ms a step). Every stage but the last forwards
 order; the last stage reads it once its LM head has the op's logits (``ringshm.runtime.stage``), takes the rows of
 the segments it computes (by the record's own table, so segments skipped on the way change nothing) and the
 argmax of those positions among the allowed tokens only. A MASKS record the last stage meets between ops (its op
-failed upstream, or every constrained segment of it was skipped) is dropped. Nothing else is sent between an op
+failed upstream, every constrained segment of it was skipped, or it came after its op gave up waiting for it) is
+dropped. Nothing else is sent between an op
 and its MASKS record (``ringshm.engine.coordinator.Link``).
 
 ``want`` (u32) says what the last stage returns for the segment:
@@ -94,6 +95,7 @@ A reply repeats the op's job, seq and segment table with ``flags | REPLY``; an e
 
 from __future__ import annotations
 
+import itertools
 import struct
 import time
 import warnings
@@ -231,9 +233,7 @@ def mask_rows(record: "Message", op: "Message", kept: list[int]) -> torch.Tensor
             a[:3] != b[:3] for a, b in zip(record.segments, op.segments)):
         raise ProtocolError(f"op {op.seq} wants its MASKS record next, got {OP_NAMES.get(record.op, record.op)} "
                             f"seq {record.seq} with {len(record.segments)} segments")
-    offs = [0]
-    for seg in record.segments:
-        offs.append(offs[-1] + seg.n_allowed_rows())
+    offs = [0, *itertools.accumulate(seg.n_allowed_rows() for seg in record.segments)]
     allowed = record.tensors[0] if len(record.tensors) == 1 else None
     if allowed is None or allowed.dtype != torch.int32 or allowed.dim() != 2 or allowed.shape[0] != offs[-1]:
         got = "no single tensor" if allowed is None else f"{allowed.dtype} {tuple(allowed.shape)}"
