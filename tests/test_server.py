@@ -313,6 +313,9 @@ def test_a_shared_system_prompt_hits_the_prefix_cache_and_changes_no_byte(server
     blocks = {k: v for k, v in after.items() if k.startswith("ringshm_kv_blocks{")}
     assert set(blocks) == {f"ringshm_kv_blocks{{state={s}}}" for s in ("cached", "free", "used")}
     assert blocks["ringshm_kv_blocks{state=cached}"] > 0 and after["ringshm_preemptions_total{}"] == 0
+    busy = {k: v - before[k] for k, v in after.items() if k.startswith("ringshm_stage_busy_seconds_total{")}
+    assert sorted(busy) == [f"ringshm_stage_busy_seconds_total{{stage={i}}}" for i in range(3)]
+    assert all(0 < v < 60 for v in busy.values()), busy  # every stage applied these requests' ops
 
 
 @pytest.mark.parametrize("salt", ["", 7, ["a"]])

@@ -358,17 +358,20 @@ class Engine:
         self._check_usable()
         p = GenerationParams(max_new_tokens=max_new_tokens, **params)
         s = self._make_stream(0, -1, prompt, p)
-        busy0 = self._busy()
+        busy0 = self.stage_busy_s()
         busy_first = work_first = None
         for ev in self._run_solo(s, self._prefill_depth(p), self._decode_depth(p)):
             if busy_first is None:
-                busy_first, work_first = self._busy(), self._link.work_s
+                busy_first, work_first = self.stage_busy_s(), self._link.work_s
             if on_token is not None:
                 on_token(ev)
-        return result_of(s, busy0, busy_first, self._busy(), self.config.stages,
+        return result_of(s, busy0, busy_first, self.stage_busy_s(), self.config.stages,
                          self._link.work_s - (work_first or 0.0))
 
-    def _busy(self) -> list[float]:
+    def stage_busy_s(self) -> list[float]:
+        """Wall seconds each of this host's stages has spent applying ops since startup (its clock runs from an
+        op's arrival to its reply, so a stage descheduled mid-op still counts as busy); over a window,
+        ``busy / window`` is the stage's utilisation and ``1 - max(utilisation)`` bounds the pipeline's bubble."""
         return self._group.busy()
 
     def stage_ops(self) -> list[int]:
@@ -456,7 +459,7 @@ class BatchStream:
     def __iter__(self) -> Iterator[TokenEvent]:
         eng = self.engine
         eng._check_usable()
-        self._t0, self._busy0 = time.perf_counter(), eng._busy()
+        self._t0, self._busy0 = time.perf_counter(), eng.stage_busy_s()
         try:
             self._run = eng.scheduler(self.streams, self.prefill_depth, self.depth)
             yield from self._run
@@ -464,7 +467,7 @@ class BatchStream:
             eng._link.drain()
             if self._run is not None:
                 self._run.release_all()
-            self._t1, self._busy1 = time.perf_counter(), eng._busy()
+            self._t1, self._busy1 = time.perf_counter(), eng.stage_busy_s()
 
     def cancel(self, index: int) -> None:
         """End stream ``index`` (finish_reason "cancelled"); the others go on. Unknown or finished streams

@@ -100,7 +100,8 @@ class Metrics:
 
 class _KVCollector:
     """The KV pool and prefix cache as Prometheus metrics, read from the engine's ``KVBlocks`` at each scrape
-    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens; ``num_preemptions``)."""
+    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens; ``num_preemptions``), and each stage's
+    busy seconds (``Engine.stage_busy_s``)."""
 
     def __init__(self, aengine: AsyncEngine):
         self.aengine = aengine
@@ -120,6 +121,13 @@ class _KVCollector:
         for state, n in (("used", kv.n_used), ("cached", kv.n_cached), ("free", kv.n_free)):
             blocks.add_metric([state], n)
         yield blocks
+        busy_s = getattr(self.aengine.engine, "stage_busy_s", None)
+        if busy_s is not None:
+            busy = CounterMetricFamily("ringshm_stage_busy_seconds", "Wall seconds each of this host's stages spent "
+                                       "applying ops (its utilisation: the rate of this counter)", labels=["stage"])
+            for i, s in enumerate(busy_s()):
+                busy.add_metric([str(i)], s)
+            yield busy
 
 
 class CountRequests:
