@@ -87,6 +87,7 @@ setup(
             "accelerate>=0.30",  # transformers' GGUF loading (the oracle)
             "matplotlib>=3.7",  # bench plots
             "openai>=1.30",  # the official client drives the server in tests
+            "aiohttp>=3.9",  # bench/serving_load.py's closed-loop HTTP clients
         ],
         # bench/bench_peers.py only (`make bench-peers`): compiles llama.cpp from source, never part of `make test`.
         "peers": ["llama-cpp-python>=0.3"],
