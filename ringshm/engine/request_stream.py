@@ -68,9 +68,11 @@ class Request:
     started: bool = False  # its first chunk went out
 
 
-def put_all(q: asyncio.Queue, items: list) -> None:
-    for item in items:
-        q.put_nowait(item)
+def put_all(posts: list[tuple[asyncio.Queue, list]]) -> None:
+    """On a request's event loop: put each ``(queue, items)`` post's items on its queue, in order."""
+    for q, items in posts:
+        for item in items:
+            q.put_nowait(item)
 
 
 def copy_error(exc: BaseException) -> BaseException:
