@@ -108,6 +108,19 @@ def _cluster_args(p: argparse.ArgumentParser, worker: bool = False) -> None:
                         f"${TOKEN_ENV}, else none)")
 
 
+def _float_or_none(text: str) -> float | None:
+    """An option's ``"none"`` -> None, else its number.
+
+    Raises:
+        argparse.ArgumentTypeError: neither (argparse prints it and exits with status 2)."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+
+
 def _int_list(text: str | None, flag: str) -> tuple[int, ...] | None:
     """``"10,10,10"`` -> ``(10, 10, 10)``; None / "" -> None."""
     if not text:
@@ -122,7 +135,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     split, node_stages = _int_list(a.layer_split, "--layer-split"), _int_list(a.node_stages, "--node-stages")
     return dict(model=a.model, stages=a.stages, layer_split=split, device=a.device, dtype=a.dtype,
                 prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, depth=a.depth,
-                max_step_tokens=a.max_step_tokens, max_seq_len=a.max_seq_len,
+                max_step_tokens=a.max_step_tokens, **({"prefill_stall_ratio": a.prefill_stall_ratio} if "prefill_stall_ratio" in a else {}),
+                max_seq_len=a.max_seq_len,
                 max_rows=a.max_rows, kv_cache_memory=a.kv_cache_memory, block_size=a.block_size,
                 kv_cache_dtype=a.kv_cache_dtype,
                 prefix_cache=getattr(a, "prefix_cache", True), op_timeout_s=a.op_timeout,
@@ -176,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(srv)
     srv.add_argument("--host", default="127.0.0.1", help="address to bind")
     srv.add_argument("--port", type=int, default=8000, help="port to bind")
+    srv.add_argument("--prefill-stall-ratio", type=_float_or_none, default=1.5, metavar="R|none",
+                     help="while any request decodes, a long prompt (more than --prefill-chunk tokens to compute) "
+                          "rides with the decodes in chunks sized so that a decode waits about R times a decode-only "
+                          "op, instead of behind the whole prefill ('none': the best TTFT for long prompts, the "
+                          "longest stalls for everyone else)")
     srv.add_argument("--max-waiting", type=int, default=64,
                      help="requests that may wait for a row and its KV blocks beyond --max-rows; more get 429")
     srv.add_argument("--max-queue-wait", type=float, default=60.0,

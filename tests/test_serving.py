@@ -47,10 +47,10 @@ class FakeEngine:
         p = dataclasses.replace(p, temperature=0.0, top_k=0, top_p=1.0, spec=None)
         return new_stream(index, row, list(prompt), p, None, frozenset({EOS}), self.vocab)
 
-    def scheduler(self) -> Scheduler:
+    def scheduler(self, serving: bool = False) -> Scheduler:
         c = self.config
         return Scheduler(self._link, [], c.max_rows, c.prefill_chunk, c.prefill_depth, 1, c.prefill_chunk,
-                         kv=self.kv)
+                         kv=self.kv, prefill_stall_ratio=1.5 if serving else None)
 
     def _check_stages(self) -> None:
         if self.dead:

@@ -211,7 +211,7 @@ class AsyncEngine:
             raise
 
     def _new_run(self) -> Scheduler:
-        run = self.engine.scheduler()
+        run = self.engine.scheduler(serving=True)
         run.stats = self.step_stats
         return run
 

@@ -218,7 +218,8 @@ class Stream:
     that carry a segment of it (its slot and blocks are freed only at 0). A preempted stream comes back with
     ``resume_ids`` = its prompt and the tokens generated so far, prefilled again (exactly: recompute gives the
     same bits), the last of them asking for the next token. ``cached_tokens``: prompt tokens whose KV came from
-    the prefix cache at its first admission; ``cache_salt``: the tenant key of its prefix-cache chain.
+    the prefix cache at its first admission; ``n_to_prefill``: tokens of ``prefill_ids`` its current admission
+    computes (past the cache hit); ``cache_salt``: the tenant key of its prefix-cache chain.
     ``finish_reason``: None while running, then "stop" (EOS or a stop string), "length"
     (max_new_tokens), "cancelled", or "error" (its own sampling, detokenisation or stop handling raised:
     ``error`` holds the exception; no other stream is touched). ``ignore_eos``: EOS does not end it.
@@ -253,6 +254,7 @@ class Stream:
     n_prefill_done: int = 0
     resume_ids: list[int] | None = None
     cached_tokens: int = 0
+    n_to_prefill: int = 0
     cache_salt: str | None = None
     n_preemptions: int = 0
     error: BaseException | None = None

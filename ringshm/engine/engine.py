@@ -290,15 +290,18 @@ class Engine:
         return self.config.prefill_depth if p.prefill_depth is None else p.prefill_depth
 
     def scheduler(self, streams: list[Stream] = (), prefill_depth: int | None = None,
-                  depth: int | None = None) -> Scheduler:
+                  depth: int | None = None, serving: bool = False) -> Scheduler:
         """A ``Scheduler`` over this engine's ring with the engine's limits (``prefill_depth`` and ``depth``
-        override the engine's for one run) and a fresh job id."""
+        override the engine's for one run) and a fresh job id. ``serving``: requests that stream to clients
+        (``AsyncEngine``), whose decodes a long prompt must not hold up (``prefill_stall_ratio``); a batch
+        (``generate_batch``) is judged by its wall time and prefills at full speed."""
         cfg = self.config
         self._job += 1
         return Scheduler(self._link, list(streams), cfg.max_rows, cfg.prefill_chunk,
                          cfg.prefill_depth if prefill_depth is None else prefill_depth,
                          self.depth if depth is None else depth, cfg.step_tokens, self._job, kv=self.kv,
-                         prefix_cache=cfg.prefix_cache, ended=self._group.ended)
+                         prefix_cache=cfg.prefix_cache, ended=self._group.ended,
+                         prefill_stall_ratio=cfg.prefill_stall_ratio if serving else None)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> Iterator[TokenEvent]:
         """Generate, yielding a ``TokenEvent`` (token id and text delta) per committed token.

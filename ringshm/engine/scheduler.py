@@ -8,7 +8,8 @@ admitted stream that has work and nothing blocking it:
        token (1-token segment); a speculative stream adds its next verify segment (``SpecDecoder``:
        ``[last token, drafts...]``, chained under the epoch rule of ``ringshm.engine.spec_decode``);
     2. then prefill chunks of admitted streams, in admission order, one chunk per stream, each at most
-       ``prefill_chunk`` tokens, until the op holds ``max_step_tokens`` tokens.
+       ``prefill_chunk`` tokens, until the op holds ``max_step_tokens`` tokens; while any stream decodes, a
+       long prompt's chunks only as far as ``PrefillBudget`` allows (below).
 
 A row appears at most once per op. KV lives in blocks (``ringshm.engine.kv_blocks``): admission attaches the
 longest cached chain of the prompt's full blocks (the prefill starts after it: a hit computes nothing and
@@ -23,6 +24,12 @@ several ops in flight (the seed's pipelined prefill); a decode's input is the pr
 plain stream never has two ops in flight. Two windows bound what is in flight: at most ``depth`` ops that
 carry decode/verify segments (the pipeline's micro-batches) and at most ``prefill_depth`` ops that carry
 prefill chunks; an op with both counts against both, and a kind whose window is full waits for the next op.
+While any stream decodes (``prefill_stall_ratio`` set), the chunks of long prompts (more than ``prefill_chunk``
+tokens to compute) in all the ops in flight stay within the budget ``ringshm.engine.prefill_budget`` steers from
+the decodes' round trips: a decode then finds at most that much of them queued ahead of it, so a long prompt
+slows each decoding stream's tokens by about ``prefill_stall_ratio`` instead of holding them for its whole
+prefill (stall-free batching), while it still pipelines over the stages in smaller ops. Short prompts
+are not held: they are the steady arrivals of a server, and small ops cost more per token.
 Waiting requests take free rows (``max_rows``) in arrival order; a finished or cancelled stream frees its
 row once no op of it is in flight. A stream that ends with ops in flight (cancelled, failed, or finished with
 verify segments out) has its row marked in ``ended``, shared with the stages, so that no stage computes the rest
@@ -46,6 +53,7 @@ import torch
 from ringshm.engine.coordinator import Link, Stream, TokenEvent
 from ringshm.engine.kv_blocks import KVBlocks
 from ringshm.engine.logprobs import cut, sampled_logprob, split_reply
+from ringshm.engine.prefill_budget import PrefillBudget
 from ringshm.engine.spec_decode import VerifyTag
 from ringshm.errors import ReplyMismatch, RingTimeout
 from ringshm.transport import messages as m
@@ -84,6 +92,9 @@ class StepTag:
     streams: list[Stream] = field(default_factory=list)
     kinds: list[int] = field(default_factory=list)
     verifies: list[VerifyTag | None] = field(default_factory=list)
+    n_long_tokens: int = 0  # tokens of long prompts' chunks sent while streams decoded (``PrefillBudget``)
+    loaded: bool = False  # long-prompt tokens were in flight or aboard at its send (``PrefillBudget``)
+    t_sent: float = 0.0  # perf_counter() at its send (``PrefillBudget``)
 
     @property
     def decode(self) -> bool:
@@ -129,6 +140,9 @@ class Scheduler:
         prefill_chunk: most prompt tokens per prefill segment. prefill_depth: ops with prefill chunks in
             flight. depth: ops with decode/verify segments in flight. max_step_tokens: token budget of one
             op for prefill chunks (decode and verify segments always go in). job: the job id on the wire.
+            prefill_stall_ratio: while any stream decodes, long prompts' tokens in flight stay within
+            ``PrefillBudget(prefill_stall_ratio, max_step_tokens * prefill_depth).tokens()`` (module docstring);
+            None: no such limit.
             ended: the per-row marks shared with the stages (a writable sequence of ``max_rows`` bytes:
             ``StageGroup.ended``); None: nothing is skipped.
 
@@ -138,11 +152,13 @@ class Scheduler:
 
     def __init__(self, link: Link, streams: list[Stream], max_rows: int, prefill_chunk: int, prefill_depth: int,
                  depth: int, max_step_tokens: int, job: int = 0, *, kv: KVBlocks, prefix_cache: bool = True,
-                 ended=None):
+                 ended=None, prefill_stall_ratio: float | None = None):
         for name, v in (("max_rows", max_rows), ("prefill_chunk", prefill_chunk), ("prefill_depth", prefill_depth),
                         ("depth", depth), ("max_step_tokens", max_step_tokens)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        self.prefill_budget = (None if prefill_stall_ratio is None
+                               else PrefillBudget(prefill_stall_ratio, max_step_tokens * prefill_depth))
         self.link, self.job, self.kv, self.prefix_cache = link, job, kv, prefix_cache
         if ended is not None and len(ended) < max_rows:
             raise ValueError(f"ended holds {len(ended)} row marks, fewer than max_rows={max_rows}")
@@ -154,6 +170,7 @@ class Scheduler:
         self.active: list[Stream] = []  # holding a row, in admission order
         self.streams: dict[int, Stream] = {}
         self.n_decode_ops = self.n_prefill_ops = 0  # ops in flight counting against each window
+        self.n_long_tokens = 0  # tokens of long prompts' chunks in the ops in flight (PrefillBudget's)
         self.stats = StepStats()
         self.last_segments = 0  # segments of the op the last reply answered
         self._building: list[Stream] = []  # the streams of the op being built
@@ -208,6 +225,8 @@ class Scheduler:
         self._admit()
         self._fill()
         reply, tag = self.link.recv(timeout_s)
+        if self.prefill_budget is not None:
+            self.prefill_budget.on_reply(tag)
         events = self._on_reply(reply, tag)
         self._admit()
         try:
@@ -242,6 +261,7 @@ class Scheduler:
             if self.ended is not None:  # nothing of the row's last stream is in flight: its mark is spent
                 self.ended[s.row] = 0
             s.n_prefilled = s.n_prefill_done = cached
+            s.n_to_prefill = len(s.prefill_ids) - cached
             if s.resume_ids is None:
                 s.cached_tokens = cached
             self.active.append(s)
@@ -279,6 +299,7 @@ class Scheduler:
     @_one_torch_thread
     def _fill(self) -> None:
         """Send step ops while a window has room and some stream has work (module docstring)."""
+        decoding = self.prefill_budget is not None and any(s.decoding for s in self.active)
         while self.n_decode_ops < self.depth or self.n_prefill_ops < self.prefill_depth:
             segs: list[m.Segment] = []
             ids: list[int] = []
@@ -288,7 +309,9 @@ class Scheduler:
             if self.n_decode_ops < self.depth:
                 self._add_decodes(segs, ids, tag)
             if self.n_prefill_ops < self.prefill_depth:
-                self._add_prefill_chunks(segs, ids, targets, tag, self.max_step_tokens - len(ids))
+                long_budget = (self.prefill_budget.tokens() - self.n_long_tokens  # module docstring
+                               if decoding else None)
+                self._add_prefill_chunks(segs, ids, targets, tag, self.max_step_tokens - len(ids), long_budget)
             if not segs:
                 return
             try:
@@ -309,6 +332,9 @@ class Scheduler:
                 raise
             for s in tag.streams:
                 s.n_in_flight += 1
+            self.n_long_tokens += tag.n_long_tokens
+            if self.prefill_budget is not None:
+                self.prefill_budget.on_send(tag, self.n_long_tokens > 0)
             self.n_decode_ops += tag.decode
             self.n_prefill_ops += tag.prefill
             st = self.stats
@@ -338,7 +364,7 @@ class Scheduler:
                 tag.add(s, VERIFY, v)
 
     def _add_prefill_chunks(self, segs: list[m.Segment], ids: list[int], targets: list[int], tag: StepTag,
-                            budget: int) -> None:
+                            budget: int, long_budget: int | None = None) -> None:
         """The next prompt chunk of each stream still reading its prompt, in admission order, within
         ``budget`` tokens; the prompt's last chunk asks for the stream's first token. A stream with
         ``prompt_logprobs`` scores each chunk position against the next prompt id (``targets``)."""
@@ -350,6 +376,12 @@ class Scheduler:
             if left <= 0 or s.done:
                 continue
             n = min(self.chunk, left, budget)
+            if long_budget is not None and s.n_to_prefill > self.chunk:  # a long prompt while streams decode
+                n = min(n, long_budget)
+                if n <= 0:
+                    continue
+                long_budget -= n
+                tag.n_long_tokens += n
             want = _want(s) if n == left else m.WANT_NONE
             if s.prompt_logprobs is not None and s.resume_ids is None:
                 k = max(s.prompt_logprobs, m.Segment(0, 0, 1, want).k)  # the last chunk may carry both kinds
@@ -374,6 +406,7 @@ class Scheduler:
         self.last_segments = len(tag.streams)
         self.n_decode_ops -= tag.decode
         self.n_prefill_ops -= tag.prefill
+        self.n_long_tokens -= tag.n_long_tokens
         for s in tag.streams:
             s.n_in_flight -= 1
         events: list[TokenEvent] = []
