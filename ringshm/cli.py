@@ -135,8 +135,8 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
     split, node_stages = _int_list(a.layer_split, "--layer-split"), _int_list(a.node_stages, "--node-stages")
     return dict(model=a.model, stages=a.stages, layer_split=split, device=a.device, dtype=a.dtype,
                 prefill_chunk=a.prefill_chunk, prefill_depth=a.prefill_depth, depth=a.depth,
-                max_step_tokens=a.max_step_tokens, **({"prefill_stall_ratio": a.prefill_stall_ratio} if "prefill_stall_ratio" in a else {}),
-                max_seq_len=a.max_seq_len,
+                max_step_tokens=a.max_step_tokens, max_seq_len=a.max_seq_len,
+                **({"prefill_stall_ratio": a.prefill_stall_ratio} if "prefill_stall_ratio" in a else {}),  # serve
                 max_rows=a.max_rows, kv_cache_memory=a.kv_cache_memory, block_size=a.block_size,
                 kv_cache_dtype=a.kv_cache_dtype,
                 prefix_cache=getattr(a, "prefix_cache", True), op_timeout_s=a.op_timeout,

@@ -65,6 +65,7 @@ def test_serve_on_a_port_out_of_range_exits_2_at_once(port):
     (["serve", "--served-model-name", ""], ["--served-model-name"]),
     (["serve", "--header-timeout", "0"], ["--header-timeout"]),
     (["serve", "--body-timeout", "-1"], ["--body-timeout"]),
+    (["serve", "--prefill-stall-ratio", "1"], ["prefill_stall_ratio", "> 1"]),
 ])
 def test_an_argument_error_exits_2_before_torch_loads(args, words):
     out, took_s = _ringshm(*args)

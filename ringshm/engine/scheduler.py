@@ -366,8 +366,10 @@ class Scheduler:
     def _add_prefill_chunks(self, segs: list[m.Segment], ids: list[int], targets: list[int], tag: StepTag,
                             budget: int, long_budget: int | None = None) -> None:
         """The next prompt chunk of each stream still reading its prompt, in admission order, within
-        ``budget`` tokens; the prompt's last chunk asks for the stream's first token. A stream with
-        ``prompt_logprobs`` scores each chunk position against the next prompt id (``targets``)."""
+        ``budget`` tokens, and the chunks of long prompts (more than ``prefill_chunk`` tokens to compute) within
+        ``long_budget`` too (None: no such bound; a long prompt past it waits, the others go on); the prompt's
+        last chunk asks for the stream's first token. A stream with ``prompt_logprobs`` scores each chunk
+        position against the next prompt id (``targets``)."""
         for s in self.active:
             if budget <= 0:
                 return
