@@ -231,7 +231,7 @@ class EngineConfig:
             stages).
         depth: step ops carrying decode / verify segments in flight at once: the pipeline's micro-batches
             (``ringshm.engine.scheduler``). None = ``ringshm.runtime.launcher.default_depth``: one per stage
-            where every stage computes on its own (a GPU each, or 2+ cores per stage), else 1.
+            where every stage computes on its own (a GPU each, or 2+ cores per stage), else 2 (1 for one stage).
         max_step_tokens: token budget of one step op for prefill chunks (decode and verify segments always
             go in). None = ``prefill_chunk``.
         prefill_stall_ratio: served requests (``AsyncEngine``, the server) only: while any of them decodes, a

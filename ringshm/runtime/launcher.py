@@ -108,14 +108,18 @@ class NodePlan:
 
 def default_depth(cfg: EngineConfig) -> int:
     """Decode micro-batches in flight when ``cfg.depth`` is None: one per stage where every stage computes on
-    its own (``device="cuda"``: a GPU each; CPU: at least 2 cores per stage), else 1.
+    its own (``device="cuda"``: a GPU each; CPU: at least 2 cores per stage), else 2 (1 for one stage).
 
-    Each micro-batch is one more pass over every stage's weights per step, which pays only when the stages
-    then run at once. Measured on 2 cores, 3 stages, 8 streams of 64 tokens: depth 1 226 tok/s, depth 3 125.
+    Each micro-batch is one more pass over every stage's weights per step. With fewer cores than stages, one
+    micro-batch per stage does not pay (2 cores, 3 stages, 8 streams of 64 tokens: depth 1 226 tok/s, depth 3
+    125), but one step alone leaves the stages waiting on each other (each 0.3-0.45 busy at 16-64 clients) and
+    two fill them: measured on 2 cores (AMD EPYC Zen 5), 3 stages, depth 1 -> 2: generate_batch of 32 streams
+    x 64 tokens 477-569 -> 640-720 tok/s, of 8 and 16 streams within 5 %; bench_server's closed loop at 32 and
+    64 clients 459 -> 645 and 548 -> 667 tok/s, at 1-16 clients within 3 % (issue 31).
     """
     if cfg.device == "cuda" or len(os.sched_getaffinity(0)) >= 2 * cfg.stages:
         return cfg.stages
-    return 1
+    return min(2, cfg.stages)
 
 
 def _cleanup(procs: list, rings: list[Ring]) -> None:
