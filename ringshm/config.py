@@ -240,8 +240,8 @@ class EngineConfig:
             without long prompts (``ringshm.engine.prefill_budget``, measured as it runs), instead of waiting
             behind its whole prefill. None: long prompts prefill at full speed. Measured (README, "Serving under
             load"; 16 clients, 3 stages, AMD EPYC Zen 5): a 2k-token prompt held the decoding streams for its whole
-            2.0 s prefill with None; with 1.5 their ITL p99 over its prefill was 2.7-2.8 x their ITL p50 and its
-            TTFT 5.8-6.4 s (2.0: 3.5 x, 5.3 s). Must be > 1.
+            2.0 s prefill with None; with 1.5 their ITL p99 over its prefill was 2.1-2.8 x their ITL p50 and its
+            TTFT 5.8-6.5 s (2.0: 3.5 x, 5.3 s). Must be > 1.
         max_seq_len: the most positions one stream may reach (prompt + generated); the engine caps it at the
             model's context length and at what the KV pool holds. It reserves nothing: KV lives in blocks sized by
             ``kv_cache_memory``.
