@@ -1,5 +1,5 @@
 """A closed-loop serving load (the shape of ``vllm bench serve`` / GuideLLM's "concurrent" mode) for
-bench_serving.py: N clients, each sending its next request the moment its last one ends, for a fixed time.
+bench_server.py: N clients, each sending its next request the moment its last one ends, for a fixed time.
 
 Requests come from a fixed, seeded mix (``workload``), the same for every target and every run:
 
