@@ -310,9 +310,8 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.prefill_stall_ratio is not None and not (isinstance(self.prefill_stall_ratio, (int, float))
-                                                         and not isinstance(self.prefill_stall_ratio, bool)
-                                                         and self.prefill_stall_ratio > 1):
+        ratio = self.prefill_stall_ratio
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 1):
             raise ValueError(f"prefill_stall_ratio must be a number > 1 or None, got {self.prefill_stall_ratio!r}")
         if self.max_rows > MAX_ROWS:
             raise ValueError(f"max_rows must be at most {MAX_ROWS} (segments of one step op), got {self.max_rows}")

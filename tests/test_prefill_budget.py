@@ -59,7 +59,8 @@ def test_a_stall_ratio_that_is_not_above_1_is_refused(ratio):
 def _long_prompt_beside_a_decode(stall_ratio):
     """Stream 0 (3-token prompt) decodes; after its first token a long prompt (stream 1, 40 tokens) and a short
     one (stream 2, 4 tokens, submitted after it) arrive. Returns (streams, scripts, the most tokens of stream 1
-    in flight seen after any send while stream 0 decoded, the index of the first op carrying stream 2)."""
+    in flight seen after any send while stream 0 decoded, the index of the first op carrying stream 2, every op's
+    segments as the stage applied them)."""
     ts = scripts(3)
     ring = start_fake_ring(RecordingModel(ts, max_rows=4))
     try:

@@ -374,7 +374,7 @@ class Engine:
     def stage_busy_s(self) -> list[float]:
         """Wall seconds each of this host's stages has spent applying ops since startup (its clock runs from an
         op's arrival to its reply, so a stage descheduled mid-op still counts as busy); over a window,
-        ``busy / window`` is the stage's utilisation and ``1 - max(utilisation)`` bounds the pipeline's bubble."""
+        ``busy / window`` is the stage's utilisation."""
         return self._group.busy()
 
     def stage_ops(self) -> list[int]:

@@ -114,8 +114,9 @@ def default_depth(cfg: EngineConfig) -> int:
     micro-batch per stage does not pay (2 cores, 3 stages, 8 streams of 64 tokens: depth 1 226 tok/s, depth 3
     125), but one step alone leaves the stages waiting on each other (each 0.3-0.45 busy at 16-64 clients) and
     two fill them: measured on 2 cores (AMD EPYC Zen 5), 3 stages, depth 1 -> 2: generate_batch of 32 streams
-    x 64 tokens 477-569 -> 640-720 tok/s, of 8 and 16 streams within 5 %; bench_server's closed loop at 32 and
-    64 clients 459 -> 645 and 548 -> 667 tok/s, at 1-16 clients within 3 % (issue 31).
+    x 64 tokens 477-569 -> 640-720 tok/s, of 8 and 16 streams within 5 % (ad-hoc, 2 rounds each);
+    bench_server's in-process AsyncEngine at 32 and 64 clients 459 -> 689 and 548 -> 618 tok/s (its two full
+    runs, one per depth, the same session), at 8 and 16 clients 346 -> 404 and 438 -> 472 (issue 31).
     """
     if cfg.device == "cuda" or len(os.sched_getaffinity(0)) >= 2 * cfg.stages:
         return cfg.stages
