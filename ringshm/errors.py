@@ -175,6 +175,13 @@ class EngineClosed(RingshmError, RuntimeError):
     """The ``AsyncEngine`` is shutting down or closed: no new request, and open ones end with this."""
 
 
+class DispatcherFailed(EngineClosed):
+    """The ``AsyncEngine``'s dispatcher thread stopped on an error of its own (not a stage's: those fail only the
+    open requests): every open and queued request ends with this, and every new one is refused with it. The
+    engine cannot serve again: close it and start a new one (``ringshm serve`` exits with status 3 for its
+    supervisor)."""
+
+
 class RequestFailed(RingshmError, RuntimeError):
     """A stage failed an op (or a reply did not match) while this request was open; ``__cause__`` is the
     original error. The engine stays usable."""

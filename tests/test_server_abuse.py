@@ -17,6 +17,7 @@ import uvicorn
 
 from fake_stage import GatedModel
 from ringshm.engine.async_engine import AsyncEngine
+from ringshm.errors import DispatcherFailed
 from ringshm.runtime.stage import SLOT_OPS
 from ringshm.server.app import create_app
 from ringshm.server.connection import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_timeout_protocol
@@ -407,3 +408,12 @@ def test_a_stalled_stage_gets_503_naming_it_then_the_server_recovers_when_it_ans
         time.sleep(0.05)
     status, body, _ = srv.post("/v1/completions", {"prompt": [101], "max_tokens": 5})
     assert status == 200, body
+
+
+def test_a_failed_dispatcher_gets_503_naming_it_on_requests_and_health(serve_fake):
+    srv = serve_fake()
+    srv.aengine._fail_broken(DispatcherFailed("the engine's dispatcher failed (RuntimeError: boom)"))
+    status, body, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 5})
+    assert status == 503 and _error(body)["code"] == "dispatcher_failed" and "boom" in body["error"]["message"]
+    status, health, _ = srv.get("/health")
+    assert status == 503 and health["status"] == "unhealthy" and "boom" in health["message"], health

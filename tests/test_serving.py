@@ -16,7 +16,7 @@ from ringshm.engine.async_engine import AsyncEngine
 from ringshm.engine.coordinator import Stream
 from ringshm.engine.engine import new_stream
 from ringshm.engine.scheduler import Scheduler
-from ringshm.errors import EngineClosed, QueueFull, RequestFailed, StageDied
+from ringshm.errors import DispatcherFailed, EngineClosed, QueueFull, RequestFailed, StageDied
 
 MAX_ROWS = 3
 
@@ -186,3 +186,31 @@ def test_close_ends_open_requests_with_engine_closed_and_refuses_new_ones(make_e
             aengine.stream(ts[1][:6], 4)
 
     asyncio.run(main())
+
+
+def test_a_failed_dispatcher_ends_every_request_and_refuses_new_ones(make_engine, monkeypatch):
+    """The dispatcher thread's own failure (here: no scheduler run can be made after a stage error) must not
+    leave a request waiting forever: the open one ends with the stage's error, a later one (queued, or refused
+    at the call) with ``DispatcherFailed`` naming the cause, and ``check_stages`` (a server's health) reports it."""
+    ts = scripts(3)
+    aengine, _ = make_engine(ts, max_seq_len=64)  # a request past 64 positions makes the stage fail an op
+    asyncio.run(aengine.complete(ts[0][:6], 4))  # the dispatcher has made its scheduler run
+
+    def no_scheduler(serving=False):
+        raise RuntimeError("no scheduler run to be had")
+
+    monkeypatch.setattr(aengine.engine, "scheduler", no_scheduler)
+
+    async def main():
+        with pytest.raises(RequestFailed, match="past max_seq_len"):
+            await asyncio.wait_for(aengine.complete(ts[1][:6], 200), 30)
+        with pytest.raises(DispatcherFailed, match="no scheduler run to be had"):  # at the call or from its queue
+            await asyncio.wait_for(aengine.complete(ts[2][:6], 4), 30)
+        aengine._thread.join(10)
+        with pytest.raises(DispatcherFailed, match="no scheduler run to be had"):
+            aengine.stream(ts[2][:6], 4)  # refused at the call once the dispatcher has stopped
+
+    asyncio.run(main())
+    with pytest.raises(DispatcherFailed):
+        aengine.check_stages()
+    assert (aengine.n_running, aengine.n_waiting) == (0, 0)

@@ -40,6 +40,7 @@ from ringshm.engine.results import GenerationResult, result_of
 from ringshm.engine.sampling import TextStream
 from ringshm.engine.scheduler import Scheduler, StepStats
 from ringshm.errors import (
+    DispatcherFailed,
     EngineClosed,
     EngineOwned,
     PeerDied,
@@ -105,6 +106,7 @@ class AsyncEngine:
         self._n_running = 0  # holding a row (dispatcher writes)
         self._closing = False
         self._dead: StageDied | None = None
+        self._broken: DispatcherFailed | None = None  # the dispatcher thread stopped on an error of its own
         self._active: dict[int, Request] = {}  # dispatcher thread only
         self._outbox: dict[asyncio.AbstractEventLoop, list] = {}  # posts not yet sent (dispatcher thread only)
         self._batching = False  # _deliver collects its posts in _outbox and sends them once, per loop
@@ -159,6 +161,8 @@ class AsyncEngine:
         with self._lock:  # the check and the put under one lock: no submit can follow close()'s "stop"
             if self._closing:
                 raise EngineClosed("the engine is shutting down: no new requests")
+            if self._broken is not None:  # under the lock: the failed dispatcher drains the inbox once, after
+                raise copy_error(self._broken)
             if self._n_open >= self.engine.config.max_rows + self.max_waiting:
                 raise QueueFull(f"{self._n_open} requests open (max_rows {self.engine.config.max_rows} running "
                                 f"+ max_waiting {self.max_waiting} waiting): retry later")
@@ -200,6 +204,8 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------------------------------- private
     def _check_alive(self) -> None:
+        if self._broken is not None:
+            raise copy_error(self._broken)
         if self._dead is not None:
             raise copy_error(self._dead)
         if self._stalled is not None:
@@ -216,7 +222,43 @@ class AsyncEngine:
         return run
 
     def _dispatch(self) -> None:
-        """The dispatcher thread: the only code that touches the ring while the AsyncEngine lives."""
+        """The dispatcher thread: the only code that touches the ring while the AsyncEngine lives.
+
+        Errors of the stages and the scheduler are handled in ``_dispatch_loop`` (the open requests fail, the next
+        ones run). Should the loop itself stop on an error, nothing would drain the inbox and every request would
+        wait forever: so every open and queued request ends with ``DispatcherFailed`` naming the error, and every
+        new one is refused with it (``check_stages`` too, so a server's health check reports it)."""
+        try:
+            self._dispatch_loop()
+        except BaseException as exc:  # noqa: BLE001 -- nothing may leave a request waiting
+            log.exception("the dispatcher thread failed")
+            self._fail_broken(DispatcherFailed(f"the engine's dispatcher failed ({type(exc).__name__}: {exc}): "
+                                               f"it serves no more requests; restart it"))
+
+    def _fail_broken(self, err: DispatcherFailed) -> None:
+        """End every open and queued request with ``err`` after the dispatcher failed (no scheduler run is used:
+        it may be what failed)."""
+        with self._lock:  # after this, ``stream`` refuses: nothing more enters the inbox
+            self._broken = err
+        reqs = list(self._active.values())
+        self._active.clear()
+        while True:
+            try:
+                what, arg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if what == "submit":
+                reqs.append(arg)
+        for req in reqs:
+            with self._lock:
+                self._n_open -= 1
+            try:
+                req.loop.call_soon_threadsafe(put_all, [(req.queue, [copy_error(err)])])
+            except RuntimeError:  # its event loop is closed: nobody reads it
+                pass
+        self._n_running = 0
+
+    def _dispatch_loop(self) -> None:
         link, op_timeout_s = self.engine._link, self.engine.config.op_timeout_s
         run = self._new_run()
         stop_at = None

@@ -79,8 +79,8 @@ def copy_error(exc: BaseException) -> BaseException:
     """A fresh exception per request (one instance raised in many tasks would share a traceback)."""
     if isinstance(exc, StageDied):
         return StageDied(str(exc), exc.stage, exc.exitcode)
-    if isinstance(exc, EngineClosed):
-        return EngineClosed(str(exc))
+    if isinstance(exc, EngineClosed):  # DispatcherFailed too
+        return type(exc)(str(exc))
     if isinstance(exc, StageStalled):
         return StageStalled(str(exc), exc.stage)
     if isinstance(exc, QueueTimeout):

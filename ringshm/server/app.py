@@ -32,8 +32,9 @@ thread, off the loop.
 
 Limits: bodies over ``max_body_bytes`` get 413; a request waiting for a row past ``max_queue_wait_s`` 503,
 a full queue 429, both with ``Retry-After``. A stage that holds an op past ``op_timeout_s``: 503 for the open
-and new requests and on ``/health`` (naming it) until it answers again. A dead stage: 503, then ``on_stage_died``
-(``ringshm.server.process.serve`` shuts down and exits 3 for a supervisor to restart it).
+and new requests and on ``/health`` (naming it) until it answers again. A dead stage or a failed dispatcher
+(``DispatcherFailed``): 503, then ``on_stage_died`` (``ringshm.server.process.serve`` shuts down and exits 3 for
+a supervisor to restart it).
 
 Usage: every non-streaming response has ``usage``. A stream always carries ``usage`` on the ``finish_reason``
 chunk of its last choice to finish; with ``stream_options: {"include_usage": true}`` an extra chunk with empty
@@ -64,7 +65,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ringshm.engine.async_engine import AsyncEngine
-from ringshm.errors import MissingChatTemplate, StageDied, StageStalled
+from ringshm.errors import DispatcherFailed, MissingChatTemplate, StageDied, StageStalled
 from ringshm.model.tokenizer import encode_chat, load_tokenizer
 from ringshm.server.connection import ClientWatch
 from ringshm.server.http_errors import add_error_handlers
@@ -98,13 +99,13 @@ STAGE_WATCH_S = 0.25  # how often the server looks for a dead stage while no req
 
 def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: str | None = None,
                spec_k: int = 4, spec_depth: int = 1, graceful_s: float = 0.0, max_body_bytes: int = 2 * 1024 * 1024,
-               on_stage_died: Callable[[StageDied], None] | None = None, tool_call_parser: str = "auto") -> FastAPI:
+               on_stage_died: Callable[[StageDied | DispatcherFailed], None] | None = None, tool_call_parser: str = "auto") -> FastAPI:
     """The FastAPI app serving ``aengine`` under ``model_names`` (one name or several aliases; responses
     echo the one a request used, the first when it names none). Its lifespan shutdown closes ``aengine``
     (open requests get ``graceful_s`` more to finish). ``spec="ngram"`` decodes greedy requests
     speculatively with ``spec_k`` drafts per verify segment and ``spec_depth`` verify segments in flight.
     ``max_body_bytes``: larger request bodies get 413. ``on_stage_died``: called once, on the event loop,
-    when a stage is found dead (``serve`` then shuts down and exits 3). ``tool_call_parser``: the tool-call format
+    when a stage is found dead or the dispatcher failed (``serve`` then shuts down and exits 3). ``tool_call_parser``: the tool-call format
     (``ringshm.server.tool_formats.FORMATS``), or "auto": the one the chat template writes (``detect_format``).
 
     Raises:
@@ -116,7 +117,7 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
             await asyncio.sleep(STAGE_WATCH_S)
             try:
                 aengine.check_stages()
-            except StageDied as exc:
+            except (StageDied, DispatcherFailed) as exc:
                 log.error("%s: the server stops (exit status 3) for its supervisor to restart it", exc)
                 on_stage_died(exc)
                 return
@@ -164,6 +165,8 @@ def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: 
         except StageDied as exc:
             return JSONResponse({"status": "unhealthy", "message": str(exc), "dead_stage": exc.stage,
                                  "stages": stages}, status_code=503)
+        except DispatcherFailed as exc:
+            return JSONResponse({"status": "unhealthy", "message": str(exc), "stages": stages}, status_code=503)
         except StageStalled as exc:
             return JSONResponse({"status": "unhealthy", "message": str(exc), "stalled_stage": exc.stage,
                                  "stages": stages}, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -2,7 +2,7 @@
 ``CompletionRequest``, and vLLM's ``TokenizeRequest`` / ``DetokenizeRequest``), the served model names
 (``ServedModels``: aliases, model objects, 404 for an unknown name) and OpenAI-shaped errors (``ApiError``),
 with the mapping from engine exceptions to HTTP statuses: bad input 400, queue full 429, a dead or stalled
-stage, a queue wait past its limit or a closing engine 503, a failed request 500.
+stage, a failed dispatcher, a queue wait past its limit or a closing engine 503, a failed request 500.
 """
 
 from __future__ import annotations
@@ -13,7 +13,15 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
-from ringshm.errors import EngineClosed, QueueFull, QueueTimeout, RequestFailed, StageDied, StageStalled
+from ringshm.errors import (
+    DispatcherFailed,
+    EngineClosed,
+    QueueFull,
+    QueueTimeout,
+    RequestFailed,
+    StageDied,
+    StageStalled,
+)
 from ringshm.generation_params import (
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
@@ -408,6 +416,8 @@ def engine_error(exc: BaseException) -> ApiError:
         return ApiError(503, str(exc), "service_unavailable", None, "stage_stalled", RETRY_AFTER_S)
     if isinstance(exc, StageDied):
         return ApiError(503, str(exc), "service_unavailable", None, "stage_died")
+    if isinstance(exc, DispatcherFailed):
+        return ApiError(503, str(exc), "service_unavailable", None, "dispatcher_failed")
     if isinstance(exc, EngineClosed):
         return ApiError(503, str(exc), "service_unavailable", None, "shutting_down")
     if isinstance(exc, (ValueError, TypeError)):

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ringshm.engine.async_engine import AsyncEngine
-from ringshm.errors import StageDied
+from ringshm.errors import DispatcherFailed, StageDied
 from ringshm.server.app import create_app
 from ringshm.server.connection import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_timeout_protocol
 from ringshm.server.listen import bind_listener
@@ -22,7 +22,7 @@ def model_id_of(model_path: str) -> str:
     return Path(model_path).stem if Path(model_path).suffix == ".gguf" else Path(model_path).name
 
 
-STAGE_DIED_EXIT = 3  # serve's exit status after a stage died (for a supervisor: restart the server)
+STAGE_DIED_EXIT = 3  # serve's exit status after a stage died or the dispatcher failed (for a supervisor: restart)
 
 
 def keep_signal_mask() -> None:
@@ -42,7 +42,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
           spec_depth: int = 1, log_level: str = "info", tool_call_parser: str = "auto",
           **engine_kwargs) -> int:
     """Start the stages, then serve until SIGTERM / SIGINT / SIGHUP; returns 0 after a clean shutdown, and
-    ``STAGE_DIED_EXIT`` (3) when a stage died: the open requests fail with 503, the server shuts down (every
+    ``STAGE_DIED_EXIT`` (3) when a stage died (or the engine's dispatcher failed): the open requests fail with 503, the server shuts down (every
     stage reaped, every segment unlinked) so that a supervisor (systemd ``Restart=on-failure``, Docker
     ``--restart``, Kubernetes) starts it afresh. A stalled stage is not fatal: see ``AsyncEngine``.
 
@@ -109,10 +109,10 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
     except BaseException:
         engine.close()
         raise
-    died: list[StageDied] = []
+    died: list[StageDied | DispatcherFailed] = []
     server: list = []
 
-    def on_stage_died(exc: StageDied) -> None:
+    def on_stage_died(exc: StageDied | DispatcherFailed) -> None:
         died.append(exc)
         server[0].should_exit = True
 
