@@ -99,14 +99,16 @@ STAGE_WATCH_S = 0.25  # how often the server looks for a dead stage while no req
 
 def create_app(aengine: AsyncEngine, model_names: str | Sequence[str], *, spec: str | None = None,
                spec_k: int = 4, spec_depth: int = 1, graceful_s: float = 0.0, max_body_bytes: int = 2 * 1024 * 1024,
-               on_stage_died: Callable[[StageDied | DispatcherFailed], None] | None = None, tool_call_parser: str = "auto") -> FastAPI:
+               on_stage_died: Callable[[StageDied | DispatcherFailed], None] | None = None,
+               tool_call_parser: str = "auto") -> FastAPI:
     """The FastAPI app serving ``aengine`` under ``model_names`` (one name or several aliases; responses
     echo the one a request used, the first when it names none). Its lifespan shutdown closes ``aengine``
     (open requests get ``graceful_s`` more to finish). ``spec="ngram"`` decodes greedy requests
     speculatively with ``spec_k`` drafts per verify segment and ``spec_depth`` verify segments in flight.
     ``max_body_bytes``: larger request bodies get 413. ``on_stage_died``: called once, on the event loop,
-    when a stage is found dead or the dispatcher failed (``serve`` then shuts down and exits 3). ``tool_call_parser``: the tool-call format
-    (``ringshm.server.tool_formats.FORMATS``), or "auto": the one the chat template writes (``detect_format``).
+    when a stage is found dead or the dispatcher failed (``serve`` then shuts down and exits 3).
+    ``tool_call_parser``: the tool-call format (``ringshm.server.tool_formats.FORMATS``), or "auto": the one the
+    chat template writes (``detect_format``).
 
     Raises:
         ValueError: ``max_body_bytes`` below 1, or an unknown ``tool_call_parser``.

@@ -42,9 +42,10 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
           spec_depth: int = 1, log_level: str = "info", tool_call_parser: str = "auto",
           **engine_kwargs) -> int:
     """Start the stages, then serve until SIGTERM / SIGINT / SIGHUP; returns 0 after a clean shutdown, and
-    ``STAGE_DIED_EXIT`` (3) when a stage died (or the engine's dispatcher failed): the open requests fail with 503, the server shuts down (every
-    stage reaped, every segment unlinked) so that a supervisor (systemd ``Restart=on-failure``, Docker
-    ``--restart``, Kubernetes) starts it afresh. A stalled stage is not fatal: see ``AsyncEngine``.
+    ``STAGE_DIED_EXIT`` (3) when a stage died or the engine's dispatcher failed: the open requests fail with 503,
+    the server shuts down (every stage reaped, every segment unlinked) so that a supervisor (systemd
+    ``Restart=on-failure``, Docker ``--restart``, Kubernetes) starts it afresh. A stalled stage is not fatal:
+    see ``AsyncEngine``.
 
     ``model_name``: the name, or several aliases, the model is served under (default: ``model_id_of`` the
     checkpoint). ``engine_kwargs`` are ``Engine``'s. ``sock``: the listening socket (``bind_listener``), bound
