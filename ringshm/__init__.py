@@ -13,6 +13,7 @@ from importlib import import_module
 
 from ringshm.errors import (
     ClusterRefused,
+    DispatcherFailed,
     EdgeError,
     EngineClosed,
     EngineOwned,
@@ -56,7 +57,7 @@ _LAZY = {
     "run_worker": "ringshm.runtime.worker",
 }
 
-__all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "EdgeError", "EngineClosed", "EngineOwned",
+__all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "DispatcherFailed", "EdgeError", "EngineClosed", "EngineOwned",
            "InvalidCheckpoint", "InvalidParameter", "KVCacheOverflow", "MissingChatTemplate", "MissingTensor",
            "PeerDied", "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage",
            "RingCorrupt", "RingshmError", "RingTimeout", "StageDied", "StageError", "StageStalled",

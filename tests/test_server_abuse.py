@@ -410,10 +410,33 @@ def test_a_stalled_stage_gets_503_naming_it_then_the_server_recovers_when_it_ans
     assert status == 200, body
 
 
-def test_a_failed_dispatcher_gets_503_naming_it_on_requests_and_health(serve_fake):
-    srv = serve_fake()
-    srv.aengine._fail_broken(DispatcherFailed("the engine's dispatcher failed (RuntimeError: boom)"))
+def test_a_failed_dispatcher_gets_503_naming_it_then_the_server_is_told_to_stop(serve_fake):
+    """The dispatcher thread failing on its own (here: a command it cannot apply, then no scheduler run to be had
+    for the next round) answers 503 ``dispatcher_failed`` naming the cause, ``/health`` 503, and calls
+    ``on_stage_died`` (``serve`` exits 3 for its supervisor)."""
+    told = []
+    srv = serve_fake(on_stage_died=told.append)
+    status, _, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 5})
+    assert status == 200  # the dispatcher has made its scheduler run
+
+    def no_scheduler(serving=False):
+        raise RuntimeError("no scheduler run to be had")
+
+    def broken_inbox(*args):
+        raise RuntimeError("a command it cannot apply")
+
+    srv.aengine.engine.scheduler = no_scheduler
+    srv.aengine._drain_inbox = broken_inbox  # the loop's handler then needs a new scheduler run: it cannot
+    deadline = time.monotonic() + 10
+    while srv.aengine._thread.is_alive():
+        assert time.monotonic() < deadline, "the dispatcher did not fail"
+        time.sleep(0.01)
     status, body, _ = srv.post("/v1/completions", {"prompt": [100, 110], "max_tokens": 5})
-    assert status == 503 and _error(body)["code"] == "dispatcher_failed" and "boom" in body["error"]["message"]
+    assert status == 503 and _error(body)["code"] == "dispatcher_failed", body
+    assert "no scheduler run to be had" in body["error"]["message"]
     status, health, _ = srv.get("/health")
-    assert status == 503 and health["status"] == "unhealthy" and "boom" in health["message"], health
+    assert status == 503 and health["status"] == "unhealthy" and "no scheduler run" in health["message"], health
+    while not told:
+        assert time.monotonic() < deadline + 5, "on_stage_died was not called"
+        time.sleep(0.05)
+    assert isinstance(told[0], DispatcherFailed)

@@ -147,7 +147,8 @@ class AsyncEngine:
         (``prefill_depth`` is the engine's for every request).
 
         Raises, at the call: ValueError (bad input, prompt + max_new_tokens over max_seq_len), TypeError (an
-        unknown parameter), QueueFull, StageDied (a stage is dead), EngineClosed.
+        unknown parameter), QueueFull, StageDied (a stage is dead), EngineClosed (DispatcherFailed: the
+        dispatcher stopped on an error of its own).
         """
         loop = asyncio.get_running_loop()
         if self._closing:
@@ -179,7 +180,8 @@ class AsyncEngine:
         return last.result
 
     def check_stages(self) -> None:
-        """Raise ``StageDied`` naming a dead stage (the health check)."""
+        """Raise ``StageDied`` naming a dead stage, ``StageStalled`` naming a stalled one, or ``DispatcherFailed``
+        (the health check)."""
         self._check_alive()
 
     def close(self, wait_s: float = 0.0) -> None:
@@ -204,10 +206,10 @@ class AsyncEngine:
 
     # ----------------------------------------------------------------------------------------- private
     def _check_alive(self) -> None:
+        if self._dead is not None:  # a dead stage first: the dispatcher may have failed after it
+            raise copy_error(self._dead)
         if self._broken is not None:
             raise copy_error(self._broken)
-        if self._dead is not None:
-            raise copy_error(self._dead)
         if self._stalled is not None:
             raise copy_error(self._stalled)
         try:
@@ -242,6 +244,7 @@ class AsyncEngine:
             self._broken = err
         reqs = list(self._active.values())
         self._active.clear()
+        self._n_running = 0  # before any caller can see the end of its request
         while True:
             try:
                 what, arg = self._inbox.get_nowait()
@@ -256,7 +259,6 @@ class AsyncEngine:
                 req.loop.call_soon_threadsafe(put_all, [(req.queue, [copy_error(err)])])
             except RuntimeError:  # its event loop is closed: nobody reads it
                 pass
-        self._n_running = 0
 
     def _dispatch_loop(self) -> None:
         link, op_timeout_s = self.engine._link, self.engine.config.op_timeout_s
