@@ -57,8 +57,8 @@ _LAZY = {
     "run_worker": "ringshm.runtime.worker",
 }
 
-__all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "DispatcherFailed", "EdgeError", "EngineClosed", "EngineOwned",
-           "InvalidCheckpoint", "InvalidParameter", "KVCacheOverflow", "MissingChatTemplate", "MissingTensor",
+__all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "DispatcherFailed", "EdgeError", "EngineClosed",
+           "EngineOwned", "InvalidCheckpoint", "InvalidParameter", "KVCacheOverflow", "MissingChatTemplate", "MissingTensor",
            "PeerDied", "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage",
            "RingCorrupt", "RingshmError", "RingTimeout", "StageDied", "StageError", "StageStalled",
            "StageStartupError", "UnsupportedArchitecture", "UnsupportedQuantType"]
