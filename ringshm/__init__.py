@@ -58,7 +58,8 @@ _LAZY = {
 }
 
 __all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "DispatcherFailed", "EdgeError", "EngineClosed",
-           "EngineOwned", "InvalidCheckpoint", "InvalidParameter", "KVCacheOverflow", "MissingChatTemplate", "MissingTensor",
+           "EngineOwned", "InvalidCheckpoint", "InvalidParameter", "KVCacheOverflow", "MissingChatTemplate",
+           "MissingTensor",
            "PeerDied", "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage",
            "RingCorrupt", "RingshmError", "RingTimeout", "StageDied", "StageError", "StageStalled",
            "StageStartupError", "UnsupportedArchitecture", "UnsupportedQuantType"]
