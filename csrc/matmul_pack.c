@@ -131,10 +131,15 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
     const int64_t want_src = ringshm_qmat_src_bytes(type, n, k), want_dst = ringshm_qmat_packed_bytes(type, n, k);
     if (want_src < 0) return (int)want_src; /* unknown type or bad shape */
     if (src_bytes != want_src || dst_bytes != want_dst) return RINGSHM_MATMUL_ERR_SIZE;
-    memset(dst, 0, (size_t)dst_bytes); /* rows past n and k past the end stay zero */
     const int64_t nb = (k + t->block_k - 1) / t->block_k, n_panels = (n + 15) / 16, pb = t->panel_block_bytes;
     const int64_t row_bytes = want_src / n;
-    for (int64_t p = 0; p < n_panels; p++)
+    /* Panels in parallel (OpenMP's default thread count): each is written by one thread, the same bytes whatever
+     * the count. The thread that zeroes a panel first touches its pages, so the kernel's zeroing of fresh memory
+     * runs in parallel too: loading the OLMoE-shape Q4_K_M (4.2 GB) in one process spent 38 % of its samples in
+     * the kernel clearing pages and 31 % packing, one thread (AMD EPYC Zen 5, perf). */
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < n_panels; p++) {
+        memset(dst + p * nb * pb, 0, (size_t)(nb * pb)); /* rows past n and k past the end stay zero */
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *o = dst + (p * nb + b) * pb;
             for (int l = 0; l < 16 && p * 16 + l < n; l++) {
@@ -152,5 +157,6 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
                 }
             }
         }
+    }
     return RINGSHM_MATMUL_OK;
 }
