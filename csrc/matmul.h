@@ -126,6 +126,8 @@ int64_t ringshm_qmat_packed_bytes(int type, int64_t n, int64_t k);
 /* ringshm_qmat_pack: GGUF bytes [N rows of K] -> panels (layout above).
  *     src  src_bytes == ringshm_qmat_src_bytes(type, n, k)
  *     dst  dst_bytes == ringshm_qmat_packed_bytes(type, n, k); must not overlap src
+ * Panels are split over OpenMP's default thread count (OMP_NUM_THREADS, else the CPUs the process may run on);
+ * each is written by one thread, so the bytes do not depend on the count.
  * Returns RINGSHM_MATMUL_ERR_SIZE when a size differs (nothing written). */
 int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n, int64_t k, uint8_t *dst,
                       int64_t dst_bytes);
