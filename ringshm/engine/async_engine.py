@@ -255,10 +255,8 @@ class AsyncEngine:
         for req in reqs:
             with self._lock:
                 self._n_open -= 1
-            try:
-                req.loop.call_soon_threadsafe(put_all, [(req.queue, [copy_error(err)])])
-            except RuntimeError:  # its event loop is closed: nobody reads it
-                pass
+            self._outbox.setdefault(req.loop, []).append((req, [copy_error(err)]))
+        self._flush(None)  # none of them is in _active: a closed loop's requests need no cancel
 
     def _dispatch_loop(self) -> None:
         link, op_timeout_s = self.engine._link, self.engine.config.op_timeout_s
@@ -428,10 +426,11 @@ class AsyncEngine:
         if not self._batching:
             self._flush(run)
 
-    def _flush(self, run: Scheduler) -> None:
+    def _flush(self, run: Scheduler | None) -> None:
         """Send the queued posts, one ``call_soon_threadsafe`` per event loop: each call writes the loop's
         self-pipe (a syscall, and a wake-up of the loop's thread), which per request per step took 13 % of the
-        server process's busy samples at 1 client (py-spy, issue 31)."""
+        server process's busy samples at 1 client (py-spy, issue 31). A request still open whose loop is closed
+        is cancelled in ``run`` (None only after the dispatcher failed, when none is open)."""
         outbox, self._outbox = self._outbox, {}
         for loop, posts in outbox.items():
             try:

@@ -76,7 +76,7 @@ class Metrics:
             self.draft_tokens = Counter("ringshm_spec_draft_tokens", "Draft tokens sent for verification",
                                         registry=r)
             self.accepted_tokens = Counter("ringshm_spec_accepted_tokens", "Draft tokens accepted", registry=r)
-        r.register(_KVCollector(aengine))
+        r.register(_EngineCollector(aengine))
         aengine.on_step = self.on_step
 
     def on_step(self, n_running: int, n_segments: int) -> None:
@@ -98,10 +98,10 @@ class Metrics:
                 self.accepted_tokens.inc(chunk.result.accepted_tokens)
 
 
-class _KVCollector:
-    """The KV pool and prefix cache as Prometheus metrics, read from the engine's ``KVBlocks`` at each scrape
-    (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens; ``num_preemptions``), and each stage's
-    busy seconds (``Engine.stage_busy_s``)."""
+class _EngineCollector:
+    """The engine's state as Prometheus metrics at each scrape: the KV pool and prefix cache, read from its
+    ``KVBlocks`` (vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, in tokens; ``num_preemptions``), and
+    each stage's busy seconds (``Engine.stage_busy_s``)."""
 
     def __init__(self, aengine: AsyncEngine):
         self.aengine = aengine
