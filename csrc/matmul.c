@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -65,6 +66,19 @@ int64_t ringshm_qmat_packed_bytes(int type, int64_t n, int64_t k) {
     if (!t) return RINGSHM_MATMUL_ERR_TYPE;
     if (!shape_ok(t, n, k)) return RINGSHM_MATMUL_ERR_SHAPE;
     return (n + 15) / 16 * ((k + t->block_k - 1) / t->block_k) * t->panel_block_bytes;
+}
+
+int ringshm_mm_slab_blocks(void) {
+    static int blocks = 0; /* a pure function of the CPU: computed once, the same answer from any thread */
+    if (blocks == 0) {
+        long l1d = -1;
+#ifdef _SC_LEVEL1_DCACHE_SIZE
+        l1d = sysconf(_SC_LEVEL1_DCACHE_SIZE);
+#endif
+        const long b = l1d > 0 ? l1d * 2 / 3 / 8192 : 2;
+        blocks = b < 1 ? 1 : b > 4 ? 4 : (int)b;
+    }
+    return blocks;
 }
 
 typedef void (*mm_panels_fn)(const struct ringshm_mm_args *, int64_t, int64_t);
@@ -149,7 +163,8 @@ int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, i
     const struct ringshm_mm_args a = {
         .type = type, .packed = packed, .n = n, .k = k, .m = m, .nb = (k + 31) / 32, .block_k = bk,
         .block_bytes = ti->panel_block_bytes, .panel_bytes = (k + bk - 1) / bk * ti->panel_block_bytes, .x = x,
-        .out = out, .ldo = ldo, .bias = bias, .residual = residual, .ldr = ldr};
+        .out = out, .ldo = ldo, .bias = bias, .residual = residual, .ldr = ldr,
+        .slab_blocks = ringshm_mm_slab_blocks()};
     const mm_panels_fn fn = panels_for(isa);
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > n_panels) nt = (int)n_panels;
