@@ -75,8 +75,9 @@
  * Algebraically this is x . (d q + m) summed over k, i.e. the fp32-dequantized product up to rounding order.
  *
  * Memory: the caller owns every buffer; nothing here allocates, prints or keeps state. Scratch is on the stack
- * of each thread, about 70 KiB: one dequantized block of up to 8 panels (16 KiB, 4 KiB more for the Q5 / Q6
- * bit fields) and, for the types with a min, the block sums of x for a chunk of rows (48 KiB).
+ * of each thread, about 270 KiB (a thread stack of 512 KiB or more; glibc's default is 2-8 MiB): a slab of up
+ * to 4 dequantized blocks of up to 8 panels (72 KiB with their scales, 4 KiB more for the Q5 / Q6 bit fields)
+ * and, for the types with a min, the block sums of x for a chunk of rows (192 KiB).
  */
 #ifndef RINGSHM_MATMUL_H
 #define RINGSHM_MATMUL_H
