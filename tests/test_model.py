@@ -223,3 +223,22 @@ def test_a_bf16_stage_agrees_with_fp32_on_the_next_token(checkpoint, prompts, fu
     assert out.logits.dtype == torch.float32
     assert torch.equal(out.token_ids, ref.token_ids)
     assert (out.logits - ref.logits).abs().max().item() < 1.0  # bf16 weights: a loose bound
+
+
+@torch.inference_mode()
+def test_reserved_scratch_is_held_from_the_start_and_changes_no_bit(checkpoint, full_weights, small):
+    """``reserve`` sizes the layers' scratch for the largest op up front (the stage calls it with its op budget),
+    so an op up to that size runs in it without growing it, and the bits are those of a stage that grew it."""
+    from ringshm.model.stage_model import layer_scratch_bytes
+
+    cfg = checkpoint.config
+    fresh = StageModel(cfg, (0, 2), True, True, max_rows=3, max_seq_len=16,
+                       weights=full_weights.select((0, 2), True, True))
+    fresh.reserve(12)
+    held = fresh._work.data_ptr()
+    assert fresh._work.numel() * 4 == layer_scratch_bytes(cfg, 12) > layer_scratch_bytes(cfg, 11)
+    ids = torch.arange(100, 112)
+    out = fresh.forward(ids, 0, 0, all_positions=True, return_logits=True)
+    assert fresh._work.data_ptr() == held  # no growth for an op within the reserve
+    ref = small.forward(ids, 0, 0, all_positions=True, return_logits=True)
+    assert torch.equal(out.token_ids, ref.token_ids) and torch.equal(out.logits, ref.logits)

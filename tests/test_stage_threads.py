@@ -19,7 +19,7 @@ from ringshm.runtime.stage import N_SLOTS, SLOT_ACTIVE, StageSpec, ThreadPicker
 def spec(index=0, n_stages=2, cores=2, device="cpu") -> StageSpec:
     return StageSpec(index=index, n_stages=n_stages, model_path="", layer_start=0, layer_stop=1, max_rows=1,
                      max_seq_len=8, dtype="float32", device=device, in_ring="", out_ring="", cores=cores,
-                     ring_timeout_s=1.0)
+                     ring_timeout_s=1.0, max_op_tokens=8)
 
 
 class Clocks:

@@ -184,6 +184,28 @@ class _Layer:
         return c
 
 
+def layer_shape(config: ModelConfig, max_seq_len: int):
+    """The C layer's shape (``struct ringshm_layer_shape``, csrc/layer.h) of ``config``'s layers, RoPE tables of
+    ``max_seq_len`` positions (a cffi struct pointer)."""
+    return ffi.new("struct ringshm_layer_shape *", dict(
+        hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
+        inter=config.intermediate, n_pos=max_seq_len, rms_eps=config.rms_eps,
+        attn_scale=config.attention_scale,
+        act=lib.RINGSHM_ACT_GELU_TANH if config.activation == "gelu_tanh" else lib.RINGSHM_ACT_SILU,
+        qk_norm_full=int(config.qk_norm_full), n_experts=config.n_experts,
+        n_experts_used=config.n_experts_used, expert_inter=config.expert_intermediate,
+        gating={"softmax": lib.RINGSHM_GATE_SOFTMAX, "softmax_norm": lib.RINGSHM_GATE_SOFTMAX_NORM,
+                "topk_softmax": lib.RINGSHM_GATE_TOPK_SOFTMAX}[config.expert_gating],
+        residual_scale=config.residual_scale))
+
+
+def layer_scratch_bytes(config: ModelConfig, tokens: int) -> int:
+    """Bytes of the C layers' scratch for a step op of ``tokens`` tokens (``ringshm_layer_work_floats``: the
+    activations of one layer, and for a mixture of experts each (token, expert) pair's rows), fp32. One buffer
+    per stage, shared by its layers; ``StageModel.reserve`` holds it from the start."""
+    return 4 * int(lib.ringshm_layer_work_floats(layer_shape(config, 1), max(1, tokens)))
+
+
 class StageModel:
     """Layers ``layer_range`` of a model, with the embedding when first and norm + LM head when last.
 
@@ -258,16 +280,7 @@ class StageModel:
         if self.native:
             self._c_layers = [layer.bind(kv, cos, sin, window) for layer, kv, (cos, sin), window in
                               zip(self.layers, self.kv, self.rope, self.windows)]
-            self._c_shape = ffi.new("struct ringshm_layer_shape *", dict(
-                hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=n_kv, head_dim=d,
-                inter=config.intermediate, n_pos=max_seq_len, rms_eps=config.rms_eps,
-                attn_scale=config.attention_scale,
-                act=lib.RINGSHM_ACT_GELU_TANH if config.activation == "gelu_tanh" else lib.RINGSHM_ACT_SILU,
-                qk_norm_full=int(config.qk_norm_full), n_experts=config.n_experts,
-                n_experts_used=config.n_experts_used, expert_inter=config.expert_intermediate,
-                gating={"softmax": lib.RINGSHM_GATE_SOFTMAX, "softmax_norm": lib.RINGSHM_GATE_SOFTMAX_NORM,
-                        "topk_softmax": lib.RINGSHM_GATE_TOPK_SOFTMAX}[config.expert_gating],
-                residual_scale=config.residual_scale))
+            self._c_shape = layer_shape(config, max_seq_len)
             self._work = torch.empty(0, dtype=torch.float32)  # the layers' scratch, grown to the largest op
 
     @classmethod
@@ -301,6 +314,15 @@ class StageModel:
 
     # ---- rows without tables (in-process use)
     # ------------------------------------------------------------------------------
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate and touch the C layers' scratch for step ops of up to ``tokens`` tokens now, so that the first
+        long op does not pay for it: the kernel's first touch of ~160 MB of fresh pages (OLMoE, 512 tokens) took
+        ~0.1-0.3 s of that op's TTFT. A later larger op still grows it. No-op off the native path."""
+        if self.native:
+            need = lib.ringshm_layer_work_floats(self._c_shape, max(1, tokens))
+            if self._work.numel() < need:
+                self._work = torch.zeros(need, dtype=torch.float32)
 
     def row_table(self, row: int) -> torch.Tensor:
         """The fixed table of ``row`` for callers that send none (in-process use): blocks

@@ -107,13 +107,15 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
     Weights are counted per stage from the checkpoint's own tensor table (``Checkpoint.stage_bytes``): on CPU
     fp32 stages a tensor the matmul reads in its encoding counts its stored bytes, and one that is dequantized
     at load counts 4 bytes per weight, plus the largest such tensor once more (its fp32 copy exists twice while
-    it is packed). With ``device="cuda"`` the KV cache and weights live on the GPU and only the per-process
+    it is packed); and each such stage holds the C layers' scratch for an op of ``cfg.max_op_tokens`` tokens
+    (``layer_scratch_bytes``, reserved at start). With ``device="cuda"`` the KV cache and weights live on the GPU and only the per-process
     base is checked here. ``local``: the stages this host runs (a node of a multi-host engine); None = all.
 
     Raises:
         ResourceShortage: with the per-stage numbers and what to change.
     """
     from ringshm.model.loader import Checkpoint
+    from ringshm.model.stage_model import layer_scratch_bytes
 
     gib = 2 ** 30
     n_blocks = cfg.kv_blocks(mc, max_seq_len)
@@ -130,6 +132,8 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
         if grown:
             held += max(ckpt.source.held_bytes(n, native, width)[0] for n in grown)  # the packing's second copy
         expanded += grown
+        if native:
+            held += layer_scratch_bytes(mc, cfg.max_op_tokens)
         parts.append((held, stage_kv_bytes(cfg, mc, layer_ranges[i], n_blocks)))
     weights, kv = sum(w for w, _ in parts), sum(k for _, k in parts)
     base = STAGE_BASE_BYTES * len(parts)
@@ -141,7 +145,7 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
                  f"at load (e.g. {expanded[0]})" if expanded and native else "")
         halve = "; --kv-cache-dtype float16 halves it" if cfg.kv_cache_dtype == "float32" else ""
         raise ResourceShortage(
-            f"the engine needs ~{need / gib:.1f} GiB of memory (weights {weights / gib:.2f} GiB + KV cache "
+            f"the engine needs ~{need / gib:.1f} GiB of memory (weights and layer scratch {weights / gib:.2f} GiB + KV cache "
             f"{kv / gib:.2f} GiB: {n_blocks} blocks of {cfg.block_size} positions of {cfg.kv_cache_dtype} for "
             f"{sized_by} + "
             f"{base / gib:.2f} GiB for {len(parts)} stage processes; per stage: {per_stage} GiB{grown}) but "

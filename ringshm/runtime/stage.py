@@ -42,8 +42,8 @@ class StageSpec:
     out_ring: str
     cores: int  # CPU cores the stages share; intra-op threads are picked per op from them (ThreadPicker)
     ring_timeout_s: float
+    max_op_tokens: int  # the op budget (EngineConfig.max_op_tokens): larger step ops are refused; sizes the scratch
     link_latency_ms: float = 0.0
-    max_op_tokens: int = 1 << 20  # the op budget (EngineConfig.max_op_tokens): larger step ops are refused
     block_size: int = 32  # KV positions per block (EngineConfig.block_size)
     n_blocks: int | None = None  # KV blocks in each layer's pool (the engine's KV budget); None: max_rows full rows
     kv_dtype: str = "float32"  # what the KV blocks store (EngineConfig.kv_cache_dtype)
@@ -99,6 +99,7 @@ def stage_main(spec: StageSpec, status, errors=None, ended=None) -> None:
     try:
         try:
             model = _load(spec)
+            model.reserve(spec.max_op_tokens)  # the layers' scratch, held from the start (check_memory counts it)
         except Exception as exc:  # report the stage's own error (shared buffer, then the ring), then exit
             if errors is not None:
                 write_error(errors, spec.index, exc)
