@@ -75,9 +75,10 @@
  * Algebraically this is x . (d q + m) summed over k, i.e. the fp32-dequantized product up to rounding order.
  *
  * Memory: the caller owns every buffer; nothing here allocates, prints or keeps state. Scratch is on the stack
- * of each thread, about 270 KiB (a thread stack of 512 KiB or more; glibc's default is 2-8 MiB): a slab of up
- * to 4 dequantized blocks of up to 8 panels (72 KiB with their scales, 4 KiB more for the Q5 / Q6 bit fields)
- * and, for the types with a min, the block sums of x for a chunk of rows (192 KiB).
+ * of each thread, sized to the call: one dequantized block of up to 8 panels when M <= 3 (17 KiB with its
+ * scales), else a slab of up to 4 blocks of 4 panels (35 KiB), 4 KiB for the Q5 / Q6 bit fields and, for the
+ * types with a min, the block sums of x for a chunk of rows (up to 48 KiB): at most ~90 KiB, under the 128 KiB
+ * of a musl thread stack (glibc's default is 2-8 MiB).
  */
 #ifndef RINGSHM_MATMUL_H
 #define RINGSHM_MATMUL_H

@@ -203,7 +203,8 @@ def layer_scratch_bytes(config: ModelConfig, tokens: int) -> int:
     """Bytes of the C layers' scratch for a step op of ``tokens`` tokens (``ringshm_layer_work_floats``: the
     activations of one layer, and for a mixture of experts each (token, expert) pair's rows), fp32. One buffer
     per stage, shared by its layers; ``StageModel.reserve`` holds it from the start."""
-    return 4 * int(lib.ringshm_layer_work_floats(layer_shape(config, 1), max(1, tokens)))
+    floats = int(lib.ringshm_layer_work_floats(layer_shape(config, 1), max(1, tokens)))
+    return 4 * floats if floats > 0 else 0  # < 0: a shape the C layers refuse (the stage runs torch: no scratch)
 
 
 class StageModel:
