@@ -108,8 +108,9 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
     fp32 stages a tensor the matmul reads in its encoding counts its stored bytes, and one that is dequantized
     at load counts 4 bytes per weight, plus the largest such tensor once more (its fp32 copy exists twice while
     it is packed); and each such stage holds the C layers' scratch for an op of ``cfg.max_op_tokens`` tokens
-    (``layer_scratch_bytes``, reserved at start). With ``device="cuda"`` the KV cache and weights live on the GPU and only the per-process
-    base is checked here. ``local``: the stages this host runs (a node of a multi-host engine); None = all.
+    (``layer_scratch_bytes``, reserved at start). With ``device="cuda"`` the KV cache and weights live on the GPU
+    and only the per-process base is checked here. ``local``: the stages this host runs (a node of a multi-host
+    engine); None = all.
 
     Raises:
         ResourceShortage: with the per-stage numbers and what to change.
@@ -145,7 +146,8 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
                  f"at load (e.g. {expanded[0]})" if expanded and native else "")
         halve = "; --kv-cache-dtype float16 halves it" if cfg.kv_cache_dtype == "float32" else ""
         raise ResourceShortage(
-            f"the engine needs ~{need / gib:.1f} GiB of memory (weights and layer scratch {weights / gib:.2f} GiB + KV cache "
+            f"the engine needs ~{need / gib:.1f} GiB of memory (weights and layer scratch {weights / gib:.2f} GiB "
+            f"+ KV cache "
             f"{kv / gib:.2f} GiB: {n_blocks} blocks of {cfg.block_size} positions of {cfg.kv_cache_dtype} for "
             f"{sized_by} + "
             f"{base / gib:.2f} GiB for {len(parts)} stage processes; per stage: {per_stage} GiB{grown}) but "
