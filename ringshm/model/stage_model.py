@@ -313,9 +313,6 @@ class StageModel:
             ckpt.source.index.drop_pages()
         return stage
 
-    # ---- rows without tables (in-process use)
-    # ------------------------------------------------------------------------------
-
     def reserve(self, tokens: int) -> None:
         """Allocate and touch the C layers' scratch for step ops of up to ``tokens`` tokens now, so that the first
         long op does not pay for it: the kernel's first touch of ~160 MB of fresh pages (OLMoE, 512 tokens) took
@@ -324,6 +321,9 @@ class StageModel:
             need = lib.ringshm_layer_work_floats(self._c_shape, max(1, tokens))
             if self._work.numel() < need:
                 self._work = torch.zeros(need, dtype=torch.float32)
+
+    # ---- rows without tables (in-process use)
+    # ------------------------------------------------------------------------------
 
     def row_table(self, row: int) -> torch.Tensor:
         """The fixed table of ``row`` for callers that send none (in-process use): blocks
