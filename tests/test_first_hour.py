@@ -125,11 +125,11 @@ def test_a_kv_cache_larger_than_memory_is_refused_before_any_stage_starts(model_
 
 
 def test_the_memory_check_counts_each_stage_s_layer_scratch_for_the_op_budget(model_path, monkeypatch):
-    from ringshm.model import stage_model
+    from ringshm.model import layer as stage_layer
 
     mc = read_config(str(model_path))
     cfg = EngineConfig(stages=2, prefill_chunk=2048, max_rows=1)
-    assert stage_model.layer_scratch_bytes(mc, cfg.max_op_tokens) > 2**26  # SmolLM2, ~2k tokens: tens of MB
+    assert stage_layer.layer_scratch_bytes(mc, cfg.max_op_tokens) > 2**26  # SmolLM2, ~2k tokens: tens of MB
     asked = []
 
     def scratch(config, tokens):  # 40 GiB a stage: more than this machine has, so only it can fail the check
@@ -137,7 +137,7 @@ def test_the_memory_check_counts_each_stage_s_layer_scratch_for_the_op_budget(mo
         return 40 * 2**30
 
     check_memory(cfg, mc, cfg.layer_ranges(mc.n_layers), 2048, model_path)
-    monkeypatch.setattr(stage_model, "layer_scratch_bytes", scratch)
+    monkeypatch.setattr(stage_layer, "layer_scratch_bytes", scratch)
     with pytest.raises(ResourceShortage) as info:
         check_memory(cfg, mc, cfg.layer_ranges(mc.n_layers), 2048, model_path)
     assert asked == [cfg.max_op_tokens] * 2 and "weights and layer scratch 80." in str(info.value), info.value

@@ -229,7 +229,7 @@ def test_a_bf16_stage_agrees_with_fp32_on_the_next_token(checkpoint, prompts, fu
 def test_reserved_scratch_is_held_from_the_start_and_changes_no_bit(checkpoint, full_weights, small):
     """``reserve`` sizes the layers' scratch for the largest op up front (the stage calls it with its op budget),
     so an op up to that size runs in it without growing it, and the bits are those of a stage that grew it."""
-    from ringshm.model.stage_model import layer_scratch_bytes
+    from ringshm.model.layer import layer_scratch_bytes
 
     cfg = checkpoint.config
     fresh = StageModel(cfg, (0, 2), True, True, max_rows=3, max_seq_len=16,

@@ -60,8 +60,9 @@ from ringshm.model.attention import (
     table_len,
 )
 from ringshm.model.head import StageOutput, head_outputs, plan_head
-from ringshm.model.loader import Checkpoint, LayerWeights, StageWeights, check_layer_range
-from ringshm.model.qmatmul import BEST_ISA, PackedExperts, PackedWeight, RawWeight, concat_rows, embed_rows
+from ringshm.model.layer import Layer, layer_shape
+from ringshm.model.loader import Checkpoint, StageWeights, check_layer_range
+from ringshm.model.qmatmul import BEST_ISA, PackedWeight, embed_rows
 from ringshm.model.rope import rope_inv_freq
 from ringshm.transport.messages import (
     MAX_TOP_LOGPROBS,
@@ -93,118 +94,6 @@ class StepPlan:
     lens: torch.Tensor
     tables: torch.Tensor
     table_offs: torch.Tensor
-
-
-class _Layer:
-    """One decoder layer's weights, fused for fewer matmuls: ``wqkv [q_dim + 2*kv_dim, hidden]`` (+ ``bqkv``),
-    ``w_gate_up [2*intermediate, hidden]`` (+ its bias); rows concatenated in the checkpoint's encoding. Native
-    Q, K, V of different encodings stay apart: ``wqkv`` is then Q alone and ``wk``, ``wv`` K and V (csrc/layer.h);
-    fused, ``concat_rows`` would widen them to F32 (8x a Q4_K tensor's memory). The optional parts of the
-    description (q/k norms, post norms, biases) are None where the model has none.
-
-    ``native``: ``PackedWeight`` for the C matmul; else dequantized tensors of ``dtype`` on ``device``.
-    """
-
-    def __init__(self, w: LayerWeights, native: bool, dtype: torch.dtype, device: torch.device) -> None:
-        bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
-        b_gate_up = None if w.b_gate is None else torch.cat([w.b_gate, w.b_up], dim=0)
-        self.moe = w.w_router is not None  # routed experts in place of the dense FFN
-        w_gate_up = None if self.moe else concat_rows([w.w_gate, w.w_up])
-        self.wk = self.wv = None  # K and V apart from Q (native, encodings differ)
-        self.w_router = self.exp_gate = self.exp_up = self.exp_down = None
-        if native:
-            def f32(t):
-                return None if t is None else t.to("cpu", torch.float32).contiguous()
-
-            self.attn_norm, self.ffn_norm = f32(w.attn_norm), f32(w.ffn_norm)
-            self.q_norm, self.k_norm = f32(w.q_norm), f32(w.k_norm)
-            self.post_attn_norm, self.post_ffn_norm = f32(w.post_attn_norm), f32(w.post_ffn_norm)
-            if len({w.wq.qtype, w.wk.qtype, w.wv.qtype}) > 1:
-                self.wqkv, self.wk, self.wv = PackedWeight(w.wq), PackedWeight(w.wk), PackedWeight(w.wv)
-                self.bqkv = f32(bqkv)
-            else:
-                self.wqkv = PackedWeight(concat_rows([w.wq, w.wk, w.wv]), bqkv)
-                self.bqkv = self.wqkv.bias
-            self.wo = PackedWeight(w.wo, w.bo)
-            if self.moe:
-                self.w_gate_up = self.w_down = None
-                self.w_router = PackedWeight(w.w_router)
-                self.exp_gate, self.exp_up, self.exp_down = (PackedExperts(e) for e in (w.w_exp_gate, w.w_exp_up,
-                                                                                        w.w_exp_down))
-            else:
-                self.w_down = PackedWeight(w.w_down, w.b_down)
-                self.w_gate_up = PackedWeight(w_gate_up, b_gate_up)
-            return
-
-        def dense(t):
-            return None if t is None else (t.dequantize() if isinstance(t, RawWeight) else t).to(device, dtype)
-
-        self.attn_norm, self.ffn_norm = dense(w.attn_norm), dense(w.ffn_norm)
-        self.q_norm, self.k_norm = dense(w.q_norm), dense(w.k_norm)
-        self.post_attn_norm, self.post_ffn_norm = dense(w.post_attn_norm), dense(w.post_ffn_norm)
-        self.wqkv, self.bqkv = dense(concat_rows([w.wq, w.wk, w.wv])), dense(bqkv)
-        self.wo, self.bo = dense(w.wo), dense(w.bo)
-        self.w_gate_up, self.b_gate_up = dense(w_gate_up), dense(b_gate_up)
-        self.w_down, self.b_down = dense(w.w_down), dense(w.b_down)
-        if self.moe:  # [E, hidden]; [E, I_e, hidden] gate and up; [E, hidden, I_e] down
-            self.w_router = dense(w.w_router)
-            self.exp_gate, self.exp_up, self.exp_down = (torch.stack([dense(x) for x in e]) for e in (
-                w.w_exp_gate, w.w_exp_up, w.w_exp_down))
-
-    def bind(self, kv: KVPool, cos: torch.Tensor, sin: torch.Tensor, window: int):
-        """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights, this
-        layer's KV pool, RoPE tables and window; the tensors stay owned here and by the model."""
-        c = ffi.new("struct ringshm_layer_weights *")
-        split = self.wk is not None
-        parts = (("qkv", self.wqkv), ("o", self.wo))
-        parts += (("router", self.w_router),) if self.moe else (("gate_up", self.w_gate_up), ("down", self.w_down))
-        for field, pw in parts + ((("wk", self.wk), ("wv", self.wv)) if split else ()):
-            setattr(c, f"type_{field}", pw.qtype)
-            setattr(c, field, ffi.cast("uint8_t *", pw.packed.data_ptr()))
-            setattr(c, f"{field}_bytes", pw.nbytes)
-        if self.moe:  # E packed experts per role, one expert's bytes apart
-            for field, pe in (("exp_gate", self.exp_gate), ("exp_up", self.exp_up), ("exp_down", self.exp_down)):
-                setattr(c, f"type_{field}", pe.qtype)
-                setattr(c, field, ffi.cast("uint8_t *", pe.packed.data_ptr()))
-                setattr(c, f"{field}_bytes", pe.stride)
-
-        c.qkv_split = int(split)
-        dense_ffn = not self.moe
-        for field, t in (("bqkv", self.bqkv), ("bo", self.wo.bias),
-                         ("bgate_up", self.w_gate_up.bias if dense_ffn else None),
-                         ("bdown", self.w_down.bias if dense_ffn else None), ("attn_norm", self.attn_norm),
-                         ("ffn_norm", self.ffn_norm), ("q_norm", self.q_norm), ("k_norm", self.k_norm),
-                         ("post_attn_norm", self.post_attn_norm), ("post_ffn_norm", self.post_ffn_norm),
-                         ("cos", cos), ("sin", sin)):
-            # the pointer and the elements behind it: the C layer reads no vector past its length (layer.h)
-            setattr(c, field, ffi.NULL if t is None else ffi.cast("float *", t.data_ptr()))
-            setattr(c, f"{field}_len", 0 if t is None else t.numel())
-        c.window = window
-        c.kv = kv.c[0]
-        return c
-
-
-def layer_shape(config: ModelConfig, max_seq_len: int):
-    """The C layer's shape (``struct ringshm_layer_shape``, csrc/layer.h) of ``config``'s layers, RoPE tables of
-    ``max_seq_len`` positions (a cffi struct pointer)."""
-    return ffi.new("struct ringshm_layer_shape *", dict(
-        hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
-        inter=config.intermediate, n_pos=max_seq_len, rms_eps=config.rms_eps,
-        attn_scale=config.attention_scale,
-        act=lib.RINGSHM_ACT_GELU_TANH if config.activation == "gelu_tanh" else lib.RINGSHM_ACT_SILU,
-        qk_norm_full=int(config.qk_norm_full), n_experts=config.n_experts,
-        n_experts_used=config.n_experts_used, expert_inter=config.expert_intermediate,
-        gating={"softmax": lib.RINGSHM_GATE_SOFTMAX, "softmax_norm": lib.RINGSHM_GATE_SOFTMAX_NORM,
-                "topk_softmax": lib.RINGSHM_GATE_TOPK_SOFTMAX}[config.expert_gating],
-        residual_scale=config.residual_scale))
-
-
-def layer_scratch_bytes(config: ModelConfig, tokens: int) -> int:
-    """Bytes of the C layers' scratch for a step op of ``tokens`` tokens (``ringshm_layer_work_floats``: the
-    activations of one layer, and for a mixture of experts each (token, expert) pair's rows), fp32. One buffer
-    per stage, shared by its layers; ``StageModel.reserve`` holds it from the start."""
-    floats = int(lib.ringshm_layer_work_floats(layer_shape(config, 1), max(1, tokens)))
-    return 4 * floats if floats > 0 else 0  # < 0: a shape the C layers refuse (the stage runs torch: no scratch)
 
 
 class StageModel:
@@ -264,7 +153,7 @@ class StageModel:
             self.norm = weights.norm.to(self.device, torch.float32 if self.native else dtype)
             self.lm_head = (PackedWeight(weights.lm_head) if self.native
                             else weights.lm_head.dequantize().to(self.device, dtype))
-        self.layers = [_Layer(w, self.native, dtype, self.device) for w in weights.layers]
+        self.layers = [Layer(w, self.native, dtype, self.device) for w in weights.layers]
         n_kv, d = config.n_kv_heads, config.head_dim
         self.kv = [KVPool(self.n_blocks, n_kv, block_size, d, self.device, kv_dtype) for _ in self.layers]
         self.fill = torch.zeros(self.n_blocks, dtype=torch.int32)  # positions each block holds
@@ -530,7 +419,7 @@ class StageModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
         return weight * xf.to(self.dtype)
 
-    def _layer(self, layer: _Layer, li: int, x: torch.Tensor, attend) -> torch.Tensor:
+    def _layer(self, layer: Layer, li: int, x: torch.Tensor, attend) -> torch.Tensor:
         """One decoder layer on ``x [T, hidden]`` (torch path), as ``ModelConfig`` describes it; ``attend(q, k, v)``
         maps ``[T, H*, D]`` to ``[T, Hq, D]``. The native path does the same in C (``_native_layers``,
         csrc/layer.h)."""
@@ -556,7 +445,7 @@ class StageModel:
         m = F.linear(kernels.act_mul_reference(gate_up, cfg.activation), layer.w_down, layer.b_down)
         return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m * rs)
 
-    def _experts(self, layer: _Layer, h: torch.Tensor) -> torch.Tensor:
+    def _experts(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         """The routed experts' FFN on ``h [T, hidden]`` (torch path; ``ModelConfig``'s formula, transformers' eager
         order: experts ascending, each term added into zeros). Returns ``[T, hidden]``."""
         cfg = self.config

@@ -116,7 +116,7 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
         ResourceShortage: with the per-stage numbers and what to change.
     """
     from ringshm.model.loader import Checkpoint
-    from ringshm.model.stage_model import layer_scratch_bytes
+    from ringshm.model.layer import layer_scratch_bytes
 
     gib = 2 ** 30
     n_blocks = cfg.kv_blocks(mc, max_seq_len)
