@@ -59,10 +59,9 @@ _LAZY = {
 
 __all__ = ["Ring", "__version__", *_LAZY, "ClusterRefused", "DispatcherFailed", "EdgeError", "EngineClosed",
            "EngineOwned", "InvalidCheckpoint", "InvalidParameter", "KVCacheOverflow", "MissingChatTemplate",
-           "MissingTensor",
-           "PeerDied", "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed", "ResourceShortage",
-           "RingCorrupt", "RingshmError", "RingTimeout", "StageDied", "StageError", "StageStalled",
-           "StageStartupError", "UnsupportedArchitecture", "UnsupportedQuantType"]
+           "MissingTensor", "PeerDied", "QueueFull", "QueueTimeout", "RecordTooLarge", "RequestFailed",
+           "ResourceShortage", "RingCorrupt", "RingshmError", "RingTimeout", "StageDied", "StageError",
+           "StageStalled", "StageStartupError", "UnsupportedArchitecture", "UnsupportedQuantType"]
 
 
 def __getattr__(name: str):
