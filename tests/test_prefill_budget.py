@@ -8,7 +8,8 @@ import pytest
 
 from fake_stage import RecordingModel, fake_kv, make_stream, start_fake_ring
 from ringshm.engine.prefill_budget import MIN_TOKENS, PrefillBudget
-from ringshm.engine.scheduler import Scheduler, StepTag
+from ringshm.engine.scheduler import Scheduler
+from ringshm.engine.step_reply import StepTag
 from test_scheduler import scripts
 
 CHUNK = 4  # prefill_chunk: a prompt with more than 4 tokens to compute is long

@@ -39,6 +39,9 @@ cache, since a stage may have skipped writing it. The mark is cleared when the r
 Every stage applies ops in arrival order, every row has its own KV, and the kernels compute each token's
 row the same way whatever else shares the op (batch invariance, ``ringshm.model.stage_model``), so every stream gets
 exactly the bytes it gets alone, whatever its batch-mates, the depths, the chunking or the token budget.
+
+What a reply means to each of its streams (its next token, verified drafts, logprobs, the KV it made final) is
+``ringshm.engine.step_reply``; here are the ops, their windows and the rows.
 """
 
 from __future__ import annotations
@@ -46,20 +49,17 @@ from __future__ import annotations
 import functools
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from ringshm.engine.coordinator import Link, Stream, TokenEvent
 from ringshm.engine.kv_blocks import KVBlocks
-from ringshm.engine.logprobs import cut, sampled_logprob, split_reply
+from ringshm.engine.logprobs import split_reply
 from ringshm.engine.prefill_budget import PrefillBudget
-from ringshm.engine.spec_decode import VerifyTag
+from ringshm.engine.step_reply import DECODE, PREFILL, VERIFY, StepTag, commit_segment
 from ringshm.errors import ReplyMismatch, RingTimeout
 from ringshm.transport import messages as m
-
-PREFILL, DECODE, VERIFY = 0, 1, 2  # what a segment is to the coordinator (the stage only sees the table)
-
 
 def _one_torch_thread(fn):
     """Run the coordinator's own torch work (sampling, building and encoding ops, stacking bitmasks) on one
@@ -81,35 +81,6 @@ def _one_torch_thread(fn):
             torch.set_num_threads(threads)
 
     return run
-
-
-@dataclass(eq=False)
-class StepTag:
-    """The coordinator's side of one step op: per segment its stream, kind (``PREFILL`` / ``DECODE`` /
-    ``VERIFY``) and, for a verify segment, its ``VerifyTag``; built while the op is assembled, then sent as
-    the tag of the op in flight."""
-
-    streams: list[Stream] = field(default_factory=list)
-    kinds: list[int] = field(default_factory=list)
-    verifies: list[VerifyTag | None] = field(default_factory=list)
-    n_long_tokens: int = 0  # tokens of long prompts' chunks sent while streams decoded (``PrefillBudget``)
-    loaded: bool = False  # long-prompt tokens were in flight or aboard at its send (``PrefillBudget``)
-    t_sent: float = 0.0  # perf_counter() at its send (``PrefillBudget``)
-
-    @property
-    def decode(self) -> bool:
-        """The op counts against the decode window (it carries a decode or verify segment)."""
-        return any(k != PREFILL for k in self.kinds)
-
-    @property
-    def prefill(self) -> bool:
-        """The op counts against the prefill window (it carries a prefill chunk)."""
-        return PREFILL in self.kinds
-
-    def add(self, s: Stream, kind: int, verify: VerifyTag | None = None) -> None:
-        self.streams.append(s)
-        self.kinds.append(kind)
-        self.verifies.append(verify)
 
 
 @dataclass
@@ -424,7 +395,7 @@ class Scheduler:
             if s.error is None:
                 n_events = len(events)
                 try:
-                    self._commit_segment(s, seg, kind, v, part, events)
+                    commit_segment(s, seg, kind, v, part, events, self.kv if self.prefix_cache else None)
                 except Exception as exc:  # noqa: BLE001 - whatever this stream's own work raised ends it alone
                     del events[n_events:]
                     s.fail(exc)
@@ -463,36 +434,6 @@ class Scheduler:
             raise
         self.link.send_masks(masks)
 
-    def _commit_segment(self, s: Stream, seg: m.Segment, kind: int, v: VerifyTag | None, part,
-                        events: list[TokenEvent]) -> None:
-        """One answered segment of ``s``: its prompt logprobs, its next token(s) and their text, its KV."""
-        lps = part.logprobs
-        if seg.n_targets():  # a prompt chunk's scores of the prompt's next ids
-            s.prompt_token_logprobs += [cut(lp, s.prompt[seg.start + i + 1], s.prompt_logprobs)
-                                        for i, lp in enumerate(lps[:seg.n_targets()])]
-            lps = lps[seg.n_targets():]
-        if kind == VERIFY:
-            events.extend(s.spec.on_reply(part.ids, v))
-        elif part.ids and not s.done:  # a decode, or a prompt's last chunk: the next token
-            allowed = s.grammar.allowed() if s.grammar is not None and s.sampler.needs_logits else None
-            token = s.sampler(part.ids[-1], part.logits, s.prompt, s.tokens, allowed)
-            lp = None
-            if s.logprobs is not None:  # the stage's (argmax taken as is), or from the logits sampled from
-                lp = cut(lps[-1], token, s.logprobs) if lps else sampled_logprob(part.logits, token, s.logprobs)
-                s.token_logprobs.append(lp)
-            events.append(TokenEvent(s.index, token, s.commit(token), lp))
-        self._commit_kv(s, seg)
-
-    def _commit_kv(self, s: Stream, seg: m.Segment) -> None:
-        """The positions an answered segment wrote from final tokens are final: the prompt's, a decode's input, a
-        verify's input and accepted drafts (at most one short of the stream's tokens: the newest is fed next).
-        Full blocks of final positions enter the prefix cache."""
-        if s not in self.kv or s.skip_marked:  # a stage may have skipped its KV since it was marked ended
-            return
-        final = min(seg.start + seg.n_tokens, len(s.prompt) + len(s.tokens) - 1 if s.tokens else len(s.prompt))
-        if final > self.kv.kv_valid(s) and self.prefix_cache:
-            self.kv.commit(s, _Tokens(s.prompt, s.tokens), final)
-
     def _maybe_free(self, s: Stream) -> None:
         """Free the row and KV blocks of a finished stream once no op of it is in flight; while some is, mark its
         row ended so that the stages skip it (module docstring)."""
@@ -516,25 +457,6 @@ class Scheduler:
             if s in self.kv:
                 self.kv.release(s)
         self.active.clear()
-
-
-class _Tokens:
-    """A stream's prompt followed by its generated tokens, sliced without building the concatenation (the
-    prefix cache reads one block of it per commit)."""
-
-    def __init__(self, prompt: list[int], tokens: list[int]):
-        self.prompt, self.tokens = prompt, tokens
-
-    def __len__(self) -> int:
-        return len(self.prompt) + len(self.tokens)
-
-    def __getitem__(self, sl: slice) -> list[int]:
-        n = len(self.prompt)
-        if sl.stop <= n:
-            return self.prompt[sl]
-        if sl.start >= n:
-            return self.tokens[sl.start - n:sl.stop - n]
-        return self.prompt[sl.start:] + self.tokens[:sl.stop - n]
 
 
 def _want(s: Stream) -> int:
