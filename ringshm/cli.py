@@ -52,7 +52,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-depth", type=int, default=8, help="step ops carrying prefill chunks in flight")
     p.add_argument("--depth", type=int, default=None,
                    help="step ops carrying decode/verify segments in flight (default: the stage count with 2+ "
-                        "cores per stage or a GPU each, else 2; 1 for one stage)")
+                        "cores per stage or a GPU each; else 2, and one more per 8 decoding streams up to the "
+                        "stage count; 1 for one stage)")
     p.add_argument("--max-step-tokens", type=int, default=None,
                    help="token budget of one step op for prefill chunks (default: --prefill-chunk)")
     p.add_argument("--max-seq-len", type=int, default=2048,

@@ -230,8 +230,9 @@ class EngineConfig:
         prefill_depth: step ops carrying prefill chunks in flight at once (1 = serial; more pipelines the
             stages).
         depth: step ops carrying decode / verify segments in flight at once: the pipeline's micro-batches
-            (``ringshm.engine.scheduler``). None = ``ringshm.runtime.launcher.default_depth``: one per stage
-            where every stage computes on its own (a GPU each, or 2+ cores per stage), else 2 (1 for one stage).
+            (``ringshm.engine.scheduler``). None = ``ringshm.runtime.launcher.default_depth``: one per stage;
+            where the stages share cores (fewer than 2 a stage, on CPU) 2 (1 for one stage), and one more per 8
+            decoding streams up to one per stage. A number: exactly that many, whatever the streams.
         max_step_tokens: token budget of one step op for prefill chunks (decode and verify segments always
             go in). None = ``prefill_chunk``.
         prefill_stall_ratio: served requests (``AsyncEngine``, the server) only: while any of them decodes, a

@@ -129,6 +129,7 @@ def test_the_engine_budget_applies_to_served_requests_only():
     try:
         eng = Engine.__new__(Engine)
         eng._link, eng.config, eng.depth, eng._job, eng.kv = ring.link, Cfg(), 1, 0, fake_kv(ring.model)
+        eng.rows_per_op = None
         eng._group = type("G", (), {"ended": None})()
         assert eng.scheduler(serving=True).prefill_budget.stall_ratio == 2.0
         assert eng.scheduler().prefill_budget is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -104,6 +105,36 @@ def test_the_windows_change_how_ops_are_cut_never_the_tokens(fake, knob):
         got.append(([s.tokens for s in streams], model.frames))
     assert got[0][0] == got[1][0] == [t[5 + 6 * i: 11 + 6 * i] for i, t in enumerate(ts)]
     assert got[0][1] != got[1][1], f"{knob} 1 and 8 should cut the ops differently"
+
+
+@pytest.mark.parametrize("rows_per_op,most", [(None, 3), (4, 2)])
+def test_on_shared_cores_a_decode_op_beyond_the_second_needs_rows_per_op_decoding_streams(fake, rows_per_op, most):
+    ts = scripts(6, length=80, seed=4)
+    ring = fake(OracleModel(ts, max_rows=6))
+    streams = [make_stream(i, t, 1 + CHUNK * i, 30) for i, t in enumerate(ts)]  # start decoding one by one
+    run = Scheduler(ring.link, streams, 6, CHUNK, 8, 3, CHUNK, kv=fake_kv(ring.model), rows_per_op=rows_per_op)
+    seen = 0
+    while ring.link.in_flight or run.waiting:
+        run.step()
+        seen = max(seen, run.n_decode_ops)
+        assert run.n_decode_ops <= run.decode_window()
+    assert seen == most, f"decode ops in flight peaked at {seen}, expected {most}"
+    assert [s.tokens for s in streams] == [t[1 + CHUNK * i: 31 + CHUNK * i] for i, t in enumerate(ts)]
+
+
+@pytest.mark.parametrize("depth,decoding,window", [(3, 0, 2), (3, 23, 2), (3, 24, 3), (3, 64, 3), (4, 31, 3),
+                                                   (4, 40, 4), (1, 64, 1)])
+def test_the_decode_window_grows_by_one_per_rows_per_op_decoding_streams_up_to_depth(fake, depth, decoding, window):
+    ring = fake(OracleModel(scripts(1), max_rows=1))
+    run = Scheduler(ring.link, [], 1, CHUNK, 1, depth, CHUNK, kv=fake_kv(ring.model), rows_per_op=8)
+    run.active = [SimpleNamespace(decoding=True)] * decoding + [SimpleNamespace(decoding=False)] * 5
+    assert run.decode_window() == window
+
+
+def test_rows_per_op_must_be_a_positive_int(fake):
+    ring = fake(OracleModel(scripts(1), max_rows=1))
+    with pytest.raises(ValueError, match="rows_per_op"):
+        Scheduler(ring.link, [], 1, CHUNK, 1, 3, CHUNK, kv=fake_kv(ring.model), rows_per_op=0)
 
 
 def test_one_stream_alone_puts_chunked_prefill_then_one_token_decodes_on_the_wire(fake):

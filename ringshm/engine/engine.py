@@ -77,7 +77,8 @@ class Engine:
         capped = self.n_blocks * cfg.block_size < self.max_seq_len
         self.max_seq_len = min(self.max_seq_len, self.n_blocks * cfg.block_size)
         self.eos_ids = frozenset(self.model_config.eos_token_ids)
-        self.depth = cfg.depth if cfg.depth is not None else default_depth(cfg)  # decode micro-batches in flight
+        # decode micro-batches in flight, and on shared cores the rows each one beyond the second needs
+        self.depth, self.rows_per_op = (cfg.depth, None) if cfg.depth is not None else default_depth(cfg)
         self._tokenizer = None
         self._grammars = None
         self._job = 0
@@ -301,7 +302,8 @@ class Engine:
                          cfg.prefill_depth if prefill_depth is None else prefill_depth,
                          self.depth if depth is None else depth, cfg.step_tokens, self._job, kv=self.kv,
                          prefix_cache=cfg.prefix_cache, ended=self._group.ended,
-                         prefill_stall_ratio=cfg.prefill_stall_ratio if serving else None)
+                         prefill_stall_ratio=cfg.prefill_stall_ratio if serving else None,
+                         rows_per_op=self.rows_per_op if depth is None else None)
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 128, **params) -> Iterator[TokenEvent]:
         """Generate, yielding a ``TokenEvent`` (token id and text delta) per committed token.

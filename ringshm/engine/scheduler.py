@@ -116,6 +116,8 @@ class Scheduler:
             None: no such limit.
             ended: the per-row marks shared with the stages (a writable sequence of ``max_rows`` bytes:
             ``StageGroup.ended``); None: nothing is skipped.
+            rows_per_op: None, or the decoding streams each decode op in flight beyond the second needs
+            (``decode_window``; cores shared by the stages).
 
     Raises:
         ValueError: a limit < 1, or a stream with an empty prompt.
@@ -123,11 +125,14 @@ class Scheduler:
 
     def __init__(self, link: Link, streams: list[Stream], max_rows: int, prefill_chunk: int, prefill_depth: int,
                  depth: int, max_step_tokens: int, job: int = 0, *, kv: KVBlocks, prefix_cache: bool = True,
-                 ended=None, prefill_stall_ratio: float | None = None):
+                 ended=None, prefill_stall_ratio: float | None = None, rows_per_op: int | None = None):
         for name, v in (("max_rows", max_rows), ("prefill_chunk", prefill_chunk), ("prefill_depth", prefill_depth),
                         ("depth", depth), ("max_step_tokens", max_step_tokens)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+        if rows_per_op is not None and (not isinstance(rows_per_op, int) or rows_per_op < 1):
+            raise ValueError(f"rows_per_op must be None or an int >= 1, got {rows_per_op!r}")
+        self.rows_per_op = rows_per_op
         self.prefill_budget = (None if prefill_stall_ratio is None
                                else PrefillBudget(prefill_stall_ratio, max_step_tokens * prefill_depth))
         self.link, self.job, self.kv, self.prefix_cache = link, job, kv, prefix_cache
@@ -208,6 +213,16 @@ class Scheduler:
         self._late_events = []
         return events
 
+    def decode_window(self) -> int:
+        """Ops with decode / verify segments that may be in flight now: ``depth``, or with ``rows_per_op`` set
+        at least 2 (1 when ``depth`` is 1) and beyond that one more per ``rows_per_op`` decoding streams, up to
+        ``depth`` (``ringshm.runtime.launcher.default_depth``: on shared cores a micro-batch pays for its pass over
+        the weights only with rows enough)."""
+        if self.rows_per_op is None:
+            return self.depth
+        n = sum(1 for s in self.active if s.decoding)
+        return min(self.depth, max(2, n // self.rows_per_op))
+
     @property
     def idle(self) -> bool:
         """Nothing in flight and nobody waiting."""
@@ -271,13 +286,14 @@ class Scheduler:
     def _fill(self) -> None:
         """Send step ops while a window has room and some stream has work (module docstring)."""
         decoding = self.prefill_budget is not None and any(s.decoding for s in self.active)
-        while self.n_decode_ops < self.depth or self.n_prefill_ops < self.prefill_depth:
+        depth = self.decode_window()
+        while self.n_decode_ops < depth or self.n_prefill_ops < self.prefill_depth:
             segs: list[m.Segment] = []
             ids: list[int] = []
             targets: list[int] = []
             tag = StepTag()
             self._building = tag.streams  # not preempted while this op is built (_preempt)
-            if self.n_decode_ops < self.depth:
+            if self.n_decode_ops < depth:
                 self._add_decodes(segs, ids, tag)
             if self.n_prefill_ops < self.prefill_depth:
                 long_budget = (self.prefill_budget.tokens() - self.n_long_tokens  # module docstring

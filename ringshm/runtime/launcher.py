@@ -106,21 +106,27 @@ class NodePlan:
         return out
 
 
-def default_depth(cfg: EngineConfig) -> int:
-    """Decode micro-batches in flight when ``cfg.depth`` is None: one per stage where every stage computes on
-    its own (``device="cuda"``: a GPU each; CPU: at least 2 cores per stage), else 2 (1 for one stage).
+ROWS_PER_DECODE_OP = 8  # shared cores: decoding rows per micro-batch before one more is sent (default_depth)
 
-    Each micro-batch is one more pass over every stage's weights per step. With fewer cores than stages, one
-    micro-batch per stage does not pay (2 cores, 3 stages, 8 streams of 64 tokens: depth 1 226 tok/s, depth 3
-    125), but one step alone leaves the stages waiting on each other (each 0.3-0.45 busy at 16-64 clients) and
-    two fill them: measured on 2 cores (AMD EPYC Zen 5), 3 stages, depth 1 -> 2: generate_batch of 32 streams
-    x 64 tokens 477-569 -> 640-720 tok/s, of 8 and 16 streams within 5 % (ad-hoc, 2 rounds each);
-    bench_server's in-process AsyncEngine at 32 and 64 clients 459 -> 689 and 548 -> 618 tok/s (its two full
-    runs, one per depth, the same session), at 8 and 16 clients 346 -> 404 and 438 -> 472 (issue 31).
+
+def default_depth(cfg: EngineConfig) -> tuple[int, int | None]:
+    """``(depth, rows_per_op)`` when ``cfg.depth`` is None: decode micro-batches in flight, one per stage, and
+    ``rows_per_op`` None where every stage computes on its own (``device="cuda"``: a GPU each; CPU: at least 2
+    cores per stage), else ``ROWS_PER_DECODE_OP``: with fewer cores than stages need, the scheduler keeps two
+    micro-batches (one for one stage) and adds the third and later ones only while each would carry that many
+    decoding rows (``Scheduler``'s ``rows_per_op``).
+
+    Each micro-batch is one more pass over every stage's weights per step. With cores shared, one step alone
+    leaves the stages waiting on each other and two fill them at a few streams (2 cores, AMD EPYC Zen 5, 3 stages,
+    depth 1 -> 2: bench_server's in-process AsyncEngine at 32 and 64 clients 459 -> 689 and 548 -> 618 tok/s, at
+    8 and 16 clients 346 -> 404 and 438 -> 472; issue 31); more pay only with rows enough to share each pass:
+    depth 3 / depth 2, the same machine, paired rounds on one engine (medians of 3): 8 and 16 clients 0.95 /
+    1.00 in-process and 1.06 / 1.03 through the server, 32 clients 1.11-1.15 in-process, 64 clients 1.03-1.05
+    in-process and 1.28-1.30 through the server; ``generate_batch`` of 8 streams 0.66-1.02, of 32 1.05-1.17.
     """
     if cfg.device == "cuda" or len(os.sched_getaffinity(0)) >= 2 * cfg.stages:
-        return cfg.stages
-    return min(2, cfg.stages)
+        return cfg.stages, None
+    return cfg.stages, (ROWS_PER_DECODE_OP if cfg.stages > 1 else None)
 
 
 def _cleanup(procs: list, rings: list[Ring]) -> None:
