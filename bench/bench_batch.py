@@ -138,9 +138,10 @@ def test_throughput_vs_streams(benchmark, figures, engines):
         coord_us = statistics.median(work[n]) / tokens * 1e6
         segs = outs[n][-1].steps.segments / outs[n][-1].steps.ops
         figures.record_value(f"tput.{n}", 1.0 / rate, tok_s=rate, itl_s=itl, coordinator_us_per_token=coord_us,
-                             segments_per_op=segs, depth=eng.depth)
+                             segments_per_op=segs, depth=eng.depth, rows_per_op=eng.rows_per_op)
         figures.record_value(f"itl.{n}", itl)
-        print(f"\n{n} streams (depth {eng.depth}): {rate:.1f} tok/s, ITL p50 {itl * 1e3:.1f} ms, coordinator "
+        depth = f"{eng.depth}" if eng.rows_per_op is None else f"<= {eng.depth}, 1 per {eng.rows_per_op} decoding"
+        print(f"\n{n} streams (depth {depth}): {rate:.1f} tok/s, ITL p50 {itl * 1e3:.1f} ms, coordinator "
               f"{coord_us:.0f} us/token, {segs:.1f} segments/op")
         if n > 1:
             figures.ratio(f"aggregate tok/s: {n} streams / 1 stream", "tput.1", f"tput.{n}", ">= 4" if n == 8 else "")

@@ -121,7 +121,7 @@ def default_depth(cfg: EngineConfig) -> tuple[int, int | None]:
     depth 1 -> 2: bench_server's in-process AsyncEngine at 32 and 64 clients 459 -> 689 and 548 -> 618 tok/s, at
     8 and 16 clients 346 -> 404 and 438 -> 472; issue 31); more pay only with rows enough to share each pass:
     depth 3 / depth 2, the same machine, paired rounds on one engine (medians of 3): 8 and 16 clients 0.95 /
-    1.00 in-process and 1.06 / 1.03 through the server, 32 clients 1.11-1.15 in-process, 64 clients 1.03-1.05
+    1.00 in-process and 1.06 / 1.03 through the server, 32 clients 1.11-1.15 in-process, 64 clients 1.00-1.05
     in-process and 1.28-1.30 through the server; ``generate_batch`` of 8 streams 0.66-1.02, of 32 1.05-1.17.
     """
     if cfg.device == "cuda" or len(os.sched_getaffinity(0)) >= 2 * cfg.stages:
