@@ -131,6 +131,23 @@ def test_the_decode_window_grows_by_one_per_rows_per_op_decoding_streams_up_to_d
     assert run.decode_window() == window
 
 
+@pytest.mark.parametrize("spec,spec_depth,want_depth,want_rows", [(None, 1, 3, 8), ("ngram", 2, 3, 8),
+                                                                   ("ngram", 4, 4, None)])
+def test_a_batch_without_a_depth_gets_the_engine_s_row_scaled_window_unless_its_chains_need_more(
+        fake, spec, spec_depth, want_depth, want_rows):
+    from ringshm.engine.engine import Engine
+    from ringshm.generation_params import GenerationParams
+
+    ring = fake(OracleModel(scripts(1), max_rows=4))
+    eng = Engine.__new__(Engine)
+    eng._link, eng._job, eng.kv, eng.depth, eng.rows_per_op = ring.link, 0, fake_kv(ring.model), 3, 8
+    eng.config = SimpleNamespace(max_rows=4, prefill_chunk=CHUNK, prefill_depth=8, prefix_cache=True,
+                                 prefill_stall_ratio=None, step_tokens=CHUNK)
+    eng._group = SimpleNamespace(ended=None)
+    run = eng.scheduler([], 8, eng._decode_depth(GenerationParams(spec=spec, spec_depth=spec_depth)))
+    assert (run.depth, run.rows_per_op) == (want_depth, want_rows)
+
+
 def test_rows_per_op_must_be_a_positive_int(fake):
     ring = fake(OracleModel(scripts(1), max_rows=1))
     with pytest.raises(ValueError, match="rows_per_op"):

@@ -20,7 +20,7 @@ from ringshm.engine.kv_blocks import KVBlocks
 from ringshm.engine.request_stream import copy_error
 from ringshm.engine.results import BatchResult, GenerationResult, result_of
 from ringshm.engine.sampling import Sampler, TextStream
-from ringshm.engine.scheduler import Scheduler, StepStats
+from ringshm.engine.scheduler import MIN_DECODE_WINDOW, Scheduler, StepStats
 from ringshm.engine.spec import NGramDrafter, SpecStats
 from ringshm.engine.spec_decode import SpecDecoder
 from ringshm.errors import EngineOwned, InvalidParameter
@@ -281,10 +281,13 @@ class Engine:
         return {"compiled": g.n_compiled, "cache_hits": g.n_cache_hits, "masks": g.mask_totals[1],
                 "mask_s": g.mask_totals[0]}
 
-    def _decode_depth(self, p: GenerationParams) -> int:
-        """Decode ops in flight for a request: the engine's ``depth``, raised to ``spec_depth`` when it
-        speculates (each link of a verify chain is its own step op)."""
-        return max(self.depth, p.spec_depth) if p.spec is not None else self.depth
+    def _decode_depth(self, p: GenerationParams) -> int | None:
+        """Decode ops in flight for a request: None for the engine's window (``depth``, row-scaled on shared
+        cores: ``Scheduler.decode_window``), or ``depth`` raised to ``spec_depth`` when it speculates with chains
+        longer than that window is sure to allow (each link of a verify chain is its own step op)."""
+        if p.spec is None or (self.rows_per_op is not None and p.spec_depth <= MIN_DECODE_WINDOW):
+            return None
+        return max(self.depth, p.spec_depth)
 
     def _prefill_depth(self, p: GenerationParams) -> int:
         """The prefill depth of one request: the engine's unless overridden (A/B runs on one engine)."""
@@ -323,7 +326,7 @@ class Engine:
         if self._closed:
             raise RuntimeError("engine is closed")
 
-    def _run_solo(self, s: Stream, prefill_depth: int, depth: int) -> Iterator[TokenEvent]:
+    def _run_solo(self, s: Stream, prefill_depth: int, depth: int | None) -> Iterator[TokenEvent]:
         """The events of one stream; its own failure (an event with ``error``) raises ``RequestFailed``."""
         self._check_usable()
         run = self.scheduler([s], prefill_depth, depth)

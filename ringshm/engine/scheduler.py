@@ -61,6 +61,9 @@ from ringshm.engine.step_reply import DECODE, PREFILL, VERIFY, StepTag, commit_s
 from ringshm.errors import ReplyMismatch, RingTimeout
 from ringshm.transport import messages as m
 
+MIN_DECODE_WINDOW = 2  # decode ops in flight a row-scaled window allows whatever the rows (decode_window)
+
+
 def _one_torch_thread(fn):
     """Run the coordinator's own torch work (sampling, building and encoding ops, stacking bitmasks) on one
     thread, and give the caller's thread count back after. torch's threads are per calling thread (OpenMP), and
@@ -221,7 +224,7 @@ class Scheduler:
         if self.rows_per_op is None:
             return self.depth
         n = sum(1 for s in self.active if s.decoding)
-        return min(self.depth, max(2, n // self.rows_per_op))
+        return min(self.depth, max(MIN_DECODE_WINDOW, n // self.rows_per_op))
 
     @property
     def idle(self) -> bool:
