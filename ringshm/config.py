@@ -18,7 +18,7 @@ ROPE_SCALINGS = ("linear", "llama3")  # what RopeScaling.kind may be; others (ya
 EXPERT_GATINGS = ("softmax", "softmax_norm", "topk_softmax")
 """How a routed MoE layer weighs its top-k experts (``ModelConfig.expert_gating``): ``softmax`` and
 ``softmax_norm`` take the softmax over every expert's router logit and keep the k largest probabilities (ties to
-the lowest expert id); ``softmax_norm`` then divides each by their sum (Qwen3-MoE's ``norm_topk_prob``),
+the lowest expert id); ``softmax_norm`` then divides each by their sum (Qwen3-MoE's ``norm_topk_prob``; Mixtral),
 ``softmax`` keeps them as they are (OLMoE); ``topk_softmax`` keeps the k largest logits and takes the softmax over
 those k alone (Granite MoE)."""
 MAX_EXPERTS = 1024  # routed experts per layer (csrc/layer.h's RINGSHM_MAX_EXPERTS; DeepSeek V3: 256, Qwen3.5: 512)
@@ -99,7 +99,7 @@ class ModelConfig:
             activation, a ``sliding_layers`` of the wrong length, or sliding layers without a window.
     """
 
-    arch: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe"
+    arch: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe", "mixtral"
     n_layers: int
     hidden: int
     n_heads: int

@@ -1,5 +1,6 @@
-"""Routed mixture-of-experts families (issue 29) on the zoo's tiny models (``tests/zoo.py``: 16 experts, top 4):
-Qwen3-MoE (top-k weights renormalised) and OLMoE (not; q / k norms over the whole projection).
+"""Routed mixture-of-experts families (issue 29) on the zoo's tiny models (``tests/zoo.py``: 16 experts, top 4;
+Mixtral top 2): Qwen3-MoE (top-k weights renormalised), OLMoE (not; q / k norms over the whole projection), Granite
+MoE (softmax over the top-k logits, muP multipliers) and Mixtral (renormalised; GGUF arch ``llama``).
 
 ``tests/test_families.py`` already runs every zoo family, these included, against transformers fp32 from the HF
 directory and the GGUF, at 1 and 2 stages, chunked, and beside batch-mates. Here, what is particular to experts:
@@ -9,7 +10,8 @@ directory and the GGUF, at 1 and 2 stages, chunked, and beside batch-mates. Here
 - a stream's logits are the same bits alone, beside batch-mates that route every token to the same experts as
   it (each expert then serves several tokens of one op), beside strangers, and in a step of tokens that route to
   disjoint experts (each expert serving one token);
-- a GGUF that merges gate and up (``ffn_gate_up_exps``, newer converters) gives the same bits as the split one;
+- a GGUF that merges gate and up (``ffn_gate_up_exps``, newer converters) gives the same bits as the split one,
+  and so does one that holds each expert as its own 2-D tensor (llama.cpp's Mixtral files before 3-D experts);
 - through the engine's stage processes (2 stages, prefix-cache hits, batched) the tokens equal the in-process
   ones;
 - MoE families ringshm does not compute are refused by name with what they need.
@@ -149,6 +151,41 @@ def test_a_gguf_with_gate_and_up_merged_gives_the_split_files_bits(zoo, tmp_path
     write_gguf(merged, "qwen3moe", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "merged", tensors)
     prompts = [prompt_ids(PROMPT_LEN, model.config.vocab_size, s) for s in (10, 11)]
     assert _run(_stage(merged), prompts, 4) == _run(_stage(model.gguf_path), prompts, 4)
+
+
+def _per_expert_tensors(model) -> list:
+    """The zoo model's GGUF tensors with each 3-D ``ffn_*_exps`` cut into one 2-D ``ffn_*.{e}.weight`` per expert,
+    as llama.cpp wrote Mixtral files before it stacked experts (its legacy ``LLM_TENSOR_FFN_*_EXP`` names)."""
+    out = []
+    for t in gguf.GGUFReader(str(model.gguf_path)).tensors:
+        data = np.array(t.data)
+        if t.name.endswith("_exps.weight"):
+            base = t.name[:-len("_exps.weight")]
+            out += [(f"{base}.{e}.weight", np.ascontiguousarray(data[e]), t.tensor_type) for e in range(len(data))]
+        else:
+            out.append((t.name, data, t.tensor_type))
+    return out
+
+
+def test_a_gguf_with_one_tensor_per_expert_gives_the_3d_files_bits(zoo, tmp_path):
+    model = zoo("mixtral")
+    path = tmp_path / "split.gguf"
+    tensors = _per_expert_tensors(model)
+    assert "blk.0.ffn_gate.15.weight" in {n for n, _, _ in tensors}
+    write_gguf(path, "llama", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "split", tensors)
+    prompts = [prompt_ids(PROMPT_LEN, model.config.vocab_size, s) for s in (10, 11)]
+    assert _run(_stage(path), prompts, 4) == _run(_stage(model.gguf_path), prompts, 4)
+
+
+def test_a_per_expert_gguf_missing_one_expert_is_refused_naming_it(zoo, tmp_path):
+    from ringshm.errors import MissingTensor
+
+    model = zoo("mixtral")
+    path = tmp_path / "split.gguf"
+    tensors = [t for t in _per_expert_tensors(model) if t[0] != "blk.2.ffn_up.9.weight"]
+    write_gguf(path, "llama", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "split", tensors)
+    with pytest.raises(MissingTensor, match=r"blk\.2\.ffn_up\.9\.weight"):
+        Checkpoint.open(path)
 
 
 def test_the_engine_serves_moe_over_two_stage_processes_with_prefix_hits_byte_identical(zoo):

@@ -47,12 +47,14 @@ EXPECTED_KEYS = {
     "olmoe": _BASE_KEYS + ["expert_count", "expert_used_count"],
     "granitemoe": _BASE_KEYS + ["vocab_size", "rope.dimension_count", "attention.scale", "embedding_scale",
                                 "residual_scale", "logit_scale", "expert_count", "expert_used_count"],
+    "mixtral": _BASE_KEYS + _HEAD_DIM_KEYS + ["vocab_size", "rope.dimension_count", "expert_count",
+                                             "expert_used_count"],
 }
 GENERAL_KEYS = {"general.architecture", "general.type", "general.name", "general.size_label", "general.file_type",
                 "general.quantization_version"}
 ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "gemma3": "gemma3", "gemma3_softcap": "gemma3", "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe",
-        "granitemoe": "granitemoe"}
+        "granitemoe": "granitemoe", "mixtral": "llama"}
 
 _LLAMA_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
 _GEMMA3_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
@@ -75,6 +77,8 @@ EXPECTED_TENSORS = {
     "olmoe": (_MOE_LAYER, ["token_embd.weight", "output_norm.weight", "output.weight"]),
     "granitemoe": ([n for n in _MOE_LAYER if n not in ("attn_q_norm", "attn_k_norm")],
                    ["token_embd.weight", "output_norm.weight", "output.weight"]),
+    "mixtral": ([n for n in _MOE_LAYER if n not in ("attn_q_norm", "attn_k_norm")],
+                ["token_embd.weight", "output_norm.weight", "output.weight"]),
 }
 # Q4_K_M spot checks (llama-quantize): use_more_bits layers are 2, 3 of 4 and 2, 5 of 6; the LM head (or a tied
 # embedding) Q6_K; qwen2's rows of 320 / 640 take the fallbacks Q5_0 (for Q4_K) and Q8_0 (for Q6_K).
@@ -98,6 +102,8 @@ Q4_K_M_TYPES = {
               "blk.0.attn_q_norm.weight": Q.F32},
     "granitemoe": {"blk.1.ffn_gate_inp.weight": Q.F32, "blk.2.ffn_down_exps.weight": Q.Q6_K,
                    "blk.0.ffn_up_exps.weight": Q.Q4_K, "token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K},
+    "mixtral": {"blk.0.ffn_gate_inp.weight": Q.F32, "blk.3.ffn_down_exps.weight": Q.Q6_K,
+                "blk.0.ffn_gate_exps.weight": Q.Q4_K, "blk.2.attn_v.weight": Q.Q6_K, "output.weight": Q.Q6_K},
 }
 
 
@@ -152,7 +158,7 @@ def test_gguf_has_the_converters_names_types_and_keys(zoo, family):
         assert list(tensors["blk.0.ffn_gate_exps.weight"].shape) == [h, ie, n_exp]
         assert list(tensors["blk.0.ffn_down_exps.weight"].shape) == [ie, h, n_exp]
         assert meta[f"{arch}.expert_count"] == n_exp and meta[f"{arch}.expert_used_count"] == cfg.num_experts_per_tok
-        if arch == "granitemoe":
+        if family == "granitemoe":
             assert (meta["granitemoe.residual_scale"], meta["granitemoe.logit_scale"]) == (
                 pytest.approx(0.22), 6.0)
     else:
@@ -187,7 +193,8 @@ def test_gguf_tensors_decode_to_the_hf_tensors_bit_for_bit(zoo, family):
             assert np.array_equal(got.view(np.uint32), w.numpy().view(np.uint32)), hf_name
             seen.update(f"blk.{granite[1]}.{p}.weight" for p in parts)
             continue
-        expert = re.fullmatch(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight", hf_name)
+        expert = re.fullmatch(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight",
+                              hf_name)
         if expert:  # one expert's slice of the layer's 3-D tensor
             gname = names.get_name(f"{expert[1]}.{expert[3]}")
             gname += ".weight"
@@ -217,8 +224,8 @@ _NOT_FROM_GGUF = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", 
                   "final_logit_softcapping", "moe_intermediate_size", "norm_topk_prob")
 
 
-# transformers reads no olmoe or granitemoe GGUF
-@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f not in ("olmoe", "granitemoe")])
+# transformers reads no olmoe, granitemoe or Mixtral GGUF (its llama reader has no experts)
+@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f not in ("olmoe", "granitemoe", "mixtral")])
 def test_transformers_gguf_reader_recovers_the_hf_weights_bit_for_bit(zoo, family):
     """An independent reverse of the converter: transformers' GGUF loader (un-permutes llama Q/K, subtracts
     Gemma's 1, maps llama.cpp names back) gets every HF tensor back exactly, and the same logits."""

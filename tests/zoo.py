@@ -19,9 +19,10 @@ biases, hidden 320), ``qwen3`` (q/k RMSNorm), ``gemma3`` (6 layers, 5 local with
 ``gemma3_softcap`` (final logit soft-cap 15), ``phi3`` (fused qkv and gate_up); the mixtures of experts
 ``qwen3moe`` (16 experts, top 4, renormalised) and ``olmoe`` (16 experts, top 4, not renormalised; q / k norms
 over the whole projection, 4 KV heads) and ``granitemoe`` (16 experts, top 4, softmax over the top-k logits;
-granite-3.0-1b-a400m's muP multipliers; untied), expert width 256, written as transformers saves them (one tensor per
-expert; Granite: ``input_linear`` / ``output_linear`` 3-D) and as the converter merges them (3-D
-``ffn_*_exps``; the router ``ffn_gate_inp`` stays F32).
+granite-3.0-1b-a400m's muP multipliers; untied) and ``mixtral`` (16 experts, top 2, renormalised; Mistral's
+attention; GGUF arch ``llama``), expert width 256, written as transformers saves them (one tensor per expert;
+Granite: ``input_linear`` / ``output_linear`` 3-D; Mixtral: ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``)
+and as the converter merges them (3-D ``ffn_*_exps``; the router ``ffn_gate_inp`` stays F32).
 
 Tied embeddings (no ``output.weight``): llama3, qwen2, qwen3, gemma3. Sizes: hidden 256, 4 query heads,
 2 KV heads (gemma3: 1), head_dim 64, intermediate 512, vocab 512, 4 layers (gemma3: 6).
@@ -117,6 +118,15 @@ def _granitemoe(**kw):
                                "residual_multiplier": 0.22, "logits_scaling": 6.0, **kw})
 
 
+def _mixtral(**kw):
+    from transformers import MixtralConfig
+
+    # 16 experts, top 2 (Mixtral 8x7B: 8, top 2; 16 keeps llama-quantize's Q4_K_M rule for attn_k / attn_v)
+    return MixtralConfig(**{**_COMMON, "head_dim": 64, "rope_theta": 1e6, "rms_norm_eps": 1e-5,
+                            "sliding_window": None, "num_local_experts": 16, "num_experts_per_tok": 2,
+                            "intermediate_size": 256, **kw})
+
+
 def _phi3(**kw):
     from transformers import Phi3Config
 
@@ -149,6 +159,14 @@ class Family:
     norm_shift: float = 0.0
     std: dict = field(default_factory=lambda: dict(_STD))
     norms: dict = field(default_factory=lambda: dict(_NORMS))
+    hf_renames: tuple = ()  # (from, to) substrings: the names save_pretrained writes where they differ from modules'
+
+
+# Mixtral's names on disk (save_pretrained and the released checkpoints): block_sparse_moe.gate, experts.{e}.w1 / w3 /
+# w2 for gate / up / down, where transformers 5's modules say mlp.gate and fused mlp.experts tensors
+_MIXTRAL_RENAMES = ((".mlp.gate.weight", ".block_sparse_moe.gate.weight"),
+                    (".mlp.experts.", ".block_sparse_moe.experts."), (".gate_proj.weight", ".w1.weight"),
+                    (".up_proj.weight", ".w3.weight"), (".down_proj.weight", ".w2.weight"))
 
 
 # Measured over 4 prompts x 32 new tokens at q4_k_m, every family: 21-31 distinct tokens, no run of one token
@@ -179,8 +197,9 @@ FAMILIES: dict[str, Family] = {
     "qwen3moe": Family(_qwen3moe, "qwen3moe"),
     "olmoe": Family(_olmoe, "olmoe"),
     "granitemoe": Family(_granitemoe, "granitemoe", permute_qk=True, std=_GRANITEMOE_STD),
+    "mixtral": Family(_mixtral, "llama", permute_qk=True, hf_renames=_MIXTRAL_RENAMES),
 }
-MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe")
+MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral")
 
 
 class Greedy(NamedTuple):
@@ -316,6 +335,8 @@ def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0, 
         gguf_tensors.append((gname, raw, qtype))
         hf_tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(hf, dtype=np.float32))
 
+    for old, new in spec.hf_renames:
+        hf_tensors = {name.replace(old, new): t for name, t in hf_tensors.items()}
     config.save_pretrained(str(hf_dir))
     save_file(hf_tensors, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
     gguf_path = root / "model.gguf"

@@ -56,6 +56,10 @@ transforms it applies to HF tensors (read at ggml-org/llama.cpp: ``convert_hf_to
   into ``ffn_gate_exps`` and ``ffn_up_exps``, ``output_linear`` → ``ffn_down_exps``, ``router.layer`` →
   ``ffn_gate_inp``. (llama.cpp renormalises a softmax over every expert's logit: the softmax over the top-k
   logits of transformers' GraniteMoe, up to rounding.)
+- mixtral → ``llama`` (``MixtralForCausalLM`` is registered to ``LlamaModel``): as llama, plus TextModel's
+  ``expert_count`` / ``expert_used_count``; ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2`` stacked into
+  ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, ``block_sparse_moe.gate`` → ``ffn_gate_inp`` (F32). No
+  gating key: llama.cpp's llama renormalises the top-k weights, as transformers' Mixtral does.
 - phi3 → ``phi3``, no reorder; fused ``attn_qkv`` (q rows, then k, then v) and fused ``ffn_up`` (gate rows,
   then up: ``[2 * intermediate, hidden]``), no ``ffn_gate``. Keys: ``rope.scaling.original_context_length``,
   ``rope.dimension_count``, ``attention.sliding_window`` (0 when the config has none).
@@ -193,7 +197,7 @@ def write_gguf(path: Path, arch: str, config, file_type: gguf.LlamaFileType, mod
             w.add_embedding_scale(hp["embedding_multiplier"])
             w.add_residual_scale(hp["residual_multiplier"])
             w.add_logit_scale(hp["logits_scaling"])
-        if arch in ("qwen3moe", "olmoe", "granitemoe"):  # Qwen2MoeModel / OlmoeModel / TextModel's expert keys
+        if arch in ("qwen3moe", "olmoe", "granitemoe") or hp.get("num_local_experts"):  # TextModel's expert keys
             w.add_expert_count(hp.get("num_experts", hp.get("num_local_experts")))
             w.add_expert_used_count(hp["num_experts_per_tok"])
             if hp.get("moe_intermediate_size"):

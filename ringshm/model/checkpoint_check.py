@@ -292,15 +292,16 @@ class Expect:
 
 
 def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
-                     merged_gate_up_exps: bool = False) -> dict[str, Expect]:
+                     merged_gate_up_exps: bool = False, split_experts: bool = False) -> dict[str, Expect]:
     """Every tensor the family description of ``cfg`` reads, by its GGUF (``gguf``) or HF name, with its shape.
 
     Layer ``i``'s fields are ``families.TENSOR_NAMES[cfg.arch]`` that ``families.wanted`` keeps; fused Phi-3
     tensors are ``[q + 2 kv, hidden]`` and ``[2 I, hidden]``; the LM head only when not tied; GGUF's
     ``rope_freqs.weight`` ``[head_dim / 2]`` when ``rope_freqs``. Routed experts (``cfg.moe``): the router
     ``[E, hidden]``; in GGUF ``[E, I_e, hidden]`` gate and up (or, ``merged_gate_up_exps``, one
-    ``ffn_gate_up_exps`` ``[E, 2 I_e, hidden]``) and ``[E, hidden, I_e]`` down; in HF one 2-D tensor per expert, or
-    (Granite MoE) ``input_linear`` ``[E, 2 I_e, hidden]`` and ``output_linear`` ``[E, hidden, I_e]``.
+    ``ffn_gate_up_exps`` ``[E, 2 I_e, hidden]``) and ``[E, hidden, I_e]`` down, or (``split_experts``: files from
+    before llama.cpp stacked them) one 2-D tensor per expert, ``ffn_gate.{e}.weight`` ...; in HF one 2-D tensor per
+    expert, or (Granite MoE) ``input_linear`` ``[E, 2 I_e, hidden]`` and ``output_linear`` ``[E, hidden, I_e]``.
     """
     h, q, kv, inter, d = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate, cfg.head_dim
     n_e, ie = cfg.n_experts, cfg.expert_intermediate
@@ -326,8 +327,9 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
                 if field != "w_exp_up":
                     out[prefix + pair[1]] = Expect((n_e, 2 * ie, h) if field == "w_exp_gate" else shapes[field], True,
                                                    f"layer {i} {'w_exp_gate_up' if field == 'w_exp_gate' else field}")
-            elif field in families.EXPERT_FIELDS and not gguf:  # one [rows, cols] tensor per expert
-                out.update({prefix + pair[1].format(e=e): Expect(shapes[field][1:], True, f"{what} expert {e}")
+            elif field in families.EXPERT_FIELDS and (not gguf or split_experts):  # one [rows, cols] per expert
+                name = pair[1] if not gguf else families.GGUF_SPLIT_EXPERTS[field]
+                out.update({prefix + name.format(e=e): Expect(shapes[field][1:], True, f"{what} expert {e}")
                             for e in range(n_e)})
             elif field in ("w_exp_gate", "w_exp_up") and merged_gate_up_exps:
                 if field == "w_exp_gate":
@@ -357,7 +359,9 @@ def _check_layer_count(where: str, label: str, n_layers: int, tensors, prefix: s
 def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Every tensor of ``found`` (name -> (type name, torch-order shape)) against ``expected_tensors``."""
     merged = gguf and cfg.moe and f"blk.0.{families.GGUF_MERGED_GATE_UP_EXPS}" in found
-    want = expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found, merged_gate_up_exps=merged)
+    split = gguf and cfg.moe and "blk.0." + families.GGUF_SPLIT_EXPERTS["w_exp_gate"].format(e=0) in found
+    want = expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found, merged_gate_up_exps=merged,
+                            split_experts=split)
     for name, e in want.items():
         if name not in found:
             raise MissingTensor(f"{where}: tensor {name!r} ({e.what}) not found")

@@ -18,14 +18,18 @@ reads the description; nothing here computes.
     granitemoe granitemoe    granitemoe  routed experts, softmax over the top-k logits; muP multipliers on the
                                          embedding, attention scale, both residual branches and the logits;
                                          HF experts fused 3-D (input_linear [E, 2 I, hidden], output_linear)
-    (* llama.cpp writes Mistral checkpoints as arch "llama")
+    mixtral  mixtral         llama**     Mistral's attention; every FFN routed experts, top-k of a softmax,
+                                         renormalised; HF names block_sparse_moe.gate / experts.{e}.w1 w3 w2
+    (* llama.cpp writes Mistral checkpoints as arch "llama"; ** a "llama" file with llama.expert_count is Mixtral)
 
 A routed expert's weights: in GGUF one 3-D tensor per role and layer, ``ffn_{gate,up,down}_exps`` (``[E, rows,
 cols]``, torch order; newer converters may merge gate and up into ``ffn_gate_up_exps`` ``[E, 2 I, hidden]``, rows
 [gate | up]), the router ``ffn_gate_inp`` ``[E, hidden]``; in an HF directory one 2-D tensor per expert,
 ``mlp.experts.{e}.{gate,up,down}_proj.weight`` (what ``save_pretrained`` writes and the released checkpoints
-hold), the router ``mlp.gate.weight``. Other MoE families are refused by name with what they need
-(``UNSUPPORTED_MOE``).
+hold), the router ``mlp.gate.weight`` (Mixtral: ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1`` /
+``w3`` / ``w2`` for gate / up / down). GGUF files older than llama.cpp's 3-D expert tensors (Mixtral's of early
+2024) hold one 2-D tensor per expert, ``ffn_{gate,up,down}.{e}.weight``; both are read. Other MoE families are
+refused by name with what they need (``UNSUPPORTED_MOE``).
 
 **A setting that changes the math is computed or refused by name, never ignored.** Every field of an HF
 ``config.json`` is either read here, or listed in ``HARMLESS_HF_FIELDS`` (training-only, bookkeeping, or known to
@@ -42,12 +46,13 @@ from dataclasses import dataclass
 from ringshm.config import ROPE_SCALINGS, ModelConfig, RopeScaling
 from ringshm.errors import InvalidCheckpoint, UnsupportedArchitecture
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe", "mixtral")
 HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-            "phi3": "phi3", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}
+            "phi3": "phi3", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "mixtral"}
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-              "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}
-MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe")
+              "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "llama"}
+MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral")
+SUPPORTED_MOE = "qwen3moe / qwen3_moe, olmoe, granitemoe, mixtral (GGUF arch llama with experts)"
 # MoE checkpoints ringshm does not compute, by HF model_type and GGUF arch, with what they would need.
 UNSUPPORTED_MOE = {
     "qwen3_next": "linear-attention (Gated DeltaNet) layers and a shared expert",
@@ -60,12 +65,11 @@ UNSUPPORTED_MOE = {
     "deepseek2": "multi-head latent attention (MLA) and shared experts",
     "gpt_oss": "MXFP4 experts, attention sinks, YaRN RoPE, biased router and experts, a clamped SwiGLU",
     "gpt-oss": "MXFP4 experts, attention sinks, YaRN RoPE, biased router and experts, a clamped SwiGLU",
-    "mixtral": "per-expert 2-D GGUF tensors and a top-k-then-softmax router (not built yet)",
     "granitemoeshared": "a shared expert and muP multipliers",
     "phimoe": "sparsemixer routing", "jetmoe": "mixture-of-attention heads", "dbrx": "clipped fused qkv",
 }
 # llama.cpp's converter reorders these arches' q/k rows (loader docstring; Granite's converter is a LlamaModel)
-GGUF_PERMUTED_QK = {"llama", "mistral", "granitemoe"}
+GGUF_PERMUTED_QK = {"llama", "mistral", "granitemoe", "mixtral"}
 
 # Fields that never change what an inference computes: training-only (dropout, initialisation), bookkeeping,
 # token ids (read elsewhere), and flags whose every value gives the same function (pretraining_tp: a sliced
@@ -127,8 +131,18 @@ _GRANITEMOE_LAYER = {
     "w_exp_up": ("ffn_up_exps.weight", "block_sparse_moe.input_linear.weight"),
     "w_exp_down": ("ffn_down_exps.weight", "block_sparse_moe.output_linear.weight"),
 }
+_MIXTRAL_LAYER = {
+    **_LLAMA_LAYER,
+    "w_router": ("ffn_gate_inp.weight", "block_sparse_moe.gate.weight"),
+    "w_exp_gate": ("ffn_gate_exps.weight", "block_sparse_moe.experts.{e}.w1.weight"),
+    "w_exp_up": ("ffn_up_exps.weight", "block_sparse_moe.experts.{e}.w3.weight"),
+    "w_exp_down": ("ffn_down_exps.weight", "block_sparse_moe.experts.{e}.w2.weight"),
+}
 GGUF_MERGED_GATE_UP_EXPS = "ffn_gate_up_exps.weight"  # newer converters: gate and up of every expert in one tensor
 EXPERT_FIELDS = ("w_exp_gate", "w_exp_up", "w_exp_down")
+# GGUF files written before llama.cpp stacked experts (its Mixtral files of early 2024): one 2-D tensor per expert
+GGUF_SPLIT_EXPERTS = {"w_exp_gate": "ffn_gate.{e}.weight", "w_exp_up": "ffn_up.{e}.weight",
+                      "w_exp_down": "ffn_down.{e}.weight"}
 _GEMMA3_LAYER = {
     **_LLAMA_LAYER,
     # Gemma's names: HF post_attention_layernorm is the norm *after* attention; pre_feedforward the FFN's input
@@ -146,7 +160,7 @@ TENSOR_NAMES = {
     "qwen3": TensorNames(_LLAMA_LAYER), "gemma3": TensorNames(_GEMMA3_LAYER),
     "phi3": TensorNames(_PHI3_LAYER, fused_qkv=True, fused_gate_up=True),
     "qwen3moe": TensorNames(_LLAMA_LAYER), "olmoe": TensorNames(_LLAMA_LAYER),
-    "granitemoe": TensorNames(_GRANITEMOE_LAYER, hf_fused_experts=True),
+    "granitemoe": TensorNames(_GRANITEMOE_LAYER, hf_fused_experts=True), "mixtral": TensorNames(_MIXTRAL_LAYER),
 }
 GLOBAL_TENSORS = {  # role -> (GGUF name, HF name)
     "embed": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -198,7 +212,7 @@ def hf_config(c: dict, where: str) -> ModelConfig:
     if model_type in UNSUPPORTED_MOE:
         raise UnsupportedArchitecture(f"{where}: model_type {model_type!r} is a mixture-of-experts family ringshm "
                                       f"does not compute: it needs {UNSUPPORTED_MOE[model_type]} (supported MoE: "
-                                      f"qwen3_moe, olmoe, granitemoe)")
+                                      f"{SUPPORTED_MOE})")
     if family is None:
         raise UnsupportedArchitecture(f"{where}: model_type {model_type!r} is not supported (supported: "
                                       f"{', '.join(HF_TYPES)})")
@@ -260,10 +274,13 @@ def hf_config(c: dict, where: str) -> ModelConfig:
 
 
 def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
-    """The routed-expert fields of a Qwen3-MoE / OLMoE / Granite MoE ``config.json``; refuses what is not computed,
-    by name."""
+    """The routed-expert fields of a Qwen3-MoE / OLMoE / Granite MoE / Mixtral ``config.json``; refuses what is not
+    computed, by name. Mixtral always renormalises its top-k (``MixtralTopKRouter``: softmax over every expert,
+    top-k, divided by their sum) and reads no ``norm_topk_prob``; its ``router_jitter_noise`` multiplies the input
+    by noise in training only (``MixtralSparseMoeBlock.forward``), so any value gives the same inference."""
     used.update(("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                 "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits", "clip_qkv"))
+                 "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "output_router_logits", "clip_qkv",
+                 "router_jitter_noise"))
     counts = {k: c[k] for k in ("num_experts", "num_local_experts") if c.get(k) is not None}  # transformers' alias
     if len(set(counts.values())) > 1:
         raise InvalidCheckpoint(f"{where}: num_experts = {counts['num_experts']} but num_local_experts = "
@@ -285,7 +302,8 @@ def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
         raise _refuse(where, "decoder_sparse_step", c["decoder_sparse_step"], "every layer routed only")
     if c.get("clip_qkv") is not None:
         raise _refuse(where, "clip_qkv", c["clip_qkv"])
-    gating = "topk_softmax" if family == "granitemoe" else "softmax_norm" if c.get("norm_topk_prob") else "softmax"
+    gating = "topk_softmax" if family == "granitemoe" else "softmax_norm" if c.get("norm_topk_prob") or \
+        family == "mixtral" else "softmax"
     out = dict(n_experts=int(n_experts), n_experts_used=int(c["num_experts_per_tok"]),
                expert_intermediate=int(c[inter_key]), expert_gating=gating)
     if family == "olmoe":  # q / k norms over the whole projection (OlmoeAttention's q_norm [hidden])
@@ -386,7 +404,8 @@ HARMLESS_GGUF_KEYS = frozenset({
 
 # Whether an arch's layers carry q / k norms, as llama.cpp's (and transformers') models of it fix it; the other
 # arches (llama, qwen2, phi3) have none and say so by their tensors (a norm there is refused as not read).
-FIXED_QK_NORM = {"qwen3": True, "gemma3": True, "qwen3moe": True, "olmoe": True, "granitemoe": False}
+FIXED_QK_NORM = {"qwen3": True, "gemma3": True, "qwen3moe": True, "olmoe": True, "granitemoe": False,
+                 "mixtral": False}
 GRANITE_GGUF_KEYS = frozenset({"embedding_scale", "residual_scale", "attention.scale", "logit_scale"})
 
 
@@ -401,13 +420,16 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
     """
     family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3",
               "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}.get(arch)
+    if arch == "llama" and "llama.expert_count" in meta:
+        family = "mixtral"  # llama.cpp's Mixtral: arch llama whose hparams count experts (LLM_ARCH_LLAMA, n_expert > 0)
     if arch in UNSUPPORTED_MOE:
         raise UnsupportedArchitecture(f"{where}: GGUF architecture {arch!r} is a mixture-of-experts family ringshm "
-                                      f"does not compute: it needs {UNSUPPORTED_MOE[arch]} (supported MoE: qwen3moe, "
-                                      f"olmoe, granitemoe)")
+                                      f"does not compute: it needs {UNSUPPORTED_MOE[arch]} (supported MoE: "
+                                      f"{SUPPORTED_MOE})")
     if family is None:
-        raise UnsupportedArchitecture(f"{where}: GGUF architecture {arch!r} is not supported (supported: llama, "
-                                      f"qwen2, qwen3, gemma3, phi3, qwen3moe, olmoe, granitemoe)")
+        raise UnsupportedArchitecture(f"{where}: GGUF architecture {arch!r} is not supported (supported: llama "
+                                      f"(and Mixtral: llama with experts), qwen2, qwen3, gemma3, phi3, qwen3moe, "
+                                      f"olmoe, granitemoe)")
 
     def need(key: str):
         value = meta.get(f"{arch}.{key}")
@@ -446,10 +468,8 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
     elif f"{arch}.expert_count" in meta or any(".ffn_gate_inp." in n for n in tensor_names):
         what = next((f"tensor {n!r}" for n in sorted(tensor_names) if ".ffn_gate_inp." in n),
                     f"key {arch}.expert_count")
-        mixtral = "; Mixtral-style llama files are not supported yet" if arch == "llama" else ""
         raise UnsupportedArchitecture(f"{where}: {what}: routed experts in a {arch} file are not read by ringshm's "
-                                      f"{arch} description (it computes experts for {', '.join(MOE_FAMILIES)}"
-                                      f"{mixtral})")
+                                      f"{arch} description (it computes experts for {SUPPORTED_MOE})")
     if family == "granitemoe":  # llama.cpp's granite hparams: f_embedding_scale, f_residual_scale, ...
         kw.update(embed_scale=float(meta.get(f"{arch}.embedding_scale", 1.0)),
                   attn_scale=float(meta.get(f"{arch}.attention.scale", 1.0)),
@@ -482,7 +502,7 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
         if kw["attention_bias"] or kw["o_bias"] or kw["mlp_bias"]:
             raise _refuse(where, "biases", "present", "Gemma 3 has none")
     elif window:
-        if family not in ("phi3", "llama"):
+        if family not in ("phi3", "llama", "mixtral"):
             raise _refuse(where, f"{arch}.attention.sliding_window", window)
         kw["sliding_window"] = int(window)
     read = HARMLESS_GGUF_KEYS | (GRANITE_GGUF_KEYS if family == "granitemoe" else frozenset())
@@ -495,9 +515,10 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
 
 
 def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, where: str, need) -> dict:
-    """The routed-expert fields of a qwen3moe / olmoe / granitemoe GGUF. llama.cpp fixes the gating per arch (its
-    ``build_moe_ffn`` calls: qwen3moe renormalises the top-k weights, olmoe does not, granitemoe renormalises,
-    which is the softmax over the top-k logits of its HF original, taken that way here), so a file says only the
+    """The routed-expert fields of a qwen3moe / olmoe / granitemoe GGUF or a llama one with experts (Mixtral).
+    llama.cpp fixes the gating per arch (its ``build_moe_ffn`` calls: qwen3moe and llama renormalise the top-k
+    weights, olmoe does not, granitemoe renormalises, which is the softmax over the top-k logits of its HF original,
+    taken that way here), so a file says only the
     counts; an ``expert_weights_norm`` / ``expert_gating_func`` / shared-expert key is refused by name."""
     for key in ("expert_weights_norm", "expert_gating_func", "expert_weights_scale", "expert_shared_count",
                 "expert_shared_feed_forward_length"):
@@ -511,7 +532,8 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
     out = dict(n_experts=int(need("expert_count")), n_experts_used=int(need("expert_used_count")),
                expert_intermediate=int(meta.get(f"{arch}.expert_feed_forward_length")
                                        or need("feed_forward_length")),
-               expert_gating={"qwen3moe": "softmax_norm", "olmoe": "softmax", "granitemoe": "topk_softmax"}[family])
+               expert_gating={"qwen3moe": "softmax_norm", "olmoe": "softmax", "granitemoe": "topk_softmax",
+                              "mixtral": "softmax_norm"}[family])
     if family == "olmoe":
         out["qk_norm_full"] = True
     return out

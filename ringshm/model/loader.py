@@ -247,7 +247,7 @@ class Checkpoint:
     def _experts(self, prefix: str, field: str, name: str, loaded: list) -> list[RawWeight]:
         """One layer's routed experts of one role (``families.EXPERT_FIELDS``) as a ``RawWeight`` per expert: GGUF's
         3-D tensor cut by expert (views of its map; a merged ``ffn_gate_up_exps`` cut into its gate and up rows),
-        or HF's per-expert tensors."""
+        or the per-expert tensors of HF and of GGUF files older than the 3-D ones (``families.GGUF_SPLIT_EXPERTS``)."""
         cfg = self.config
         ie = cfg.expert_intermediate
         if not self.gguf and families.TENSOR_NAMES[cfg.arch].hf_fused_experts:  # one 3-D tensor, gate | up rows
@@ -258,7 +258,9 @@ class Checkpoint:
             out = [RawWeight.from_tensor(full[e, rows]) for e in range(cfg.n_experts)]
             loaded.extend((f"{prefix}{name} expert {e}", w) for e, w in enumerate(out))
             return out
-        if not self.gguf:
+        split = self.gguf and self.source.has(prefix + families.GGUF_SPLIT_EXPERTS[field].format(e=0))
+        if not self.gguf or split:
+            name = families.GGUF_SPLIT_EXPERTS[field] if split else name
             out = [self.source.get_raw(prefix + name.format(e=e)) for e in range(cfg.n_experts)]
             loaded.extend((prefix + name.format(e=e), w) for e, w in enumerate(out))
             return out
