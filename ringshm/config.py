@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from ringshm.generation_params import MAX_SPEC_K
 
 ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU (Llama) or GeGLU with tanh-GELU (Gemma)
-ROPE_SCALINGS = ("linear", "llama3")  # what RopeScaling.kind may be; others (yarn, dynamic, longrope) are refused
+ROPE_SCALINGS = ("linear", "llama3", "yarn")  # what RopeScaling.kind may be; others (dynamic, longrope) are refused
 EXPERT_GATINGS = ("softmax", "softmax_norm", "topk_softmax")
 """How a routed MoE layer weighs its top-k experts (``ModelConfig.expert_gating``): ``softmax`` and
 ``softmax_norm`` take the softmax over every expert's router logit and keep the k largest probabilities (ties to
@@ -34,10 +34,15 @@ class RopeScaling:
       ``_compute_linear_scaling_rope_parameters``);
     - "llama3": Llama 3.1's bands: wavelengths below ``original_max_position / high_freq_factor`` kept, above
       ``original_max_position / low_freq_factor`` divided by ``factor``, smoothly blended between
-      (transformers' ``_compute_llama3_parameters``).
+      (transformers' ``_compute_llama3_parameters``);
+    - "yarn": YaRN (Peng et al. 2023, arXiv:2309.00071): dimensions that turn fewer than ``beta_slow`` times over
+      ``original_max_position`` interpolated (divided by ``factor``), more than ``beta_fast`` times kept, a linear
+      ramp between (its ends floored / ceiled when ``truncate``), and cos / sin multiplied by
+      ``attention_factor`` (transformers' ``_compute_yarn_parameters``; llama.cpp's ``rope_yarn``).
 
     Raises:
-        ValueError: an unknown kind, a factor <= 0, or llama3 bands that are empty.
+        ValueError: an unknown kind, a factor <= 0, llama3 bands that are empty, or YaRN's rotations or
+            attention factor out of range.
     """
 
     kind: str
@@ -45,12 +50,20 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    beta_fast: float = 32.0  # YaRN: rotations over original_max_position above which a dimension is kept
+    beta_slow: float = 1.0  # YaRN: rotations below which it is interpolated
+    truncate: bool = True  # YaRN: floor / ceil the ramp's ends (gpt-oss: False)
+    attention_factor: float = 1.0  # YaRN: the factor on cos and sin (attention logits scale by its square)
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_SCALINGS:
             raise ValueError(f"RoPE scaling {self.kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
         if not self.factor > 0:
             raise ValueError(f"RoPE scaling factor must be > 0, got {self.factor!r}")
+        if self.kind == "yarn" and not (0 < self.beta_slow < self.beta_fast and self.original_max_position > 0
+                                        and 0 < self.attention_factor < 1e3):
+            raise ValueError(f"yarn RoPE scaling needs 0 < beta_slow < beta_fast, original_max_position_embeddings "
+                             f"> 0 and 0 < attention_factor < 1000, got {self}")
         if self.kind == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor
                                           and self.original_max_position > 0):
             raise ValueError(f"llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor and "

@@ -238,6 +238,17 @@ def _set(key: str, vtype: VT, value, etype: VT | None = None) -> Callable[[GGUFF
     return edit
 
 
+def _yarn(*extra: tuple[str, float]) -> Callable[[GGUFFile], None]:
+    """YaRN scaling (factor 4 over 32 original positions) plus ``extra`` float keys."""
+    def edit(f: GGUFFile) -> None:
+        for key, vtype, value in (("llama.rope.scaling.type", VT.STRING, "yarn"),
+                                  ("llama.rope.scaling.factor", VT.FLOAT32, 4.0),
+                                  ("llama.rope.scaling.original_context_length", VT.UINT32, 32),
+                                  *((k, VT.FLOAT32, v) for k, v in extra)):
+            _set(key, vtype, value)(f)
+    return edit
+
+
 def _drop_key(key: str) -> Callable[[GGUFFile], None]:
     return lambda f: f.kvs.remove(f.kv(key))
 
@@ -414,6 +425,14 @@ GGUF_CASES: dict[str, Case] = {
     "offset_overlap": Case(_g(_overlap), InvalidCheckpoint, ("overlap",)),
     "rope_scaling_without_factor": Case(_g(_set("llama.rope.scaling.type", VT.STRING, "linear")), InvalidCheckpoint,
                                         ("llama.rope.scaling.factor", "missing")),
+    "yarn_log_multiplier": Case(_g(_yarn(("llama.rope.scaling.yarn_log_multiplier", 0.1))), UnsupportedArchitecture,
+                                ("llama.rope.scaling.yarn_log_multiplier", "DeepSeek")),
+    "yarn_attn_factor": Case(_g(_yarn(("llama.rope.scaling.yarn_attn_factor", 1.2))), UnsupportedArchitecture,
+                             ("llama.rope.scaling.yarn_attn_factor",)),
+    "yarn_ext_factor": Case(_g(_yarn(("llama.rope.scaling.yarn_ext_factor", 0.5))), UnsupportedArchitecture,
+                            ("llama.rope.scaling.yarn_ext_factor",)),
+    "yarn_beta_slow_above_fast": Case(_g(_yarn(("llama.rope.scaling.yarn_beta_slow", 64.0))),
+                                      UnsupportedArchitecture, ("beta_slow",)),
     "rope_freqs_nan": Case(_g(lambda f: f.tensors.append(Tensor("rope_freqs.weight", (HEAD_DIM // 2,), QT.F32,
                                                                 _f32(np.full(HEAD_DIM // 2, np.nan))))),
                            InvalidCheckpoint, ("rope_freqs.weight", "finite")),

@@ -97,6 +97,11 @@ COMPUTED = [
     ("llama", dict(tie_word_embeddings=True)),
     ("qwen2", dict(tie_word_embeddings=False)),
     ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+    # YaRN (Qwen 2.5 / 3 long context): over 16 original positions most dimensions interpolate, a few ramp
+    ("qwen3", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                    "original_max_position_embeddings": 16})),
+    ("llama", dict(rope_parameters={"rope_type": "yarn", "factor": 8.0, "rope_theta": 10000.0, "beta_fast": 16.0,
+                                    "beta_slow": 2.0, "original_max_position_embeddings": 8})),
     ("qwen3moe", dict(norm_topk_prob=False)),  # top-k weights as they are (HF only: llama.cpp's always renormalise)
     ("qwen3moe", dict(moe_intermediate_size=40)),  # experts not whole 16-float vectors: the torch path
     ("olmoe", dict(intermediate_size=40)),  # the same, with OLMoE's whole-projection q / k norms
@@ -118,9 +123,34 @@ def test_a_setting_ringshm_computes_gives_the_oracles_tokens(zoo, family, overri
         assert_greedy_matches(ours, model.oracle_greedy(prompt, N_NEW), f"{family} {overrides} {path.name}")
 
 
+YARN = [  # transformers' RoPE dicts: the defaults, gpt-oss's (no truncation), DeepSeek's mscales, a given factor
+    {"factor": 4.0, "original_max_position_embeddings": 32768},
+    {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False},
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.707},
+    {"factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 1.25, "beta_fast": 8.0},
+]
+
+
+@pytest.mark.parametrize("params", YARN, ids=range(len(YARN)))
+def test_yarn_frequencies_and_attention_factor_are_transformers_bits(params):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ringshm.model.families import hf_config
+    from ringshm.model.rope import rope_inv_freq, rope_scale
+
+    config = LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, **params})
+    want, attention = ROPE_INIT_FUNCTIONS["yarn"](config)
+    ours = hf_config(config.to_dict(), "yarn")
+    assert torch.equal(rope_inv_freq(ours, 0), want)
+    assert rope_scale(ours, 0) == attention
+
+
 REFUSED = [
     ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                  "original_max_position_embeddings": 32}, "yarn"),
+                                  "original_max_position_embeddings": 32, "extrapolation_factor": 0.5},
+     "extrapolation_factor"),  # a YaRN key transformers does not read either
     ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "dynamic"),
     ("gemma3", "attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
     ("gemma3", "use_bidirectional_attention", True, "use_bidirectional_attention"),

@@ -60,6 +60,10 @@ transforms it applies to HF tensors (read at ggml-org/llama.cpp: ``convert_hf_to
   ``expert_count`` / ``expert_used_count``; ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2`` stacked into
   ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, ``block_sparse_moe.gate`` → ``ffn_gate_inp`` (F32). No
   gating key: llama.cpp's llama renormalises the top-k weights, as transformers' Mixtral does.
+- YaRN (``rope_type: yarn``, any arch; ``TextModel.set_gguf_parameters``): ``rope.scaling.type`` yarn,
+  ``rope.scaling.factor``, ``rope.scaling.original_context_length``, and ``rope.scaling.yarn_beta_fast`` /
+  ``yarn_beta_slow`` when the RoPE dict sets them (else llama.cpp takes 32 and 1, as transformers does); the
+  attention factor is ``0.1 ln(factor) + 1`` in both.
 - phi3 → ``phi3``, no reorder; fused ``attn_qkv`` (q rows, then k, then v) and fused ``ffn_up`` (gate rows,
   then up: ``[2 * intermediate, hidden]``), no ``ffn_gate``. Keys: ``rope.scaling.original_context_length``,
   ``rope.dimension_count``, ``attention.sliding_window`` (0 when the config has none).
@@ -180,6 +184,14 @@ def write_gguf(path: Path, arch: str, config, file_type: gguf.LlamaFileType, mod
         if full.get("rope_type") == "linear":  # the converter's linear scaling keys (llama3 writes rope_freqs)
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
             w.add_rope_scaling_factor(full["factor"])
+        if full.get("rope_type") == "yarn":  # TextModel's YaRN keys
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(full["factor"])
+            w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+            if full.get("beta_fast") is not None:
+                w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
+            if full.get("beta_slow") is not None:
+                w.add_rope_scaling_yarn_beta_slow(full["beta_slow"])
         if "sliding_attention" in rp:
             w.add_rope_freq_base_swa(rp["sliding_attention"]["rope_theta"])
         w.add_layer_norm_rms_eps(hp["rms_norm_eps"])

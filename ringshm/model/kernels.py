@@ -46,13 +46,15 @@ def _need_contiguous(what: str, **ts: torch.Tensor) -> None:
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float = 10000.0, device="cpu",
-                inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                inv_freq: torch.Tensor | None = None, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE angle tables for positions ``0 .. max_seq_len - 1``.
 
     Returns ``(cos, sin)``, each fp32 ``[max_seq_len, head_dim // 2]``: entry ``[p, i]`` is ``cos/sin(p * f_i)``
-    with ``f_i`` = ``inv_freq[i]`` (``ringshm.model.rope``: scalings, Gemma's local base), by default
+    (times ``scale`` when it is not 1: YaRN's attention factor, ``ringshm.model.rope.rope_scale``) with ``f_i`` =
+    ``inv_freq[i]`` (``ringshm.model.rope``: scalings, Gemma's local base), by default
     ``1 / theta ** (2i / head_dim)`` (RoFormer, Su et al. 2021). Computed exactly as transformers' rotary
-    embeddings do in fp32, so the angles match its bits: one fp32 product ``p * f_i`` per entry.
+    embeddings do in fp32, so the angles match its bits: one fp32 product ``p * f_i`` per entry, then one product
+    by ``scale``.
 
     Raises:
         ValueError: head_dim not a positive even number, max_seq_len < 1, or inv_freq not fp32 ``[head_dim/2]``.
@@ -68,7 +70,10 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float = 10000.0, device=
                          f"{tuple(inv_freq.shape)}")
     pos = torch.arange(max_seq_len, dtype=torch.int64).float()  # [P]
     freqs = torch.outer(pos, inv_freq.cpu())  # [P, D/2]
-    return freqs.cos().contiguous().to(device), freqs.sin().contiguous().to(device)
+    cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.contiguous().to(device), sin.contiguous().to(device)
 
 
 def check_rope_tables(what: str, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, device) -> None:

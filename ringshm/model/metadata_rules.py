@@ -122,6 +122,11 @@ _ROPE_RULES = {
     "original_max_position_embeddings": int_in(1, MAX_CONTEXT, null=True),
     "attention_factor": number_in(0, MAX_FACTOR, null=True),
     "rope_theta": number_in(0, MAX_ROPE_BASE),
+    "beta_fast": number_in(0, MAX_FACTOR, null=True),  # YaRN's ramp ends, in rotations over the original context
+    "beta_slow": number_in(0, MAX_FACTOR, null=True),
+    "mscale": number_in(0, MAX_FACTOR, lo_open=False, null=True),
+    "mscale_all_dim": number_in(0, MAX_FACTOR, lo_open=False, null=True),
+    "truncate": boolean(null=True),
 }
 
 
@@ -226,6 +231,11 @@ GGUF_RULES: dict[str, Check] = {
     "rope.scaling.type": string(),
     "rope.scaling.factor": number_in(0, MAX_FACTOR),
     "rope.scaling.original_context_length": int_in(1, MAX_CONTEXT),
+    "rope.scaling.yarn_beta_fast": number_in(0, MAX_FACTOR),
+    "rope.scaling.yarn_beta_slow": number_in(0, MAX_FACTOR),
+    "rope.scaling.yarn_attn_factor": number_in(0, MAX_FACTOR),
+    "rope.scaling.yarn_ext_factor": number_in(-1, MAX_FACTOR, lo_open=False),
+    "rope.scaling.yarn_log_multiplier": number_in(0, MAX_FACTOR, lo_open=False),
     "rope.scaling.finetuned": boolean(),
     "attention.sliding_window": int_in(0, MAX_CONTEXT),
     "attention.sliding_window_pattern": _layer_pattern,

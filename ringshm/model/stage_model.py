@@ -63,7 +63,7 @@ from ringshm.model.head import StageOutput, head_outputs, plan_head
 from ringshm.model.layer import Layer, layer_shape
 from ringshm.model.loader import Checkpoint, StageWeights, check_layer_range
 from ringshm.model.qmatmul import BEST_ISA, PackedWeight, embed_rows
-from ringshm.model.rope import rope_inv_freq
+from ringshm.model.rope import rope_inv_freq, rope_scale
 from ringshm.transport.messages import (
     MAX_TOP_LOGPROBS,
     WANT_ALL,
@@ -164,7 +164,7 @@ class StageModel:
             key = config.rope_of(i)
             if key not in tables:
                 tables[key] = kernels.rope_tables(d, max_seq_len, inv_freq=rope_inv_freq(config, i),
-                                                  device=self.device)
+                                                  device=self.device, scale=rope_scale(config, i))
             self.rope.append(tables[key])
         self.windows = [config.window(i) for i in self.layer_range]
         if self.native:
