@@ -367,7 +367,8 @@ def _yarn(params: dict, where: str, field: str, max_positions: int) -> RopeScali
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
         attention = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
     try:
-        return RopeScaling("yarn", factor, original_max_position=original, beta_fast=float(params.get("beta_fast") or 32),
+        return RopeScaling("yarn", factor, original_max_position=original,
+                           beta_fast=float(params.get("beta_fast") or 32),
                            beta_slow=float(params.get("beta_slow") or 1), truncate=bool(params.get("truncate", True)),
                            attention_factor=float(attention))
     except ValueError as e:
