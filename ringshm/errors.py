@@ -69,6 +69,11 @@ class UnsupportedArchitecture(RingshmError, ValueError):
     """A checkpoint describes a model ringshm does not compute (another architecture, or a setting or tensor that
     would change the math); the message names the field."""
 
+    @classmethod
+    def setting(cls, where: str, field: str, value, why: str = "") -> UnsupportedArchitecture:
+        """``<where>: <field> = <value> is not supported (<why>)``: one setting refused by name."""
+        return cls(f"{where}: {field} = {value!r} is not supported" + (f" ({why})" if why else ""))
+
 
 class InvalidCheckpoint(RingshmError, ValueError):
     """A model file (GGUF, or an HF directory's ``config.json`` / ``*.safetensors``) breaks a rule the checkpoint
