@@ -15,9 +15,11 @@ static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
  * (token, rank) pair, t k rows of 2 expert_inter and expert_inter, and after act come
  *   logits [t, round16(E)] | wsel [t k] | isel [t k] (int32) | xs [t k, hidden] | ys [t k, hidden] | m [t, hidden]
  *   | order [t k] (int32) | where [t k] (int32) | offs [E + 1] (int32) | active [E] (int32) | p [E]
+ *   and with a shared expert | sgu [t, 2 shared_inter] | sact [t, shared_inter] | sy [t, hidden] | sg [t]
  * (p: one token's softmax; the int32 arrays take a float's room each). */
 struct layout {
-    int64_t h, qkv, q, k, v, attn, x2, gu, act, logits, wsel, isel, xs, ys, m, order, where, offs, active, p, total;
+    int64_t h, qkv, q, k, v, attn, x2, gu, act, logits, wsel, isel, xs, ys, m, order, where, offs, active, p;
+    int64_t sgu, sact, sy, sg, total;
     int64_t qkv_w, gu_w, logits_w;
 };
 
@@ -33,6 +35,8 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
                           s->expert_inter % 16 ||
                           (s->gating != RINGSHM_GATE_SOFTMAX && s->gating != RINGSHM_GATE_SOFTMAX_NORM &&
                            s->gating != RINGSHM_GATE_TOPK_SOFTMAX))) ||
+        s->shared_inter < 0 || s->shared_inter % 16 || (s->shared_inter && !s->n_experts) ||
+        (s->shared_gate != 0 && s->shared_gate != 1) || (s->shared_gate && !s->shared_inter) ||
         !(s->residual_scale > 0.0f) || !(s->residual_scale < 1e30f))
         return 0;
     const int64_t qd = (int64_t)s->n_heads * s->head_dim, kvd = (int64_t)s->n_kv_heads * s->head_dim;
@@ -50,6 +54,7 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
     l->gu = at, at += rows * l->gu_w;
     l->act = at, at += rows * inter;
     l->logits = l->wsel = l->isel = l->xs = l->ys = l->m = l->order = l->where = l->offs = l->active = l->p = at;
+    l->sgu = l->sact = l->sy = l->sg = at;
     if (s->n_experts) {
         l->logits = at, at += t * l->logits_w;
         l->wsel = at, at += t * k;
@@ -62,6 +67,12 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
         l->offs = at, at += s->n_experts + 1;
         l->active = at, at += s->n_experts;
         l->p = at, at += s->n_experts;
+    }
+    if (s->shared_inter) {
+        l->sgu = at, at += t * 2 * (int64_t)s->shared_inter;
+        l->sact = at, at += t * s->shared_inter;
+        l->sy = at, at += t * s->hidden;
+        l->sg = at, at += t;
     }
     l->total = at;
     return 1;
@@ -77,7 +88,8 @@ static int lengths_ok(const struct ringshm_layer_shape *s, const struct ringshm_
            LEN_OK(w->post_attn_norm, w->post_attn_norm_len, hid) &&
            LEN_OK(w->post_ffn_norm, w->post_ffn_norm_len, hid) && LEN_OK(w->bqkv, w->bqkv_len, qd + 2 * kvd) &&
            LEN_OK(w->bo, w->bo_len, hid) && LEN_OK(w->bgate_up, w->bgate_up_len, 2 * (int64_t)s->inter) &&
-           LEN_OK(w->bdown, w->bdown_len, hid) && w->cos_len == (int64_t)s->n_pos * (d / 2) &&
+           LEN_OK(w->bdown, w->bdown_len, hid) && LEN_OK(w->sh_gate_inp, w->sh_gate_inp_len, hid) &&
+           (w->sh_gate_inp != NULL) == (s->shared_gate == 1) && w->cos_len == (int64_t)s->n_pos * (d / 2) &&
            w->sin_len == w->cos_len;
 #undef LEN_OK
 }
@@ -156,12 +168,37 @@ static int run_expert(const struct ringshm_layer_shape *s, const struct ringshm_
                                n, ys, hid, NULL, 0, NULL, 0, n_threads, isa);
 }
 
+/* The shared expert on h [t, hidden] (layer.h): sy [t, hidden] and, with its gate, sg [t] = sigmoid(h . w) with
+ * the dot product one fmaf per element in ascending order (each token alone). The matmuls split panels over the
+ * threads, every row the matmul's row-invariant result. */
+static int shared_expert(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w,
+                         const struct layout *l, float *work, const float *h, int64_t t, int n_threads, int isa) {
+    const int hid = s->hidden, si = s->shared_inter;
+    float *sgu = work + l->sgu, *sact = work + l->sact, *sg = work + l->sg;
+    int st;
+    if (!w->sh_gate_up || !w->sh_down) return RINGSHM_KERNEL_ERR_SHAPE;
+    if ((st = ringshm_qmat_matmul(w->type_sh_gate_up, w->sh_gate_up, w->sh_gate_up_bytes, 2 * si, hid, h, t, sgu,
+                                  2 * si, NULL, 0, NULL, 0, n_threads, isa)) ||
+        (st = s->act == RINGSHM_ACT_GELU_TANH ? ringshm_gelu_tanh_mul(sact, sgu, t, si)
+                                              : ringshm_silu_mul(sact, sgu, t, si)) ||
+        (st = ringshm_qmat_matmul(w->type_sh_down, w->sh_down, w->sh_down_bytes, hid, si, sact, t, work + l->sy, hid,
+                                  NULL, 0, NULL, 0, n_threads, isa)))
+        return st;
+    if (s->shared_gate)
+        for (int64_t i = 0; i < t; i++) {
+            float z = 0.0f;
+            for (int j = 0; j < hid; j++) z = fmaf(h[i * hid + j], w->sh_gate_inp[j], z);
+            sg[i] = 1.0f / (1.0f + expf(-z));
+        }
+    return RINGSHM_KERNEL_OK;
+}
+
 /* The routed experts' FFN on h [t, hidden] (layer.h), the result added to x2 into x. The (token, rank) pairs are
  * grouped by expert (a counting sort, tokens ascending within each); every pair has its own rows of xs / gu / act
  * / ys, so experts never share scratch. With at least as many active experts as threads, each thread runs whole
  * experts (dynamic schedule, most rows first) on one thread each; with fewer, the experts run one after another,
  * their panels split over the threads. Either way every expert row is the matmul's row-invariant result. Then
- * each token sums its k terms in ascending expert id. */
+ * each token sums its k terms in ascending expert id, and adds the shared expert's (gated) output last. */
 static int moe_ffn(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w,
                    const struct layout *l, float *work, const float *h, const float *x2, float *x, int64_t t,
                    int n_threads, int isa) {
@@ -172,6 +209,7 @@ static int moe_ffn(const struct ringshm_layer_shape *s, const struct ringshm_lay
     int32_t *where = (int32_t *)(work + l->where);
     int st;
     if (!w->router || !w->exp_gate || !w->exp_up || !w->exp_down) return RINGSHM_KERNEL_ERR_SHAPE;
+    if (s->shared_inter && (st = shared_expert(s, w, l, work, h, t, n_threads, isa))) return st;
     if ((st = ringshm_qmat_matmul(w->type_router, w->router, w->router_bytes, n_e, hid, h, t, logits, l->logits_w,
                                   NULL, 0, NULL, 0, n_threads, isa)))
         return st;
@@ -228,6 +266,18 @@ static int moe_ffn(const struct ringshm_layer_shape *s, const struct ringshm_lay
             for (int j = 0; j < hid; j++) {
                 const float term = wt * y[j];
                 row[j] = row[j] + term;
+            }
+        }
+        if (s->shared_inter) { /* the shared expert's term last, as transformers adds it after the routed sum */
+            const float *y = work + l->sy + i * hid;
+            if (s->shared_gate) {
+                const float g = work[l->sg + i];
+                for (int j = 0; j < hid; j++) {
+                    const float term = g * y[j];
+                    row[j] = row[j] + term;
+                }
+            } else {
+                for (int j = 0; j < hid; j++) row[j] = row[j] + y[j];
             }
         }
         if (s->residual_scale != 1.0f)

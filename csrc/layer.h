@@ -41,6 +41,10 @@
  *         y = (act(h . Wgate_e^T) * (h . Wup_e^T)) . Wdown_e^T       [rows, hidden]  (width expert_inter)
  *     m[tok] = 0, then m[tok] = m[tok] + (w * y[tok]) for each of its experts in ascending id (two roundings
  *         each: the product, then the add; transformers' eager experts loop and index_add_)
+ *     with a shared expert (shared_inter > 0; Qwen2-MoE), after the routed terms:
+ *         s = (act(gate) * up) . Wsh_down^T with [gate | up] = h . Wsh_gate_up^T   [T, hidden] (the matmul)
+ *         m[tok] = m[tok] + (g * s[tok]), g = 1 / (1 + expf(-z)), z = sum_j h[tok, j] * sh_gate_inp[j] (one fmaf
+ *         per j, ascending from 0); without shared_gate m[tok] = m[tok] + s[tok]
  *     x = x2 + m
  * The matmuls compute each row alone (matmul.h), so a token's y for an expert is the same bits whether the
  * expert serves it alone or beside any other tokens of any streams, and a token's m depends only on its own h:
@@ -87,6 +91,8 @@ struct ringshm_layer_shape {
     int n_experts;    /* routed experts (0: the dense FFN gate_up / down) */
     int n_experts_used, expert_inter, gating; /* top-k, one expert's width, enum ringshm_gating */
     float residual_scale; /* each branch's output times this before its residual add (Granite); 1: none */
+    int shared_inter;     /* with experts: a shared expert of this width beside the routed ones (0: none) */
+    int shared_gate;      /* 1: the shared expert's output times sigmoid(h . sh_gate_inp) (Qwen2-MoE) */
 };
 
 /* One layer's weights (packed, matmul.h), RoPE tables and KV cache; pointers stay owned by the caller. */
@@ -117,6 +123,13 @@ struct ringshm_layer_weights {
     int type_router, type_exp_gate, type_exp_up, type_exp_down;
     const uint8_t *router, *exp_gate, *exp_up, *exp_down;
     int64_t router_bytes, exp_gate_bytes, exp_up_bytes, exp_down_bytes;
+    /* The shared expert (shape shared_inter > 0): gate and up fused [2 shared_inter, hidden] rows [gate | up],
+     * down [hidden, shared_inter], packed; its gate's weights [hidden] (shape shared_gate) or NULL. */
+    int type_sh_gate_up, type_sh_down;
+    const uint8_t *sh_gate_up, *sh_down;
+    int64_t sh_gate_up_bytes, sh_down_bytes;
+    const float *sh_gate_inp;
+    int64_t sh_gate_inp_len;
     int window;                                                 /* sliding-window keys, 0: none */
     struct ringshm_kv_pool kv;                                  /* this layer's blocks (kernels.h) */
 };

@@ -92,6 +92,8 @@ class ModelConfig:
                 logits, w = softmax over those k logits alone
             m = Σ_{e in E, ascending id} w_e · ((act(h · Wgate_eᵀ) * (h · Wup_eᵀ)) · Wdown_eᵀ)   widths
                 expert_intermediate; each term one rounded product, added in that order from 0
+            with a shared expert (shared_expert_intermediate > 0, Qwen2-MoE): then m = m + g · s, s the dense FFN
+                of width shared_expert_intermediate on h, g = sigmoid(h · w_gate_inp) (shared_expert_gate) or 1
         post_norms: m = norm(m) · post_ffn_norm
         x = x + m
     (with ``residual_scale`` != 1, Granite: x = x + a * residual_scale and x = x + m * residual_scale)
@@ -147,6 +149,8 @@ class ModelConfig:
     expert_intermediate: int = 0  # one expert's FFN width (HF moe_intermediate_size)
     expert_gating: str = "softmax_norm"  # EXPERT_GATINGS
     residual_scale: float = 1.0  # each branch's output times this before its residual add (Granite's muP)
+    shared_expert_intermediate: int = 0  # a shared expert beside the routed ones, this wide (0: none; Qwen2-MoE)
+    shared_expert_gate: bool = False  # the shared expert's output times sigmoid(h · w) (Qwen2-MoE's gate)
     logit_scale: float = 1.0  # the LM head's logits divided by this (Granite's logits_scaling)
 
     def __post_init__(self) -> None:
@@ -184,6 +188,11 @@ class ModelConfig:
                              f"min(n_experts, {MAX_EXPERTS_USED}), expert_intermediate > 0 and expert_gating in "
                              f"{EXPERT_GATINGS}; got {self.n_experts}, {self.n_experts_used}, "
                              f"{self.expert_intermediate}, {self.expert_gating!r}")
+        if self.shared_expert_intermediate < 0 or (self.shared_expert_intermediate and not self.n_experts) or (
+                self.shared_expert_gate and not self.shared_expert_intermediate):
+            raise ValueError(f"ModelConfig: a shared expert needs routed experts (n_experts > 0) and a width >= 0, its "
+                             f"gate a shared expert; got shared_expert_intermediate {self.shared_expert_intermediate}, "
+                             f"shared_expert_gate {self.shared_expert_gate}, n_experts {self.n_experts}")
 
     @property
     def moe(self) -> bool:

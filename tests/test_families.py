@@ -106,6 +106,8 @@ COMPUTED = [
     ("qwen3moe", dict(moe_intermediate_size=40)),  # experts not whole 16-float vectors: the torch path
     ("olmoe", dict(intermediate_size=40)),  # the same, with OLMoE's whole-projection q / k norms
     ("granitemoe", dict(intermediate_size=40)),  # the same, with Granite's top-k softmax and muP multipliers
+    ("qwen2moe", dict(shared_expert_intermediate_size=40)),  # a shared expert of odd width: the torch path
+    ("qwen2moe", dict(norm_topk_prob=True)),  # Qwen2-MoE renormalised (HF only: llama.cpp's qwen2moe never does)
 ]
 HF_ONLY = {"sliding_window", "norm_topk_prob"}  # settings llama.cpp's converter does not carry over
 
@@ -164,7 +166,7 @@ REFUSED = [
     ("qwen3moe", "model_type", "qwen3_next", "Gated DeltaNet"),  # MoE families not computed: by name, with why
     ("qwen3moe", "model_type", "deepseek_v3", "MLA"),
     ("qwen3moe", "model_type", "gpt_oss", "MXFP4"),
-    ("qwen3moe", "model_type", "qwen2_moe", "shared expert"),
+    ("qwen3moe", "model_type", "granitemoeshared", "shared_mlp"),
 ]
 
 

@@ -49,12 +49,14 @@ EXPECTED_KEYS = {
                                 "residual_scale", "logit_scale", "expert_count", "expert_used_count"],
     "mixtral": _BASE_KEYS + _HEAD_DIM_KEYS + ["vocab_size", "rope.dimension_count", "expert_count",
                                              "expert_used_count"],
+    "qwen2moe": _BASE_KEYS + ["expert_count", "expert_used_count", "expert_feed_forward_length",
+                              "expert_shared_feed_forward_length"],
 }
 GENERAL_KEYS = {"general.architecture", "general.type", "general.name", "general.size_label", "general.file_type",
                 "general.quantization_version"}
 ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "gemma3": "gemma3", "gemma3_softcap": "gemma3", "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe",
-        "granitemoe": "granitemoe", "mixtral": "llama"}
+        "granitemoe": "granitemoe", "mixtral": "llama", "qwen2moe": "qwen2moe"}
 
 _LLAMA_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
 _GEMMA3_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
@@ -79,6 +81,9 @@ EXPECTED_TENSORS = {
                    ["token_embd.weight", "output_norm.weight", "output.weight"]),
     "mixtral": ([n for n in _MOE_LAYER if n not in ("attn_q_norm", "attn_k_norm")],
                 ["token_embd.weight", "output_norm.weight", "output.weight"]),
+    "qwen2moe": ([n for n in _MOE_LAYER if n not in ("attn_q_norm", "attn_k_norm")]
+                 + ["attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_gate_inp_shexp", "ffn_gate_shexp",
+                    "ffn_up_shexp", "ffn_down_shexp"], ["token_embd.weight", "output_norm.weight", "output.weight"]),
 }
 # Q4_K_M spot checks (llama-quantize): use_more_bits layers are 2, 3 of 4 and 2, 5 of 6; the LM head (or a tied
 # embedding) Q6_K; qwen2's rows of 320 / 640 take the fallbacks Q5_0 (for Q4_K) and Q8_0 (for Q6_K).
@@ -102,6 +107,9 @@ Q4_K_M_TYPES = {
               "blk.0.attn_q_norm.weight": Q.F32},
     "granitemoe": {"blk.1.ffn_gate_inp.weight": Q.F32, "blk.2.ffn_down_exps.weight": Q.Q6_K,
                    "blk.0.ffn_up_exps.weight": Q.Q4_K, "token_embd.weight": Q.Q4_K, "output.weight": Q.Q6_K},
+    "qwen2moe": {"blk.0.ffn_gate_inp_shexp.weight": Q.F32, "blk.0.ffn_gate_shexp.weight": Q.Q4_K,
+                 "blk.2.ffn_down_shexp.weight": Q.Q6_K, "blk.1.ffn_down_shexp.weight": Q.Q4_K,
+                 "blk.0.attn_q.bias": Q.F32},
     "mixtral": {"blk.0.ffn_gate_inp.weight": Q.F32, "blk.3.ffn_down_exps.weight": Q.Q6_K,
                 "blk.0.ffn_gate_exps.weight": Q.Q4_K, "blk.2.attn_v.weight": Q.Q6_K, "output.weight": Q.Q6_K},
 }
@@ -153,7 +161,8 @@ def test_gguf_has_the_converters_names_types_and_keys(zoo, family):
         assert list(tensors["blk.0.attn_qkv.weight"].shape) == [h, n_qkv]
         assert list(tensors["blk.0.ffn_up.weight"].shape) == [h, 2 * cfg.intermediate_size]
     elif family in MOE_FAMILIES:  # [cols, rows, experts] in ggml order
-        n_exp, ie = cfg.num_local_experts, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
+        n_exp = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+        ie = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         assert list(tensors["blk.0.ffn_gate_inp.weight"].shape) == [h, n_exp]
         assert list(tensors["blk.0.ffn_gate_exps.weight"].shape) == [h, ie, n_exp]
         assert list(tensors["blk.0.ffn_down_exps.weight"].shape) == [ie, h, n_exp]
@@ -219,9 +228,11 @@ def test_gguf_tensors_decode_to_the_hf_tensors_bit_for_bit(zoo, family):
 # (it takes them from the tokenizer keys, and the zoo writes none), head_dim (qwen3: it ignores
 # attention.key_length), Gemma's query_pre_attn_scalar and final_logit_softcapping, llama3 RoPE scaling (it does
 # not read rope_freqs.weight), Qwen3-MoE's expert width (it ignores expert_feed_forward_length) and its
-# norm_topk_prob (llama.cpp's qwen3moe always renormalises; no key says so).
+# norm_topk_prob (llama.cpp's qwen3moe always renormalises; no key says so), Qwen2-MoE's shared expert width (it
+# ignores expert_shared_feed_forward_length).
 _NOT_FROM_GGUF = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", "head_dim", "query_pre_attn_scalar",
-                  "final_logit_softcapping", "moe_intermediate_size", "norm_topk_prob")
+                  "final_logit_softcapping", "moe_intermediate_size", "norm_topk_prob",
+                  "shared_expert_intermediate_size")
 
 
 # transformers reads no olmoe, granitemoe or Mixtral GGUF (its llama reader has no experts)

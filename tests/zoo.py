@@ -20,7 +20,8 @@ biases, hidden 320), ``qwen3`` (q/k RMSNorm), ``gemma3`` (6 layers, 5 local with
 ``qwen3moe`` (16 experts, top 4, renormalised) and ``olmoe`` (16 experts, top 4, not renormalised; q / k norms
 over the whole projection, 4 KV heads) and ``granitemoe`` (16 experts, top 4, softmax over the top-k logits;
 granite-3.0-1b-a400m's muP multipliers; untied) and ``mixtral`` (16 experts, top 2, renormalised; Mistral's
-attention; GGUF arch ``llama``), expert width 256, written as transformers saves them (one tensor per expert;
+attention; GGUF arch ``llama``) and ``qwen2moe`` (16 experts, top 4, not renormalised, a shared expert 512 wide
+gated by a sigmoid; q/k/v biases), expert width 256, written as transformers saves them (one tensor per expert;
 Granite: ``input_linear`` / ``output_linear`` 3-D; Mixtral: ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``)
 and as the converter merges them (3-D ``ffn_*_exps``; the router ``ffn_gate_inp`` stays F32).
 
@@ -127,6 +128,14 @@ def _mixtral(**kw):
                             "intermediate_size": 256, **kw})
 
 
+def _qwen2moe(**kw):
+    from transformers import Qwen2MoeConfig
+
+    # Qwen1.5-MoE's layout: q/k/v biases, top-k not renormalised, a shared expert twice an expert's width
+    return Qwen2MoeConfig(**{**_COMMON, "rope_theta": 1e6, "rms_norm_eps": 1e-6, **_MOE, "moe_intermediate_size": 256,
+                             "shared_expert_intermediate_size": 512, "norm_topk_prob": False, **kw})
+
+
 def _phi3(**kw):
     from transformers import Phi3Config
 
@@ -198,8 +207,9 @@ FAMILIES: dict[str, Family] = {
     "olmoe": Family(_olmoe, "olmoe"),
     "granitemoe": Family(_granitemoe, "granitemoe", permute_qk=True, std=_GRANITEMOE_STD),
     "mixtral": Family(_mixtral, "llama", permute_qk=True, hf_renames=_MIXTRAL_RENAMES),
+    "qwen2moe": Family(_qwen2moe, "qwen2moe"),
 }
-MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral")
+MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral", "qwen2moe")
 
 
 class Greedy(NamedTuple):
@@ -332,6 +342,8 @@ def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0, 
                               else config.num_key_value_heads)
         if spec.norm_shift and role.endswith("norm"):
             hf = (vals - np.float32(spec.norm_shift)).astype(np.float32)
+        if role == "ffn_gate_inp_shexp":  # the converter writes the HF [1, hidden] row as a vector [hidden]
+            raw = raw.reshape(-1)
         gguf_tensors.append((gname, raw, qtype))
         hf_tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(hf, dtype=np.float32))
 

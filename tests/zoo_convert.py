@@ -60,6 +60,11 @@ transforms it applies to HF tensors (read at ggml-org/llama.cpp: ``convert_hf_to
   ``expert_count`` / ``expert_used_count``; ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2`` stacked into
   ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, ``block_sparse_moe.gate`` → ``ffn_gate_inp`` (F32). No
   gating key: llama.cpp's llama renormalises the top-k weights, as transformers' Mixtral does.
+- qwen2moe → ``qwen2moe`` (``Qwen2MoeModel``): Qwen 2's q/k/v biases, no reorder; ``expert_count``,
+  ``expert_used_count``, ``expert_feed_forward_length`` and ``expert_shared_feed_forward_length``; routed experts
+  stacked as qwen3moe's, the shared expert as ``ffn_{gate,up,down}_shexp`` and its gate ``ffn_gate_inp_shexp``, F32
+  ``[hidden]`` (the HF ``[1, hidden]`` row as a vector: transformers' GGUF reader expands it back, "quantized one is
+  (2048)"). llama.cpp never renormalises qwen2moe's top-k.
 - YaRN (``rope_type: yarn``, any arch; ``TextModel.set_gguf_parameters``): ``rope.scaling.type`` yarn,
   ``rope.scaling.factor``, ``rope.scaling.original_context_length``, and ``rope.scaling.yarn_beta_fast`` /
   ``yarn_beta_slow`` when the RoPE dict sets them (else llama.cpp takes 32 and 1, as transformers does); the
@@ -209,11 +214,13 @@ def write_gguf(path: Path, arch: str, config, file_type: gguf.LlamaFileType, mod
             w.add_embedding_scale(hp["embedding_multiplier"])
             w.add_residual_scale(hp["residual_multiplier"])
             w.add_logit_scale(hp["logits_scaling"])
-        if arch in ("qwen3moe", "olmoe", "granitemoe") or hp.get("num_local_experts"):  # TextModel's expert keys
+        if arch in ("qwen3moe", "olmoe", "granitemoe", "qwen2moe") or hp.get("num_local_experts"):  # expert keys
             w.add_expert_count(hp.get("num_experts", hp.get("num_local_experts")))
             w.add_expert_used_count(hp["num_experts_per_tok"])
             if hp.get("moe_intermediate_size"):
                 w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
+            if hp.get("shared_expert_intermediate_size"):  # Qwen2MoeModel
+                w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
         if arch == "gemma3":
             if hp.get("final_logit_softcapping"):
                 w.add_final_logit_softcapping(hp["final_logit_softcapping"])

@@ -104,7 +104,8 @@ def tensor_type(recipe: str, role: str, layer: int | None, n_layers: int, row_wi
     ``output.weight``, so ``token_embd`` is also the LM head.
     """
     base = RECIPES[recipe][1]
-    if n_dims < 2 or role.endswith(("_norm", ".bias")) or role == "ffn_gate_inp":  # the MoE router: never quantized
+    # the MoE router and the shared expert's gate (a [1, hidden] row: ggml_n_dims 1) are never quantized
+    if n_dims < 2 or role.endswith(("_norm", ".bias")) or role in ("ffn_gate_inp", "ffn_gate_inp_shexp"):
         return Q.F32
     if recipe in ("f32", "f16", "bf16", "q8_0"):
         return base
@@ -113,7 +114,8 @@ def tensor_type(recipe: str, role: str, layer: int | None, n_layers: int, row_wi
         is_head = role == "output" or (tied and role == "token_embd")
         if is_head:
             return Q.Q8_0 if row_width % 256 else Q.Q6_K
-        if role in ("attn_v", "attn_qkv", "ffn_down", "ffn_down_exps") and use_more_bits(layer, n_layers):
+        if role in ("attn_v", "attn_qkv", "ffn_down", "ffn_down_exps", "ffn_down_shexp") and use_more_bits(
+                layer, n_layers):
             qtype = Q.Q6_K
     if row_width % GGML_QUANT_SIZES[qtype][0]:
         qtype = _FALLBACK.get(qtype, qtype)

@@ -301,15 +301,18 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
     ``[E, hidden]``; in GGUF ``[E, I_e, hidden]`` gate and up (or, ``merged_gate_up_exps``, one
     ``ffn_gate_up_exps`` ``[E, 2 I_e, hidden]``) and ``[E, hidden, I_e]`` down, or (``split_experts``: files from
     before llama.cpp stacked them) one 2-D tensor per expert, ``ffn_gate.{e}.weight`` ...; in HF one 2-D tensor per
-    expert, or (Granite MoE) ``input_linear`` ``[E, 2 I_e, hidden]`` and ``output_linear`` ``[E, hidden, I_e]``.
+    expert, or (Granite MoE) ``input_linear`` ``[E, 2 I_e, hidden]`` and ``output_linear`` ``[E, hidden, I_e]``. A
+    shared expert (width S): gate and up ``[S, hidden]``, down ``[hidden, S]``, its gate's weights ``[hidden]``
+    (``_check_tensors`` also takes the ``[1, hidden]`` of an HF linear layer or a converter that kept it 2-D).
     """
     h, q, kv, inter, d = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate, cfg.head_dim
-    n_e, ie = cfg.n_experts, cfg.expert_intermediate
+    n_e, ie, si = cfg.n_experts, cfg.expert_intermediate, cfg.shared_expert_intermediate
     names = families.TENSOR_NAMES[cfg.arch]
     shapes = {
         "attn_norm": (h,), "ffn_norm": (h,), "post_attn_norm": (h,), "post_ffn_norm": (h,),
         "q_norm": (q,) if cfg.qk_norm_full else (d,), "k_norm": (kv,) if cfg.qk_norm_full else (d,),
         "w_router": (n_e, h), "w_exp_gate": (n_e, ie, h), "w_exp_up": (n_e, ie, h), "w_exp_down": (n_e, h, ie),
+        "w_shexp_gate": (si, h), "w_shexp_up": (si, h), "w_shexp_down": (h, si), "shexp_gate_inp": (h,),
         "wq": (q + 2 * kv if names.fused_qkv else q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
         "w_gate": (2 * inter if names.fused_gate_up else inter, h), "w_up": (inter, h), "w_down": (h, inter),
         "bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (h,), "b_gate": (2 * inter if names.fused_gate_up else inter,),
@@ -356,6 +359,11 @@ def _check_layer_count(where: str, label: str, n_layers: int, tensors, prefix: s
                                 + (f"layers 0-{held - 1} only" if held else "no layer"))
 
 
+# vectors a checkpoint may hold as one row (a Linear(hidden, 1) weight): the shared expert's gate
+ONE_ROW_VECTORS = (families.TENSOR_NAMES["qwen2moe"].layer["shexp_gate_inp"][0],
+                   families.TENSOR_NAMES["qwen2moe"].layer["shexp_gate_inp"][1])
+
+
 def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Every tensor of ``found`` (name -> (type name, torch-order shape)) against ``expected_tensors``."""
     merged = gguf and cfg.moe and f"blk.0.{families.GGUF_MERGED_GATE_UP_EXPS}" in found
@@ -366,7 +374,7 @@ def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tu
         if name not in found:
             raise MissingTensor(f"{where}: tensor {name!r} ({e.what}) not found")
         tname, shape = found[name]
-        if shape != e.shape:
+        if shape != e.shape and not (name.endswith(ONE_ROW_VECTORS) and shape == (1, *e.shape)):
             raise InvalidCheckpoint(f"{where}: tensor {name!r} ({e.what}) has shape {list(shape)}: expected "
                                     f"{list(e.shape)} (torch order) for this config")
         ok = (readable_gguf_type(tname) if gguf else tname in FLOATS) if e.weight else tname in FLOATS

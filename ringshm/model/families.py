@@ -20,6 +20,9 @@ reads the description; nothing here computes.
                                          HF experts fused 3-D (input_linear [E, 2 I, hidden], output_linear)
     mixtral  mixtral         llama**     Mistral's attention; every FFN routed experts, top-k of a softmax,
                                          renormalised; HF names block_sparse_moe.gate / experts.{e}.w1 w3 w2
+    qwen2moe qwen2_moe       qwen2moe    Qwen 2's attention (q/k/v biases); routed experts, top-k of a softmax
+                                         (renormalised when norm_topk_prob; GGUF: never), plus a shared expert
+                                         whose output is gated by sigmoid(h . w) (Qwen1.5-MoE, Qwen2-57B-A14B)
     (* llama.cpp writes Mistral checkpoints as arch "llama"; ** a "llama" file with llama.expert_count is Mixtral)
 
 A routed expert's weights: in GGUF one 3-D tensor per role and layer, ``ffn_{gate,up,down}_exps`` (``[E, rows,
@@ -49,26 +52,28 @@ from ringshm.model.rope_settings import YARN_GGUF_KEYS, gguf_rope, hf_rope
 
 _refuse = UnsupportedArchitecture.setting  # "<where>: <field> = <value> is not supported (<why>)"
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe", "mixtral")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe", "mixtral",
+            "qwen2moe")
 HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-            "phi3": "phi3", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "mixtral"}
+            "phi3": "phi3", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "mixtral",
+            "qwen2_moe": "qwen2moe"}
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
-              "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "llama"}
-MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral")
-SUPPORTED_MOE = "qwen3moe / qwen3_moe, olmoe, granitemoe, mixtral (GGUF arch llama with experts)"
+              "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "llama",
+              "qwen2moe": "qwen2moe"}
+MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral", "qwen2moe")
+SUPPORTED_MOE = "qwen3moe / qwen3_moe, olmoe, granitemoe, mixtral (GGUF arch llama with experts), qwen2moe / qwen2_moe"
 # MoE checkpoints ringshm does not compute, by HF model_type and GGUF arch, with what they would need.
 UNSUPPORTED_MOE = {
     "qwen3_next": "linear-attention (Gated DeltaNet) layers and a shared expert",
     "qwen3next": "linear-attention (Gated DeltaNet) layers and a shared expert",
     "qwen3_5_moe": "linear-attention (Gated DeltaNet) layers and a shared expert",
     "qwen35moe": "linear-attention (Gated DeltaNet) layers and a shared expert",
-    "qwen2_moe": "a shared expert beside the routed ones", "qwen2moe": "a shared expert beside the routed ones",
     "deepseek_v2": "multi-head latent attention (MLA) and shared experts",
     "deepseek_v3": "multi-head latent attention (MLA) and shared experts",
     "deepseek2": "multi-head latent attention (MLA) and shared experts",
     "gpt_oss": "MXFP4 experts, attention sinks, biased router and experts, a clamped SwiGLU",
     "gpt-oss": "MXFP4 experts, attention sinks, biased router and experts, a clamped SwiGLU",
-    "granitemoeshared": "a shared expert and muP multipliers",
+    "granitemoeshared": "its ungated shared expert read from shared_mlp (not described yet)",
     "phimoe": "sparsemixer routing", "jetmoe": "mixture-of-attention heads", "dbrx": "clipped fused qkv",
 }
 # llama.cpp's converter reorders these arches' q/k rows (loader docstring; Granite's converter is a LlamaModel)
@@ -141,6 +146,15 @@ _MIXTRAL_LAYER = {
     "w_exp_up": ("ffn_up_exps.weight", "block_sparse_moe.experts.{e}.w3.weight"),
     "w_exp_down": ("ffn_down_exps.weight", "block_sparse_moe.experts.{e}.w2.weight"),
 }
+_QWEN2MOE_LAYER = {
+    **_LLAMA_LAYER,
+    # the shared expert: a dense FFN of its own width, and the [hidden] weights of its sigmoid gate
+    "w_shexp_gate": ("ffn_gate_shexp.weight", "mlp.shared_expert.gate_proj.weight"),
+    "w_shexp_up": ("ffn_up_shexp.weight", "mlp.shared_expert.up_proj.weight"),
+    "w_shexp_down": ("ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight"),
+    "shexp_gate_inp": ("ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight"),
+}
+SHARED_EXPERT_FIELDS = ("w_shexp_gate", "w_shexp_up", "w_shexp_down")
 GGUF_MERGED_GATE_UP_EXPS = "ffn_gate_up_exps.weight"  # newer converters: gate and up of every expert in one tensor
 EXPERT_FIELDS = ("w_exp_gate", "w_exp_up", "w_exp_down")
 # GGUF files written before llama.cpp stacked experts (its Mixtral files of early 2024): one 2-D tensor per expert
@@ -164,6 +178,7 @@ TENSOR_NAMES = {
     "phi3": TensorNames(_PHI3_LAYER, fused_qkv=True, fused_gate_up=True),
     "qwen3moe": TensorNames(_LLAMA_LAYER), "olmoe": TensorNames(_LLAMA_LAYER),
     "granitemoe": TensorNames(_GRANITEMOE_LAYER, hf_fused_experts=True), "mixtral": TensorNames(_MIXTRAL_LAYER),
+    "qwen2moe": TensorNames(_QWEN2MOE_LAYER),
 }
 GLOBAL_TENSORS = {  # role -> (GGUF name, HF name)
     "embed": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -180,6 +195,10 @@ def wanted(cfg: ModelConfig, field: str, names: TensorNames) -> bool:
         return False
     if field in ("w_router", *EXPERT_FIELDS):
         return cfg.moe
+    if field in SHARED_EXPERT_FIELDS:
+        return cfg.shared_expert_intermediate > 0
+    if field == "shexp_gate_inp":
+        return cfg.shared_expert_gate
     if field in ("w_gate", "w_up", "w_down") and cfg.moe:
         return False
     if field in ("bq", "bk", "bv"):
@@ -288,7 +307,7 @@ def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
         raise InvalidCheckpoint(f"{where}: num_experts (or num_local_experts) is missing: a {family} config must say "
                                 f"how many routed experts a layer has")
     n_experts = next(iter(counts.values()))
-    inter_key = "moe_intermediate_size" if family == "qwen3moe" else "intermediate_size"
+    inter_key = "moe_intermediate_size" if family in ("qwen3moe", "qwen2moe") else "intermediate_size"
     for key in ("num_experts_per_tok", inter_key):
         if c.get(key) is None:
             raise InvalidCheckpoint(f"{where}: {key} is missing: a {family} config must say it")
@@ -307,6 +326,15 @@ def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
                expert_intermediate=int(c[inter_key]), expert_gating=gating)
     if family == "olmoe":  # q / k norms over the whole projection (OlmoeAttention's q_norm [hidden])
         out["qk_norm_full"] = True
+    used.add("shared_expert_intermediate_size")
+    if family == "qwen2moe":  # Qwen2MoeSparseMoeBlock: the shared expert always, gated by sigmoid(h . w)
+        if not c.get("shared_expert_intermediate_size"):
+            raise InvalidCheckpoint(f"{where}: shared_expert_intermediate_size is missing: a qwen2_moe config must "
+                                    f"say how wide its shared expert is")
+        out.update(shared_expert_intermediate=int(c["shared_expert_intermediate_size"]), shared_expert_gate=True)
+    elif c.get("shared_expert_intermediate_size"):
+        raise _refuse(where, "shared_expert_intermediate_size", c["shared_expert_intermediate_size"],
+                      f"{family} has no shared expert")
     return out
 
 
@@ -318,9 +346,11 @@ def _f32(x: float) -> float:
 
 
 def _hf_biases(c: dict, family: str, used: set, where: str) -> dict:
-    used.update(("attention_bias", "mlp_bias"))
+    used.update(("attention_bias", "mlp_bias", "qkv_bias"))
     if family == "qwen2":  # Qwen 2: q/k/v biases always, no output bias
         return dict(attention_bias=True)
+    if family == "qwen2moe":  # Qwen2-MoE: q/k/v biases unless qkv_bias is false (transformers 5), no output bias
+        return dict(attention_bias=bool(c.get("qkv_bias", True)))
     attn_bias = bool(c.get("attention_bias", False))
     if attn_bias and family in ("gemma3", "phi3", "qwen3", "mistral"):
         # these families' attention_bias covers q/k/v and o, as Llama's (transformers' modeling files)
@@ -333,7 +363,7 @@ def _hf_windows(c: dict, family: str, n_layers: int, used: set, where: str) -> d
                  "_sliding_window_pattern"))
     window = c.get("sliding_window")
     layer_types = c.get("layer_types")
-    if family in ("qwen2", "qwen3", "qwen3moe"):
+    if family in ("qwen2", "qwen3", "qwen3moe", "qwen2moe"):
         if c.get("use_sliding_window"):
             raise _refuse(where, "use_sliding_window", True, "Qwen's per-layer sliding windows are not computed")
         return {}
@@ -366,7 +396,7 @@ HARMLESS_GGUF_KEYS = frozenset({
 # Whether an arch's layers carry q / k norms, as llama.cpp's (and transformers') models of it fix it; the other
 # arches (llama, qwen2, phi3) have none and say so by their tensors (a norm there is refused as not read).
 FIXED_QK_NORM = {"qwen3": True, "gemma3": True, "qwen3moe": True, "olmoe": True, "granitemoe": False,
-                 "mixtral": False}
+                 "mixtral": False, "qwen2moe": False}
 GRANITE_GGUF_KEYS = frozenset({"embedding_scale", "residual_scale", "attention.scale", "logit_scale"})
 
 
@@ -380,7 +410,7 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
             be harmless, or a value ringshm does not compute (each named).
     """
     family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3",
-              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe"}.get(arch)
+              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2moe": "qwen2moe"}.get(arch)
     if arch == "llama" and "llama.expert_count" in meta:
         family = "mixtral"  # llama.cpp's Mixtral: arch llama whose hparams count experts (LLM_ARCH_LLAMA, n_expert > 0)
     if arch in UNSUPPORTED_MOE:
@@ -390,7 +420,7 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
     if family is None:
         raise UnsupportedArchitecture(f"{where}: GGUF architecture {arch!r} is not supported (supported: llama "
                                       f"(and Mixtral: llama with experts), qwen2, qwen3, gemma3, phi3, qwen3moe, "
-                                      f"olmoe, granitemoe)")
+                                      f"olmoe, granitemoe, qwen2moe)")
 
     def need(key: str):
         value = meta.get(f"{arch}.{key}")
@@ -422,8 +452,10 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
               mlp_bias="blk.0.ffn_down.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names)
     if family in FIXED_QK_NORM:  # the arch fixes these: a file that lacks or adds them is refused by its tensors
         kw.update(qk_norm=FIXED_QK_NORM[family])
-    if family in MOE_FAMILIES:  # llama.cpp's MoE arches read no attention biases
-        kw.update(attention_bias=False, o_bias=False)
+    if family in MOE_FAMILIES and family != "qwen2moe":  # llama.cpp's MoE arches read no attention biases but
+        kw.update(attention_bias=False, o_bias=False)  # qwen2moe's q/k/v ones (o: none, refused by its tensor)
+    if family == "qwen2moe":
+        kw.update(o_bias=False)
     if family in MOE_FAMILIES:
         kw.update(_gguf_experts(meta, tensor_names, arch, family, where, need))
     elif f"{arch}.expert_count" in meta or any(".ffn_gate_inp." in n for n in tensor_names):
@@ -460,7 +492,8 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
             raise _refuse(where, f"{arch}.attention.sliding_window", window)
         kw["sliding_window"] = int(window)
     read = HARMLESS_GGUF_KEYS | (GRANITE_GGUF_KEYS if family == "granitemoe" else frozenset()) | (
-        YARN_GGUF_KEYS if meta.get(f"{arch}.rope.scaling.type") == "yarn" else frozenset())
+        YARN_GGUF_KEYS if meta.get(f"{arch}.rope.scaling.type") == "yarn" else frozenset()) | (
+        {"expert_shared_feed_forward_length"} if family == "qwen2moe" else frozenset())
     unknown = sorted(k[len(arch) + 1:] for k in meta.keys() if k.startswith(f"{arch}.")
                      and k[len(arch) + 1:] not in read)
     if unknown:
@@ -470,16 +503,20 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
 
 
 def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, where: str, need) -> dict:
-    """The routed-expert fields of a qwen3moe / olmoe / granitemoe GGUF or a llama one with experts (Mixtral).
-    llama.cpp fixes the gating per arch (its ``build_moe_ffn`` calls: qwen3moe and llama renormalise the top-k
-    weights, olmoe does not, granitemoe renormalises, which is the softmax over the top-k logits of its HF original,
-    taken that way here), so a file says only the
-    counts; an ``expert_weights_norm`` / ``expert_gating_func`` / shared-expert key is refused by name."""
+    """The routed-expert fields of a qwen3moe / olmoe / granitemoe / qwen2moe GGUF or a llama one with experts
+    (Mixtral). llama.cpp fixes the gating per arch (its ``build_moe_ffn`` calls: qwen3moe and llama renormalise the
+    top-k weights, olmoe and qwen2moe do not, granitemoe renormalises, which is the softmax over the top-k logits of
+    its HF original, taken that way here), so a file says only the counts; an ``expert_weights_norm`` /
+    ``expert_gating_func`` key is refused by name, and so is a shared-expert key or tensor outside qwen2moe, whose
+    shared expert (``expert_shared_feed_forward_length`` wide, else ``feed_forward_length``) llama.cpp always gates
+    by ``sigmoid(h . ffn_gate_inp_shexp)``."""
+    shared = family == "qwen2moe"
     for key in ("expert_weights_norm", "expert_gating_func", "expert_weights_scale", "expert_shared_count",
-                "expert_shared_feed_forward_length"):
+                *(() if shared else ("expert_shared_feed_forward_length",))):
         if f"{arch}.{key}" in meta:
             raise _refuse(where, f"{arch}.{key}", meta[f"{arch}.{key}"], f"llama.cpp's {arch} does not read it")
-    if any(".ffn_gate_shexp." in n or ".ffn_up_shexp." in n or ".exp_probs_b." in n for n in tensor_names):
+    if any(".exp_probs_b." in n or not shared and (".ffn_gate_shexp." in n or ".ffn_up_shexp." in n)
+           for n in tensor_names):
         raise _refuse(where, "shared expert / expert bias tensors", "present", f"a {arch} file has none")
     if need("expert_used_count") > need("expert_count"):
         raise InvalidCheckpoint(f"{where}: GGUF metadata {arch}.expert_used_count = {need('expert_used_count')} is "
@@ -488,7 +525,10 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
                expert_intermediate=int(meta.get(f"{arch}.expert_feed_forward_length")
                                        or need("feed_forward_length")),
                expert_gating={"qwen3moe": "softmax_norm", "olmoe": "softmax", "granitemoe": "topk_softmax",
-                              "mixtral": "softmax_norm"}[family])
+                              "mixtral": "softmax_norm", "qwen2moe": "softmax"}[family])
+    if shared:
+        out.update(shared_expert_gate=True, shared_expert_intermediate=int(
+            meta.get(f"{arch}.expert_shared_feed_forward_length") or need("feed_forward_length")))
     if family == "olmoe":
         out["qk_norm_full"] = True
     return out

@@ -30,6 +30,9 @@ class Layer:
         w_gate_up = None if self.moe else concat_rows([w.w_gate, w.w_up])
         self.wk = self.wv = None  # K and V apart from Q (native, encodings differ)
         self.w_router = self.exp_gate = self.exp_up = self.exp_down = None
+        self.shared = w.w_shexp_gate is not None  # a shared expert beside the routed ones (Qwen2-MoE)
+        sh_gate_up = concat_rows([w.w_shexp_gate, w.w_shexp_up]) if self.shared else None
+        self.sh_gate_up = self.sh_down = self.sh_gate_inp = None
         if native:
             def f32(t):
                 return None if t is None else t.to("cpu", torch.float32).contiguous()
@@ -49,6 +52,9 @@ class Layer:
                 self.w_router = PackedWeight(w.w_router)
                 self.exp_gate, self.exp_up, self.exp_down = (PackedExperts(e) for e in (w.w_exp_gate, w.w_exp_up,
                                                                                         w.w_exp_down))
+                if self.shared:
+                    self.sh_gate_up, self.sh_down = PackedWeight(sh_gate_up), PackedWeight(w.w_shexp_down)
+                    self.sh_gate_inp = f32(w.shexp_gate_inp)
             else:
                 self.w_down = PackedWeight(w.w_down, w.b_down)
                 self.w_gate_up = PackedWeight(w_gate_up, b_gate_up)
@@ -68,6 +74,9 @@ class Layer:
             self.w_router = dense(w.w_router)
             self.exp_gate, self.exp_up, self.exp_down = (torch.stack([dense(x) for x in e]) for e in (
                 w.w_exp_gate, w.w_exp_up, w.w_exp_down))
+            if self.shared:  # [2 S, hidden] rows [gate | up]; [hidden, S]; [hidden] or None
+                self.sh_gate_up, self.sh_down = dense(sh_gate_up), dense(w.w_shexp_down)
+                self.sh_gate_inp = dense(w.shexp_gate_inp)
 
     def bind(self, kv: KVPool, cos: torch.Tensor, sin: torch.Tensor, window: int):
         """The native layer as ``struct ringshm_layer_weights`` (csrc/layer.h) over its packed weights, this
@@ -76,6 +85,7 @@ class Layer:
         split = self.wk is not None
         parts = (("qkv", self.wqkv), ("o", self.wo))
         parts += (("router", self.w_router),) if self.moe else (("gate_up", self.w_gate_up), ("down", self.w_down))
+        parts += (("sh_gate_up", self.sh_gate_up), ("sh_down", self.sh_down)) if self.shared else ()
         for field, pw in parts + ((("wk", self.wk), ("wv", self.wv)) if split else ()):
             setattr(c, f"type_{field}", pw.qtype)
             setattr(c, field, ffi.cast("uint8_t *", pw.packed.data_ptr()))
@@ -93,7 +103,7 @@ class Layer:
                          ("bdown", self.w_down.bias if dense_ffn else None), ("attn_norm", self.attn_norm),
                          ("ffn_norm", self.ffn_norm), ("q_norm", self.q_norm), ("k_norm", self.k_norm),
                          ("post_attn_norm", self.post_attn_norm), ("post_ffn_norm", self.post_ffn_norm),
-                         ("cos", cos), ("sin", sin)):
+                         ("sh_gate_inp", self.sh_gate_inp), ("cos", cos), ("sin", sin)):
             # the pointer and the elements behind it: the C layer reads no vector past its length (layer.h)
             setattr(c, field, ffi.NULL if t is None else ffi.cast("float *", t.data_ptr()))
             setattr(c, f"{field}_len", 0 if t is None else t.numel())
@@ -114,7 +124,8 @@ def layer_shape(config: ModelConfig, max_seq_len: int):
         n_experts_used=config.n_experts_used, expert_inter=config.expert_intermediate,
         gating={"softmax": lib.RINGSHM_GATE_SOFTMAX, "softmax_norm": lib.RINGSHM_GATE_SOFTMAX_NORM,
                 "topk_softmax": lib.RINGSHM_GATE_TOPK_SOFTMAX}[config.expert_gating],
-        residual_scale=config.residual_scale))
+        residual_scale=config.residual_scale, shared_inter=config.shared_expert_intermediate,
+        shared_gate=int(config.shared_expert_gate)))
 
 
 def layer_scratch_bytes(config: ModelConfig, tokens: int) -> int:

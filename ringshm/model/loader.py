@@ -53,7 +53,9 @@ class LayerWeights:
 
     A routed MoE layer (``ModelConfig.moe``) has no ``w_gate`` / ``w_up`` / ``w_down`` (None) but ``w_router``
     ``[n_experts, hidden]`` and, per expert ``e`` (lists of ``n_experts``), ``w_exp_gate[e]`` / ``w_exp_up[e]``
-    ``[expert_intermediate, hidden]`` and ``w_exp_down[e]`` ``[hidden, expert_intermediate]``.
+    ``[expert_intermediate, hidden]`` and ``w_exp_down[e]`` ``[hidden, expert_intermediate]``; with a shared
+    expert (``ModelConfig.shared_expert_intermediate`` = S > 0) also ``w_shexp_gate`` / ``w_shexp_up`` ``[S, hidden]``,
+    ``w_shexp_down`` ``[hidden, S]`` and, with its gate, ``shexp_gate_inp`` fp32 ``[hidden]``.
     """
 
     attn_norm: torch.Tensor
@@ -80,6 +82,10 @@ class LayerWeights:
     w_exp_gate: list[RawWeight] | None = None
     w_exp_up: list[RawWeight] | None = None
     w_exp_down: list[RawWeight] | None = None
+    w_shexp_gate: RawWeight | None = None
+    w_shexp_up: RawWeight | None = None
+    w_shexp_down: RawWeight | None = None
+    shexp_gate_inp: torch.Tensor | None = None
 
 
 @dataclass
@@ -216,6 +222,8 @@ class Checkpoint:
                 name = prefix + pair[side]
                 if f in families.EXPERT_FIELDS:
                     w[f] = self._experts(prefix, f, pair[side], loaded)
+                elif f == "shexp_gate_inp":  # [hidden]; HF holds it as a linear layer's [1, hidden] weight
+                    w[f] = get(name).reshape(-1)
                 else:
                     w[f] = get_raw(name) if f.startswith("w") else self._norm(get(name), f)
             if names.fused_qkv:  # rows [q | k | v] of one tensor

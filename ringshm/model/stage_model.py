@@ -145,7 +145,8 @@ class StageModel:
         # the C path (module docstring); its kernels take whole 16-float vectors of these dims
         self.native = (self.device.type == "cpu" and dtype == torch.float32 and config.hidden % 16 == 0
                        and config.intermediate % 8 == 0 and config.head_dim % 16 == 0
-                       and config.head_dim <= MAX_HEAD_DIM and config.expert_intermediate % 16 == 0)
+                       and config.head_dim <= MAX_HEAD_DIM and config.expert_intermediate % 16 == 0
+                       and config.shared_expert_intermediate % 16 == 0)
         self.norm = self.lm_head = self.embed = None
         if is_first:  # native: the encoded rows (a view of the file's map); else a dense table
             self.embed = weights.embed if self.native else weights.embed.dequantize().to(self.device, dtype)
@@ -447,7 +448,8 @@ class StageModel:
 
     def _experts(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         """The routed experts' FFN on ``h [T, hidden]`` (torch path; ``ModelConfig``'s formula, transformers' eager
-        order: experts ascending, each term added into zeros). Returns ``[T, hidden]``."""
+        order: experts ascending, each term added into zeros; a shared expert's (gated) output added last).
+        Returns ``[T, hidden]``."""
         cfg = self.config
         logits = F.linear(h, layer.w_router).float()  # [T, E]
         if cfg.expert_gating == "topk_softmax":  # Granite: the softmax over the k largest logits
@@ -465,6 +467,11 @@ class StageModel:
                 y = F.linear(kernels.act_mul_reference(torch.cat([F.linear(xs, layer.exp_gate[e]), F.linear(
                     xs, layer.exp_up[e])], dim=-1), cfg.activation), layer.exp_down[e])
                 out.index_add_(0, tok, y * weights[tok, rank, None].to(y.dtype))
+        if layer.shared:  # Qwen2MoeSparseMoeBlock: sigmoid(h . w) * shared(h), added after the routed sum
+            shared = F.linear(kernels.act_mul_reference(F.linear(h, layer.sh_gate_up), cfg.activation), layer.sh_down)
+            if layer.sh_gate_inp is not None:
+                shared = torch.sigmoid(h @ layer.sh_gate_inp)[:, None] * shared
+            out = out + shared
         return out
 
     def _attend_segments(self, li: int, q, k, v, op: StepPlan) -> torch.Tensor:
