@@ -60,10 +60,10 @@ class RopeScaling:
             raise ValueError(f"RoPE scaling {self.kind!r} is not supported (supported: {', '.join(ROPE_SCALINGS)})")
         if not self.factor > 0:
             raise ValueError(f"RoPE scaling factor must be > 0, got {self.factor!r}")
-        if self.kind == "yarn" and not (0 < self.beta_slow < self.beta_fast and self.original_max_position > 0
-                                        and 0 < self.attention_factor < 1e3):
-            raise ValueError(f"yarn RoPE scaling needs 0 < beta_slow < beta_fast, original_max_position_embeddings "
-                             f"> 0 and 0 < attention_factor < 1000, got {self}")
+        if self.kind == "yarn" and not (self.factor >= 1 and 0 < self.beta_slow < self.beta_fast
+                                        and self.original_max_position > 0 and 0 < self.attention_factor < 1e3):
+            raise ValueError(f"yarn RoPE scaling needs factor >= 1, 0 < beta_slow < beta_fast, "
+                             f"original_max_position_embeddings > 0 and 0 < attention_factor < 1000, got {self}")
         if self.kind == "llama3" and not (0 < self.low_freq_factor < self.high_freq_factor
                                           and self.original_max_position > 0):
             raise ValueError(f"llama3 RoPE scaling needs 0 < low_freq_factor < high_freq_factor and "

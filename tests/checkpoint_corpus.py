@@ -433,6 +433,15 @@ GGUF_CASES: dict[str, Case] = {
                             ("llama.rope.scaling.yarn_ext_factor",)),
     "yarn_beta_slow_above_fast": Case(_g(_yarn(("llama.rope.scaling.yarn_beta_slow", 64.0))),
                                       UnsupportedArchitecture, ("beta_slow",)),
+    "yarn_without_factor": Case(_g(lambda f: [_set(k, t, v)(f) for k, t, v in (
+        ("llama.rope.scaling.type", VT.STRING, "yarn"), ("llama.rope.scaling.original_context_length", VT.UINT32,
+                                                         32))]), InvalidCheckpoint, ("llama.rope.scaling.factor",
+                                                                                      "missing")),
+    "yarn_base_1": Case(_g(lambda f: (_yarn()(f), _set("llama.rope.freq_base", VT.FLOAT32, 1.0)(f))),
+                        UnsupportedArchitecture, ("llama.rope.freq_base", "above 1")),
+    "yarn_beside_rope_freqs": Case(_g(lambda f: (_yarn()(f), f.tensors.append(Tensor(
+        "rope_freqs.weight", (HEAD_DIM // 2,), QT.F32, _f32(np.ones(HEAD_DIM // 2)))))), UnsupportedArchitecture,
+                                   ("llama.rope.scaling.type", "rope_freqs.weight")),
     "rope_freqs_nan": Case(_g(lambda f: f.tensors.append(Tensor("rope_freqs.weight", (HEAD_DIM // 2,), QT.F32,
                                                                 _f32(np.full(HEAD_DIM // 2, np.nan))))),
                            InvalidCheckpoint, ("rope_freqs.weight", "finite")),

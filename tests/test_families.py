@@ -149,11 +149,51 @@ def test_yarn_frequencies_and_attention_factor_are_transformers_bits(params):
     assert rope_scale(ours, 0) == attention
 
 
+def test_yarn_without_an_original_context_is_refused_and_the_top_level_one_wins_for_llama3():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from ringshm.errors import UnsupportedArchitecture
+    from ringshm.model.families import hf_config
+    from ringshm.model.rope import rope_inv_freq
+
+    base = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 1,
+            "intermediate_size": 512, "vocab_size": 512}
+    with pytest.raises(UnsupportedArchitecture, match="original_max_position_embeddings"):
+        hf_config({**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "x")
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    config = LlamaConfig(**{k: v for k, v in base.items() if k != "model_type"}, rope_parameters=dict(llama3),
+                         original_max_position_embeddings=64, max_position_embeddings=1024)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](config)
+    ours = hf_config({**base, "rope_parameters": llama3, "original_max_position_embeddings": 64,
+                      "max_position_embeddings": 1024}, "x")
+    assert torch.equal(rope_inv_freq(ours, 0), want)
+
+
+def test_mixtral_reads_no_attention_bias_as_transformers_builds_none(zoo, tmp_path):
+    import json
+    import shutil
+
+    shutil.copytree(zoo("mixtral", "f32").hf_dir, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "attention_bias": True, "mlp_bias": True}))
+    config = Checkpoint.open(tmp_path / "hf").config
+    assert not (config.attention_bias or config.o_bias or config.mlp_bias)
+
+
 REFUSED = [
     ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
                                   "original_max_position_embeddings": 32, "extrapolation_factor": 0.5},
      "extrapolation_factor"),  # a YaRN key transformers does not read either
     ("llama", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "dynamic"),
+    ("qwen3", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1.0,
+                                  "original_max_position_embeddings": 16}, "rope_theta"),  # log(base) = 0
+    ("llama", "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+     "one RoPE scaling"),  # beside rope_parameters' default: transformers would take the YaRN one
+    ("gemma3", "rope_parameters", {"full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6,
+                                                      "original_max_position_embeddings": 16},
+                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}, "Gemma 3"),
     ("gemma3", "attn_logit_softcapping", 50.0, "attn_logit_softcapping"),
     ("gemma3", "use_bidirectional_attention", True, "use_bidirectional_attention"),
     ("qwen3", "use_sliding_window", True, "use_sliding_window"),

@@ -188,6 +188,18 @@ def test_a_per_expert_gguf_missing_one_expert_is_refused_naming_it(zoo, tmp_path
         Checkpoint.open(path)
 
 
+def test_a_per_expert_gguf_with_one_expert_of_another_type_is_refused_naming_it(zoo, tmp_path):
+    from ringshm.errors import InvalidCheckpoint
+
+    model = zoo("mixtral")
+    path = tmp_path / "split.gguf"
+    tensors = [(n, gguf.quants.dequantize(raw, t), gguf.GGMLQuantizationType.F32) if n == "blk.1.ffn_gate.5.weight"
+               else (n, raw, t) for n, raw, t in _per_expert_tensors(model)]
+    write_gguf(path, "llama", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "split", tensors)
+    with pytest.raises(InvalidCheckpoint, match=r"blk\.1\.ffn_gate\.5\.weight.*F32.*one type"):
+        Checkpoint.open(path)
+
+
 def test_the_engine_serves_moe_over_two_stage_processes_with_prefix_hits_byte_identical(zoo):
     from ringshm.engine.engine import Engine
 

@@ -67,8 +67,10 @@ transforms it applies to HF tensors (read at ggml-org/llama.cpp: ``convert_hf_to
   (2048)"). llama.cpp never renormalises qwen2moe's top-k.
 - YaRN (``rope_type: yarn``, any arch; ``TextModel.set_gguf_parameters``): ``rope.scaling.type`` yarn,
   ``rope.scaling.factor``, ``rope.scaling.original_context_length``, and ``rope.scaling.yarn_beta_fast`` /
-  ``yarn_beta_slow`` when the RoPE dict sets them (else llama.cpp takes 32 and 1, as transformers does); the
-  attention factor is ``0.1 ln(factor) + 1`` in both.
+  ``yarn_beta_slow`` / ``yarn_attn_factor`` when the RoPE dict sets ``beta_fast`` / ``beta_slow`` /
+  ``attention_factor`` (else llama.cpp takes 32, 1 and 1, as transformers does). Without ``attention_factor``,
+  ``mscale`` or ``mscale_all_dim`` in the dict the attention factor is ``0.1 ln(factor) + 1`` in both engines; with
+  one they differ (ringshm refuses the GGUF's ``yarn_attn_factor``, and the converter drops the mscales).
 - phi3 → ``phi3``, no reorder; fused ``attn_qkv`` (q rows, then k, then v) and fused ``ffn_up`` (gate rows,
   then up: ``[2 * intermediate, hidden]``), no ``ffn_gate``. Keys: ``rope.scaling.original_context_length``,
   ``rope.dimension_count``, ``attention.sliding_window`` (0 when the config has none).
@@ -193,6 +195,8 @@ def write_gguf(path: Path, arch: str, config, file_type: gguf.LlamaFileType, mod
             w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
             w.add_rope_scaling_factor(full["factor"])
             w.add_rope_scaling_orig_ctx_len(full["original_max_position_embeddings"])
+            if full.get("attention_factor") is not None:  # (ringshm refuses such a file: see below)
+                w.add_rope_scaling_yarn_attn_factor(full["attention_factor"])
             if full.get("beta_fast") is not None:
                 w.add_rope_scaling_yarn_beta_fast(full["beta_fast"])
             if full.get("beta_slow") is not None:

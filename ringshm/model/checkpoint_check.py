@@ -179,9 +179,9 @@ def check_gguf(index: GGUFIndex) -> ModelConfig:
     if head_dim % 2 or head_dim > MAX_HEAD_DIM:
         raise bad_value(f"{where}: the head width ({arch}.attention.key_length, or embedding_length / head_count)",
                    head_dim, f"an even number <= {MAX_HEAD_DIM}")
-    if p("rope.scaling.type") == "linear" and p("rope.scaling.factor") is None:
-        raise InvalidCheckpoint(f"{label(f'{arch}.rope.scaling.factor')} is missing: rope.scaling.type 'linear' "
-                                f"needs it")
+    if p("rope.scaling.type") in ("linear", "yarn") and p("rope.scaling.factor") is None:
+        raise InvalidCheckpoint(f"{label(f'{arch}.rope.scaling.factor')} is missing: rope.scaling.type "
+                                f"{p('rope.scaling.type')!r} needs it")
     pattern = p("attention.sliding_window_pattern")
     if isinstance(pattern, list) and len(pattern) != p("block_count"):
         raise InvalidCheckpoint(f"{label(f'{arch}.attention.sliding_window_pattern')} holds {len(pattern)} flags: "
@@ -364,10 +364,25 @@ ONE_ROW_VECTORS = (families.TENSOR_NAMES["qwen2moe"].layer["shexp_gate_inp"][0],
                    families.TENSOR_NAMES["qwen2moe"].layer["shexp_gate_inp"][1])
 
 
+def _check_one_type_per_role(where: str, want: dict[str, Expect], found: dict) -> None:
+    """One layer's experts of one role, held as a tensor each (HF, older GGUF), must share one type: the matmul
+    packs a role's experts alike, and would widen every one of them to F32 for one odd expert."""
+    first: dict[str, tuple[str, str]] = {}
+    for name, e in want.items():
+        role, sep, _ = e.what.rpartition(" expert ")
+        if not sep:
+            continue
+        tname = found[name][0]
+        seen = first.setdefault(role, (name, tname))
+        if seen[1] != tname:
+            raise InvalidCheckpoint(f"{where}: tensor {name!r} ({e.what}) is {tname} but {seen[0]!r} is {seen[1]}: "
+                                    f"one type for every expert of a role")
+
+
 def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tuple[str, tuple[int, ...]]]) -> None:
     """Every tensor of ``found`` (name -> (type name, torch-order shape)) against ``expected_tensors``."""
     merged = gguf and cfg.moe and f"blk.0.{families.GGUF_MERGED_GATE_UP_EXPS}" in found
-    split = gguf and cfg.moe and "blk.0." + families.GGUF_SPLIT_EXPERTS["w_exp_gate"].format(e=0) in found
+    split = gguf and cfg.arch == "mixtral" and "blk.0." + families.GGUF_SPLIT_EXPERTS["w_exp_gate"].format(e=0) in found
     want = expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found, merged_gate_up_exps=merged,
                             split_experts=split)
     for name, e in want.items():
@@ -382,6 +397,7 @@ def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tu
             expected = ("a type the loader dequantizes" if gguf else "F32, F16 or BF16") if e.weight else \
                 f"{', '.join(FLOATS)} ({'norm' if 'norm' in e.what else 'bias'} values are read as floats)"
             raise InvalidCheckpoint(f"{where}: tensor {name!r} ({e.what}) is {tname}: expected {expected}")
+    _check_one_type_per_role(where, want, found)
     extra = sorted(set(found) - set(want))
     if extra:
         layer_of = re.compile(r"(?:blk|model\.layers)\.(\d+)\.")

@@ -351,6 +351,8 @@ def _hf_biases(c: dict, family: str, used: set, where: str) -> dict:
         return dict(attention_bias=True)
     if family == "qwen2moe":  # Qwen2-MoE: q/k/v biases unless qkv_bias is false (transformers 5), no output bias
         return dict(attention_bias=bool(c.get("qkv_bias", True)))
+    if family == "mixtral":  # MixtralAttention and its experts: no bias whatever attention_bias / mlp_bias say
+        return {}
     attn_bias = bool(c.get("attention_bias", False))
     if attn_bias and family in ("gemma3", "phi3", "qwen3", "mistral"):
         # these families' attention_bias covers q/k/v and o, as Llama's (transformers' modeling files)
@@ -461,8 +463,9 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
     elif f"{arch}.expert_count" in meta or any(".ffn_gate_inp." in n for n in tensor_names):
         what = next((f"tensor {n!r}" for n in sorted(tensor_names) if ".ffn_gate_inp." in n),
                     f"key {arch}.expert_count")
+        hint = " (a Mixtral file says llama.expert_count, and this one does not)" if arch == "llama" else ""
         raise UnsupportedArchitecture(f"{where}: {what}: routed experts in a {arch} file are not read by ringshm's "
-                                      f"{arch} description (it computes experts for {SUPPORTED_MOE})")
+                                      f"{arch} description{hint} (it computes experts for {SUPPORTED_MOE})")
     if family == "granitemoe":  # llama.cpp's granite hparams: f_embedding_scale, f_residual_scale, ...
         kw.update(embed_scale=float(meta.get(f"{arch}.embedding_scale", 1.0)),
                   attn_scale=float(meta.get(f"{arch}.attention.scale", 1.0)),

@@ -266,7 +266,8 @@ class Checkpoint:
             out = [RawWeight.from_tensor(full[e, rows]) for e in range(cfg.n_experts)]
             loaded.extend((f"{prefix}{name} expert {e}", w) for e, w in enumerate(out))
             return out
-        split = self.gguf and self.source.has(prefix + families.GGUF_SPLIT_EXPERTS[field].format(e=0))
+        split = self.gguf and cfg.arch == "mixtral" and self.source.has(
+            prefix + families.GGUF_SPLIT_EXPERTS[field].format(e=0))
         if not self.gguf or split:
             name = families.GGUF_SPLIT_EXPERTS[field] if split else name
             out = [self.source.get_raw(prefix + name.format(e=e)) for e in range(cfg.n_experts)]

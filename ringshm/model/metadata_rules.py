@@ -127,6 +127,7 @@ _ROPE_RULES = {
     "mscale": number_in(0, MAX_FACTOR, lo_open=False, null=True),
     "mscale_all_dim": number_in(0, MAX_FACTOR, lo_open=False, null=True),
     "truncate": boolean(null=True),
+    "partial_rotary_factor": number_in(0, 1, null=True),
 }
 
 

@@ -34,8 +34,9 @@ def rope_scaling(params: dict | None, where: str, field: str, max_positions: int
 
 
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    """YaRN's attention factor for a context ``factor`` times longer, ``0.1 mscale ln(factor) + 1`` (1 for factor
-    <= 1): the paper's Eq. 21 as transformers' ``yarn_get_mscale`` and llama.cpp's ``rope_yarn`` take it."""
+    """YaRN's attention factor for a context ``factor`` (>= 1, ``RopeScaling`` checks) times longer, ``0.1 mscale
+    ln(factor) + 1``: the paper's Eq. 21 as transformers' ``yarn_get_mscale`` and llama.cpp's ``rope_yarn`` take it
+    (transformers returns 1 below factor 1, llama.cpp does not: a factor under 1 is refused)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
@@ -53,11 +54,11 @@ def _yarn(params: dict, where: str, field: str, max_positions: int) -> RopeScali
     if float(params.get("partial_rotary_factor") or 1.0) != 1.0:
         raise _refuse(where, f"{field}.partial_rotary_factor", params["partial_rotary_factor"],
                       "RoPE on every dimension only")
-    factor = params.get("factor")
     original = int(params.get("original_max_position_embeddings") or max_positions)
-    if factor is None:  # transformers: the ratio of the contexts (DeepSeek V3 writes it so)
-        factor = max_positions / original
-    factor = float(factor)
+    if not original:  # transformers would take its config class's default max_position_embeddings
+        raise _refuse(where, f"{field}.original_max_position_embeddings", None,
+                      "YaRN needs the original context: set it, or max_position_embeddings")
+    factor = float(params["factor"])  # the metadata rules require it
     attention = params.get("attention_factor")
     if attention is None:
         m, m_all = params.get("mscale"), params.get("mscale_all_dim")
@@ -71,8 +72,22 @@ def _yarn(params: dict, where: str, field: str, max_positions: int) -> RopeScali
         raise _refuse(where, field, params, str(e)) from None
 
 
+def _kind(params) -> str:
+    return (params.get("rope_type", params.get("type")) if isinstance(params, dict) else None) or "default"
+
+
 def hf_rope(c: dict, family: str, used: set, where: str) -> dict:
-    used.update(("rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq"))
+    """The ``ModelConfig`` RoPE fields of an HF ``config.json`` (``c``): base, scaling, and Gemma 3's local base.
+    transformers 5's ``rope_parameters`` (per layer type for Gemma 3) or 4's ``rope_scaling``; a top-level
+    ``original_max_position_embeddings`` wins over the dict's for llama3 and yarn (``standardize_rope_params``).
+
+    Raises:
+        UnsupportedArchitecture: a scaling not computed, YaRN on Gemma 3 (transformers reads its ``truncate`` from
+            the wrong dict there), ``rope_parameters`` and ``rope_scaling`` of different kinds, or YaRN with a base
+            <= 1 or no original context (each named).
+    """
+    used.update(("rope_theta", "rope_scaling", "rope_parameters", "rope_local_base_freq",
+                 "original_max_position_embeddings"))
     params = c.get("rope_parameters")
     if family == "gemma3":
         per_type = params if isinstance(params, dict) and "full_attention" in params else {}
@@ -80,21 +95,26 @@ def hf_rope(c: dict, family: str, used: set, where: str) -> dict:
         local = per_type.get("sliding_attention") or {}
         theta = float(full.get("rope_theta", c.get("rope_theta", 1_000_000.0)))
         local_theta = float(local.get("rope_theta", c.get("rope_local_base_freq", 10_000.0)))
+        for name, d in (("full_attention", full), ("sliding_attention", local)):
+            if _kind(d) == "yarn":
+                raise _refuse(where, f"rope_parameters.{name}.rope_type", "yarn", "YaRN on Gemma 3 is not computed")
         if rope_scaling(local, where, "rope_parameters.sliding_attention") is not None:
             raise _refuse(where, "rope_parameters.sliding_attention.rope_type", local.get("rope_type"))
         return dict(rope_theta=theta, rope_local_theta=local_theta,
-                    rope_scaling=rope_scaling(full, where, "rope_parameters.full_attention",
-                                               int(c.get("max_position_embeddings") or 2048)))
-    params = dict(params if isinstance(params, dict) else (c.get("rope_scaling") or {}))
+                    rope_scaling=rope_scaling(full, where, "rope_parameters.full_attention"))
+    legacy = c.get("rope_scaling")
+    if isinstance(params, dict) and isinstance(legacy, dict) and _kind(params) != _kind(legacy):
+        raise _refuse(where, "rope_scaling", legacy, f"rope_parameters says {_kind(params)!r}: one RoPE scaling")
+    params = dict(params if isinstance(params, dict) else (legacy or {}))
     theta = float(params.get("rope_theta", c.get("rope_theta", 10_000.0)))
     field = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
-    used.add("original_max_position_embeddings")  # llama3's band edges read it when the RoPE dict does not say
     top = c.get("original_max_position_embeddings")
-    if top and ("original_max_position_embeddings" not in params  # YaRN: the top-level field wins, as transformers'
-                or params.get("rope_type", params.get("type")) == "yarn"):  # standardize_rope_params has it
+    if top and _kind(params) in ("llama3", "yarn"):
         params["original_max_position_embeddings"] = top
-    return dict(rope_theta=theta, rope_scaling=rope_scaling(params, where, field,
-                                                              int(c.get("max_position_embeddings") or 2048)))
+    scaling = rope_scaling(params, where, field, int(c.get("max_position_embeddings") or 0))
+    if scaling is not None and scaling.kind == "yarn" and not theta > 1:
+        raise _refuse(where, f"{field}.rope_theta", theta, "YaRN needs a RoPE base above 1")
+    return dict(rope_theta=theta, rope_scaling=scaling)
 
 
 # ------------------------------------------------------------------------------------------ GGUF metadata
@@ -107,9 +127,14 @@ def gguf_rope(meta: dict, arch: str, where: str, need, rope_freqs) -> dict:
         UnsupportedArchitecture: another scaling type, or a YaRN key ringshm does not compute (named).
     """
     scaling = meta.get(f"{arch}.rope.scaling.type")
+    if rope_freqs is not None and scaling not in (None, "none", "linear"):  # llama.cpp would apply both
+        raise _refuse(where, f"{arch}.rope.scaling.type", scaling, "beside rope_freqs.weight")
     if rope_freqs is not None:
         return dict(rope_freq_factors=tuple(float(x) for x in rope_freqs))
     if scaling == "yarn":
+        if not float(meta.get(f"{arch}.rope.freq_base", 10000.0)) > 1:
+            raise _refuse(where, f"{arch}.rope.freq_base", meta.get(f"{arch}.rope.freq_base"),
+                          "YaRN needs a RoPE base above 1")
         return dict(rope_scaling=_gguf_yarn(meta, arch, where, need, int(need("context_length"))))
     if scaling in (None, "none"):
         return {}
