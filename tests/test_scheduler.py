@@ -148,10 +148,11 @@ def test_a_batch_without_a_depth_gets_the_engine_s_row_scaled_window_unless_its_
     assert (run.depth, run.rows_per_op) == (want_depth, want_rows)
 
 
-def test_rows_per_op_must_be_a_positive_int(fake):
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0])
+def test_rows_per_op_must_be_a_positive_int(fake, bad):
     ring = fake(OracleModel(scripts(1), max_rows=1))
     with pytest.raises(ValueError, match="rows_per_op"):
-        Scheduler(ring.link, [], 1, CHUNK, 1, 3, CHUNK, kv=fake_kv(ring.model), rows_per_op=0)
+        Scheduler(ring.link, [], 1, CHUNK, 1, 3, CHUNK, kv=fake_kv(ring.model), rows_per_op=bad)
 
 
 def test_one_stream_alone_puts_chunked_prefill_then_one_token_decodes_on_the_wire(fake):

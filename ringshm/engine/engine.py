@@ -20,7 +20,7 @@ from ringshm.engine.kv_blocks import KVBlocks
 from ringshm.engine.request_stream import copy_error
 from ringshm.engine.results import BatchResult, GenerationResult, result_of
 from ringshm.engine.sampling import Sampler, TextStream
-from ringshm.engine.scheduler import MIN_DECODE_WINDOW, Scheduler, StepStats
+from ringshm.engine.scheduler import Scheduler, StepStats, window_fits_chain
 from ringshm.engine.spec import NGramDrafter, SpecStats
 from ringshm.engine.spec_decode import SpecDecoder
 from ringshm.errors import EngineOwned, InvalidParameter
@@ -285,7 +285,7 @@ class Engine:
         """Decode ops in flight for a request: None for the engine's window (``depth``, row-scaled on shared
         cores: ``Scheduler.decode_window``), or ``depth`` raised to ``spec_depth`` when it speculates with chains
         longer than that window is sure to allow (each link of a verify chain is its own step op)."""
-        if p.spec is None or (self.rows_per_op is not None and p.spec_depth <= MIN_DECODE_WINDOW):
+        if p.spec is None or (self.rows_per_op is not None and window_fits_chain(p.spec_depth)):
             return None
         return max(self.depth, p.spec_depth)
 

@@ -64,6 +64,13 @@ from ringshm.transport import messages as m
 MIN_DECODE_WINDOW = 2  # decode ops in flight a row-scaled window allows whatever the rows (decode_window)
 
 
+def window_fits_chain(spec_depth: int) -> bool:
+    """Whether a row-scaled decode window (``Scheduler.decode_window``, at least ``MIN_DECODE_WINDOW`` ops) always
+    lets a verify chain of ``spec_depth`` links run whole; else the speculating engine or server takes a fixed
+    depth of at least ``spec_depth`` (each link of a chain is its own step op)."""
+    return spec_depth <= MIN_DECODE_WINDOW
+
+
 def _one_torch_thread(fn):
     """Run the coordinator's own torch work (sampling, building and encoding ops, stacking bitmasks) on one
     thread, and give the caller's thread count back after. torch's threads are per calling thread (OpenMP), and
@@ -133,7 +140,8 @@ class Scheduler:
                         ("depth", depth), ("max_step_tokens", max_step_tokens)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-        if rows_per_op is not None and (not isinstance(rows_per_op, int) or rows_per_op < 1):
+        if rows_per_op is not None and (isinstance(rows_per_op, bool) or not isinstance(rows_per_op, int)
+                                        or rows_per_op < 1):
             raise ValueError(f"rows_per_op must be None or an int >= 1, got {rows_per_op!r}")
         self.rows_per_op = rows_per_op
         self.prefill_budget = (None if prefill_stall_ratio is None

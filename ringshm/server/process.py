@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ringshm.engine.async_engine import AsyncEngine
-from ringshm.engine.scheduler import MIN_DECODE_WINDOW
+from ringshm.engine.scheduler import window_fits_chain
 from ringshm.errors import DispatcherFailed, StageDied
 from ringshm.server.app import create_app
 from ringshm.server.connection import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_timeout_protocol
@@ -107,7 +107,7 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
     try:
         if spec is not None:  # a verify chain of spec_depth segments needs that many decode ops in flight
             engine.depth = max(engine.depth, spec_depth)
-            if spec_depth > MIN_DECODE_WINDOW:  # more than a row-scaled window is sure to allow: a fixed depth
+            if not window_fits_chain(spec_depth):  # more than a row-scaled window is sure to allow: a fixed depth
                 engine.rows_per_op = None
         aengine = AsyncEngine(engine, max_waiting=max_waiting, max_queue_wait_s=max_queue_wait_s)
     except BaseException:
