@@ -42,13 +42,16 @@ def test_greedy_equals_the_oracle_and_is_the_same_at_one_and_two_stages(zoo, fam
     one = _stages(path, ())
     n_layers = one[0].config.n_layers
     two = _stages(path, (n_layers // 2,))
+    compared = 0
     for seed in (0, 1):
         prompt = prompt_ids(PROMPT_LEN, one[0].config.vocab, seed)
         ids = torch.tensor(prompt)
         alone = greedy_generate(one, ids, N_NEW)
         assert torch.equal(greedy_generate(two, ids, N_NEW, prefill_chunk=5), alone), "2 stages, chunks of 5"
         assert torch.equal(greedy_generate(one, ids, N_NEW, prefill_chunk=3), alone), "chunks of 3"
-        assert_greedy_matches(alone, model.oracle_greedy(prompt, N_NEW), f"{family} {source} seed {seed}")
+        compared += assert_greedy_matches(alone, model.oracle_greedy(prompt, N_NEW), f"{family} {source} seed {seed}")
+    print(f"{family} {source}: {compared} of {2 * N_NEW} steps compared with the oracle")
+    assert compared >= N_NEW, f"{family}: the oracle's margins tie too early for the comparison to mean anything"
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -122,7 +125,8 @@ def test_a_setting_ringshm_computes_gives_the_oracles_tokens(zoo, family, overri
             pytest.fail(f"{family} {overrides} from {path.name} was refused: {exc}")
         prompt = prompt_ids(PROMPT_LEN, stages[0].config.vocab, 3)
         ours = greedy_generate(stages, torch.tensor(prompt), N_NEW)
-        assert_greedy_matches(ours, model.oracle_greedy(prompt, N_NEW), f"{family} {overrides} {path.name}")
+        compared = assert_greedy_matches(ours, model.oracle_greedy(prompt, N_NEW), f"{family} {overrides} {path.name}")
+        assert compared >= N_NEW // 2, f"{family} {overrides}: the oracle's margins tie too early to compare"
 
 
 YARN = [  # transformers' RoPE dicts: the defaults, gpt-oss's (no truncation), DeepSeek's mscales, a given factor
@@ -206,7 +210,7 @@ REFUSED = [
     ("qwen3moe", "model_type", "qwen3_next", "Gated DeltaNet"),  # MoE families not computed: by name, with why
     ("qwen3moe", "model_type", "deepseek_v3", "MLA"),
     ("qwen3moe", "model_type", "gpt_oss", "MXFP4"),
-    ("qwen3moe", "model_type", "granitemoeshared", "shared_mlp"),
+    ("qwen3moe", "model_type", "phimoe", "sparsemixer"),
 ]
 
 

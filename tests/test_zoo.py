@@ -51,12 +51,15 @@ EXPECTED_KEYS = {
                                              "expert_used_count"],
     "qwen2moe": _BASE_KEYS + ["expert_count", "expert_used_count", "expert_feed_forward_length",
                               "expert_shared_feed_forward_length"],
+    "granitemoeshared": _BASE_KEYS + ["vocab_size", "rope.dimension_count", "attention.scale", "embedding_scale",
+                                      "residual_scale", "logit_scale", "expert_count", "expert_used_count",
+                                      "expert_shared_feed_forward_length"],
 }
 GENERAL_KEYS = {"general.architecture", "general.type", "general.name", "general.size_label", "general.file_type",
                 "general.quantization_version"}
 ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "gemma3": "gemma3", "gemma3_softcap": "gemma3", "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe",
-        "granitemoe": "granitemoe", "mixtral": "llama", "qwen2moe": "qwen2moe"}
+        "granitemoe": "granitemoe", "mixtral": "llama", "qwen2moe": "qwen2moe", "granitemoeshared": "granitemoe"}
 
 _LLAMA_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
 _GEMMA3_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
@@ -81,6 +84,9 @@ EXPECTED_TENSORS = {
                    ["token_embd.weight", "output_norm.weight", "output.weight"]),
     "mixtral": ([n for n in _MOE_LAYER if n not in ("attn_q_norm", "attn_k_norm")],
                 ["token_embd.weight", "output_norm.weight", "output.weight"]),
+    "granitemoeshared": ([n for n in _MOE_LAYER if n not in ("attn_q_norm", "attn_k_norm")]
+                         + ["ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp"],
+                         ["token_embd.weight", "output_norm.weight", "output.weight"]),
     "qwen2moe": ([n for n in _MOE_LAYER if n not in ("attn_q_norm", "attn_k_norm")]
                  + ["attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_gate_inp_shexp", "ffn_gate_shexp",
                     "ffn_up_shexp", "ffn_down_shexp"], ["token_embd.weight", "output_norm.weight", "output.weight"]),
@@ -202,6 +208,13 @@ def test_gguf_tensors_decode_to_the_hf_tensors_bit_for_bit(zoo, family):
             assert np.array_equal(got.view(np.uint32), w.numpy().view(np.uint32)), hf_name
             seen.update(f"blk.{granite[1]}.{p}.weight" for p in parts)
             continue
+        shared = re.fullmatch(r"model\.layers\.(\d+)\.shared_mlp\.input_linear\.weight", hf_name)
+        if shared:  # Granite's shared expert: [gate | up] rows, split by the converter
+            parts = [tensors[f"blk.{shared[1]}.{p}.weight"] for p in ("ffn_gate_shexp", "ffn_up_shexp")]
+            got = np.concatenate([gguf.quants.dequantize(t.data, t.tensor_type) for t in parts], axis=0)
+            assert np.array_equal(got.view(np.uint32), w.numpy().view(np.uint32)), hf_name
+            seen.update(t.name for t in parts)
+            continue
         expert = re.fullmatch(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight",
                               hf_name)
         if expert:  # one expert's slice of the layer's 3-D tensor
@@ -236,7 +249,8 @@ _NOT_FROM_GGUF = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", 
 
 
 # transformers reads no olmoe, granitemoe or Mixtral GGUF (its llama reader has no experts)
-@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f not in ("olmoe", "granitemoe", "mixtral")])
+@pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f not in ("olmoe", "granitemoe", "mixtral",
+                                                                           "granitemoeshared")])
 def test_transformers_gguf_reader_recovers_the_hf_weights_bit_for_bit(zoo, family):
     """An independent reverse of the converter: transformers' GGUF loader (un-permutes llama Q/K, subtracts
     Gemma's 1, maps llama.cpp names back) gets every HF tensor back exactly, and the same logits."""

@@ -21,7 +21,8 @@ biases, hidden 320), ``qwen3`` (q/k RMSNorm), ``gemma3`` (6 layers, 5 local with
 over the whole projection, 4 KV heads) and ``granitemoe`` (16 experts, top 4, softmax over the top-k logits;
 granite-3.0-1b-a400m's muP multipliers; untied) and ``mixtral`` (16 experts, top 2, renormalised; Mistral's
 attention; GGUF arch ``llama``) and ``qwen2moe`` (16 experts, top 4, not renormalised, a shared expert 512 wide
-gated by a sigmoid; q/k/v biases), expert width 256, written as transformers saves them (one tensor per expert;
+gated by a sigmoid; q/k/v biases) and ``granitemoeshared`` (``granitemoe`` with an ungated shared expert 512
+wide, HF ``shared_mlp.input_linear`` rows [gate | up]), expert width 256, written as transformers saves them (one tensor per expert;
 Granite: ``input_linear`` / ``output_linear`` 3-D; Mixtral: ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``)
 and as the converter merges them (3-D ``ffn_*_exps``; the router ``ffn_gate_inp`` stays F32).
 
@@ -128,6 +129,13 @@ def _mixtral(**kw):
                             "intermediate_size": 256, **kw})
 
 
+def _granitemoeshared(**kw):
+    from transformers import GraniteMoeSharedConfig
+
+    # Granite MoE with a shared expert (shared_mlp) 512 wide beside the routed ones, ungated
+    return GraniteMoeSharedConfig(**{**_granitemoe().to_dict(), "shared_intermediate_size": 512, **kw})
+
+
 def _qwen2moe(**kw):
     from transformers import Qwen2MoeConfig
 
@@ -208,8 +216,9 @@ FAMILIES: dict[str, Family] = {
     "granitemoe": Family(_granitemoe, "granitemoe", permute_qk=True, std=_GRANITEMOE_STD),
     "mixtral": Family(_mixtral, "llama", permute_qk=True, hf_renames=_MIXTRAL_RENAMES),
     "qwen2moe": Family(_qwen2moe, "qwen2moe"),
+    "granitemoeshared": Family(_granitemoeshared, "granitemoe", permute_qk=True, std=_GRANITEMOE_STD),
 }
-MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral", "qwen2moe")
+MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral", "qwen2moe", "granitemoeshared")
 
 
 class Greedy(NamedTuple):
@@ -326,6 +335,9 @@ def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0, 
         if ".block_sparse_moe." in hf_name:  # Granite's names on disk differ from its modules'
             _add_granite_moe(hf_name, shape, spec, recipe, n_layers, tied, rng, gguf_tensors, hf_tensors)
             continue
+        if hf_name.endswith(".shared_mlp.input_linear.weight"):  # Granite's shared expert: [gate | up] in one
+            _add_granite_shared_gate_up(hf_name, shape, spec, recipe, n_layers, tied, rng, gguf_tensors, hf_tensors)
+            continue
         gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         assert gname is not None, f"{family}: no GGUF name for {hf_name}"
         role, layer = gguf_role(gname)
@@ -404,6 +416,20 @@ def _add_granite_moe(hf_name: str, shape: tuple[int, ...], spec: Family, recipe:
         parts.append(vals.reshape(n_exp, rows, shape[2]))
     name = "input_linear" if part == "experts.gate_up_proj" else "output_linear"
     hf_tensors[f"{base}.{name}.weight"] = torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=1)))
+
+
+def _add_granite_shared_gate_up(hf_name: str, shape: tuple[int, ...], spec: Family, recipe: str, n_layers: int,
+                                tied: bool, rng: np.random.Generator, gguf_tensors: list, hf_tensors: dict) -> None:
+    """Granite MoE Shared's ``shared_mlp.input_linear`` ``[2 S, hidden]`` (rows [gate | up]) as llama.cpp's
+    ``GraniteMoeModel`` splits it: ``ffn_gate_shexp`` and ``ffn_up_shexp`` ``[S, hidden]``."""
+    layer = int(hf_name.split(".")[2])
+    parts = []
+    for role in ("ffn_gate_shexp", "ffn_up_shexp"):
+        qtype = tensor_type(recipe, role, layer, n_layers, shape[1], 2, tied)
+        raw, vals = make_weight(qtype, (shape[0] // 2, shape[1]), spec.std["linear"], rng)
+        gguf_tensors.append((f"blk.{layer}.{role}.weight", raw, qtype))
+        parts.append(vals)
+    hf_tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(np.concatenate(parts, axis=0)))
 
 
 def _hf_shapes(config) -> dict[str, tuple[int, ...]]:

@@ -60,6 +60,9 @@ transforms it applies to HF tensors (read at ggml-org/llama.cpp: ``convert_hf_to
   ``expert_count`` / ``expert_used_count``; ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2`` stacked into
   ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, ``block_sparse_moe.gate`` → ``ffn_gate_inp`` (F32). No
   gating key: llama.cpp's llama renormalises the top-k weights, as transformers' Mixtral does.
+- granitemoeshared → ``granitemoe`` (``GraniteMoeModel`` takes ``GraniteMoeSharedForCausalLM``): granitemoe's keys
+  and tensors, plus ``expert_shared_feed_forward_length`` and ``shared_mlp.input_linear`` split into
+  ``ffn_gate_shexp`` / ``ffn_up_shexp``, ``output_linear`` → ``ffn_down_shexp``; no shared-expert gate.
 - qwen2moe → ``qwen2moe`` (``Qwen2MoeModel``): Qwen 2's q/k/v biases, no reorder; ``expert_count``,
   ``expert_used_count``, ``expert_feed_forward_length`` and ``expert_shared_feed_forward_length``; routed experts
   stacked as qwen3moe's, the shared expert as ``ffn_{gate,up,down}_shexp`` and its gate ``ffn_gate_inp_shexp``, F32
@@ -225,6 +228,8 @@ def write_gguf(path: Path, arch: str, config, file_type: gguf.LlamaFileType, mod
                 w.add_expert_feed_forward_length(hp["moe_intermediate_size"])
             if hp.get("shared_expert_intermediate_size"):  # Qwen2MoeModel
                 w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
+            if hp.get("shared_intermediate_size"):  # GraniteMoeModel, for GraniteMoeSharedForCausalLM
+                w.add_expert_shared_feed_forward_length(hp["shared_intermediate_size"])
         if arch == "gemma3":
             if hp.get("final_logit_softcapping"):
                 w.add_final_logit_softcapping(hp["final_logit_softcapping"])

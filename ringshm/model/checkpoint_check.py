@@ -334,6 +334,9 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
                 name = pair[1] if not gguf else families.GGUF_SPLIT_EXPERTS[field]
                 out.update({prefix + name.format(e=e): Expect(shapes[field][1:], True, f"{what} expert {e}")
                             for e in range(n_e)})
+            elif field in ("w_shexp_gate", "w_shexp_up") and not gguf and names.hf_fused_shexp:  # [gate | up]
+                if field == "w_shexp_gate":
+                    out[prefix + pair[1]] = Expect((2 * si, h), True, f"layer {i} w_shexp_gate_up")
             elif field in ("w_exp_gate", "w_exp_up") and merged_gate_up_exps:
                 if field == "w_exp_gate":
                     out[prefix + families.GGUF_MERGED_GATE_UP_EXPS] = Expect((n_e, 2 * ie, h), True,

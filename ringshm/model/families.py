@@ -16,8 +16,10 @@ reads the description; nothing here computes.
     olmoe    olmoe           olmoe       routed experts, top-k of a softmax, not renormalised; q / k RMSNorm over
                                          the whole projection ([q_dim], [kv_dim]), not per head
     granitemoe granitemoe    granitemoe  routed experts, softmax over the top-k logits; muP multipliers on the
-                                         embedding, attention scale, both residual branches and the logits;
-                                         HF experts fused 3-D (input_linear [E, 2 I, hidden], output_linear)
+               granitemoeshared          embedding, attention scale, both residual branches and the logits;
+                                         HF experts fused 3-D (input_linear [E, 2 I, hidden], output_linear);
+                                         granitemoeshared: a shared expert, ungated (shared_mlp.input_linear
+                                         [2 S, hidden] rows [gate | up], output_linear; GGUF ffn_*_shexp)
     mixtral  mixtral         llama**     Mistral's attention; every FFN routed experts, top-k of a softmax,
                                          renormalised; HF names block_sparse_moe.gate / experts.{e}.w1 w3 w2
     qwen2moe qwen2_moe       qwen2moe    Qwen 2's attention (q/k/v biases); routed experts, top-k of a softmax
@@ -56,7 +58,7 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", 
             "qwen2moe")
 HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
             "phi3": "phi3", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "mixtral",
-            "qwen2_moe": "qwen2moe"}
+            "qwen2_moe": "qwen2moe", "granitemoeshared": "granitemoe"}
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
               "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "llama",
               "qwen2moe": "qwen2moe"}
@@ -73,7 +75,6 @@ UNSUPPORTED_MOE = {
     "deepseek2": "multi-head latent attention (MLA) and shared experts",
     "gpt_oss": "MXFP4 experts, attention sinks, biased router and experts, a clamped SwiGLU",
     "gpt-oss": "MXFP4 experts, attention sinks, biased router and experts, a clamped SwiGLU",
-    "granitemoeshared": "its ungated shared expert read from shared_mlp (not described yet)",
     "phimoe": "sparsemixer routing", "jetmoe": "mixture-of-attention heads", "dbrx": "clipped fused qkv",
 }
 # llama.cpp's converter reorders these arches' q/k rows (loader docstring; Granite's converter is a LlamaModel)
@@ -103,6 +104,7 @@ class TensorNames:
     fused_qkv: bool = False  # Phi-3: one attn_qkv / qkv_proj tensor [q + 2 kv, hidden]
     fused_gate_up: bool = False  # Phi-3: one ffn_up / gate_up_proj tensor [2 I, hidden], rows [gate | up]
     hf_fused_experts: bool = False  # Granite MoE: HF experts 3-D, gate and up in one [E, 2 I, hidden] (w_exp_gate's)
+    hf_fused_shexp: bool = False  # Granite MoE Shared: HF shared expert gate and up in one [2 S, hidden] (w_shexp_gate's)
 
 
 _LLAMA_LAYER = {
@@ -138,6 +140,10 @@ _GRANITEMOE_LAYER = {
     "w_exp_gate": ("ffn_gate_exps.weight", "block_sparse_moe.input_linear.weight"),  # HF: rows [gate | up]
     "w_exp_up": ("ffn_up_exps.weight", "block_sparse_moe.input_linear.weight"),
     "w_exp_down": ("ffn_down_exps.weight", "block_sparse_moe.output_linear.weight"),
+    # Granite MoE Shared's shared expert (no gate): HF one [2 S, hidden] tensor, rows [gate | up]
+    "w_shexp_gate": ("ffn_gate_shexp.weight", "shared_mlp.input_linear.weight"),
+    "w_shexp_up": ("ffn_up_shexp.weight", "shared_mlp.input_linear.weight"),
+    "w_shexp_down": ("ffn_down_shexp.weight", "shared_mlp.output_linear.weight"),
 }
 _MIXTRAL_LAYER = {
     **_LLAMA_LAYER,
@@ -177,7 +183,8 @@ TENSOR_NAMES = {
     "qwen3": TensorNames(_LLAMA_LAYER), "gemma3": TensorNames(_GEMMA3_LAYER),
     "phi3": TensorNames(_PHI3_LAYER, fused_qkv=True, fused_gate_up=True),
     "qwen3moe": TensorNames(_LLAMA_LAYER), "olmoe": TensorNames(_LLAMA_LAYER),
-    "granitemoe": TensorNames(_GRANITEMOE_LAYER, hf_fused_experts=True), "mixtral": TensorNames(_MIXTRAL_LAYER),
+    "granitemoe": TensorNames(_GRANITEMOE_LAYER, hf_fused_experts=True, hf_fused_shexp=True),
+    "mixtral": TensorNames(_MIXTRAL_LAYER),
     "qwen2moe": TensorNames(_QWEN2MOE_LAYER),
 }
 GLOBAL_TENSORS = {  # role -> (GGUF name, HF name)
@@ -327,6 +334,10 @@ def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
     if family == "olmoe":  # q / k norms over the whole projection (OlmoeAttention's q_norm [hidden])
         out["qk_norm_full"] = True
     used.add("shared_expert_intermediate_size")
+    if c.get("model_type") == "granitemoeshared":  # GraniteMoeSharedDecoderLayer: moe(h) + shared_mlp(h), no gate
+        used.add("shared_intermediate_size")
+        if c.get("shared_intermediate_size"):  # 0: no shared_mlp (transformers builds none)
+            out.update(shared_expert_intermediate=int(c["shared_intermediate_size"]))
     if family == "qwen2moe":  # Qwen2MoeSparseMoeBlock: the shared expert always, gated by sigmoid(h . w)
         if not c.get("shared_expert_intermediate_size"):
             raise InvalidCheckpoint(f"{where}: shared_expert_intermediate_size is missing: a qwen2_moe config must "
@@ -496,7 +507,7 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
         kw["sliding_window"] = int(window)
     read = HARMLESS_GGUF_KEYS | (GRANITE_GGUF_KEYS if family == "granitemoe" else frozenset()) | (
         YARN_GGUF_KEYS if meta.get(f"{arch}.rope.scaling.type") == "yarn" else frozenset()) | (
-        {"expert_shared_feed_forward_length"} if family == "qwen2moe" else frozenset())
+        {"expert_shared_feed_forward_length"} if family in ("qwen2moe", "granitemoe") else frozenset())
     unknown = sorted(k[len(arch) + 1:] for k in meta.keys() if k.startswith(f"{arch}.")
                      and k[len(arch) + 1:] not in read)
     if unknown:
@@ -513,7 +524,7 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
     ``expert_gating_func`` key is refused by name, and so is a shared-expert key or tensor outside qwen2moe, whose
     shared expert (``expert_shared_feed_forward_length`` wide, else ``feed_forward_length``) llama.cpp always gates
     by ``sigmoid(h . ffn_gate_inp_shexp)``."""
-    shared = family == "qwen2moe"
+    shared = family in ("qwen2moe", "granitemoe")  # granitemoe: Granite MoE Shared's files add ffn_*_shexp
     for key in ("expert_weights_norm", "expert_gating_func", "expert_weights_scale", "expert_shared_count",
                 *(() if shared else ("expert_shared_feed_forward_length",))):
         if f"{arch}.{key}" in meta:
@@ -529,9 +540,11 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
                                        or need("feed_forward_length")),
                expert_gating={"qwen3moe": "softmax_norm", "olmoe": "softmax", "granitemoe": "topk_softmax",
                               "mixtral": "softmax_norm", "qwen2moe": "softmax"}[family])
-    if shared:
+    if family == "qwen2moe":
         out.update(shared_expert_gate=True, shared_expert_intermediate=int(
             meta.get(f"{arch}.expert_shared_feed_forward_length") or need("feed_forward_length")))
+    elif family == "granitemoe" and any(".ffn_gate_shexp." in n for n in tensor_names):  # llama.cpp: n_ff_shexp
+        out.update(shared_expert_intermediate=int(need("expert_shared_feed_forward_length")))
     if family == "olmoe":
         out["qk_norm_full"] = True
     return out

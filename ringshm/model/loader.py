@@ -217,8 +217,8 @@ class Checkpoint:
             prefix = f"blk.{i}." if self.gguf else f"model.layers.{i}."
             w = {}
             for f, pair in names.layer.items():
-                if not families.wanted(cfg, f, names):
-                    continue
+                if not families.wanted(cfg, f, names) or (f == "w_shexp_up" and names.hf_fused_shexp and not self.gguf):
+                    continue  # (Granite's HF shared expert: up is read with gate, one tensor)
                 name = prefix + pair[side]
                 if f in families.EXPERT_FIELDS:
                     w[f] = self._experts(prefix, f, pair[side], loaded)
@@ -230,6 +230,9 @@ class Checkpoint:
                 qkv = w.pop("wq")
                 w["wq"], w["wk"], w["wv"] = (qkv.rows(torch.arange(a, b)) for a, b in _splits(
                     (cfg.q_dim, cfg.kv_dim, cfg.kv_dim)))
+            if names.hf_fused_shexp and not self.gguf and "w_shexp_gate" in w:  # rows [gate | up] of one tensor
+                fused, si = w.pop("w_shexp_gate"), cfg.shared_expert_intermediate
+                w["w_shexp_gate"], w["w_shexp_up"] = (fused.rows(torch.arange(a, b)) for a, b in _splits((si, si)))
             if names.fused_gate_up:  # rows [gate | up] of one tensor
                 gate_up = w.pop("w_gate")
                 w["w_gate"], w["w_up"] = (gate_up.rows(torch.arange(a, b)) for a, b in _splits(
