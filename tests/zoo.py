@@ -22,8 +22,8 @@ over the whole projection, 4 KV heads) and ``granitemoe`` (16 experts, top 4, so
 granite-3.0-1b-a400m's muP multipliers; untied) and ``mixtral`` (16 experts, top 2, renormalised; Mistral's
 attention; GGUF arch ``llama``) and ``qwen2moe`` (16 experts, top 4, not renormalised, a shared expert 512 wide
 gated by a sigmoid; q/k/v biases) and ``granitemoeshared`` (``granitemoe`` with an ungated shared expert 512
-wide, HF ``shared_mlp.input_linear`` rows [gate | up]), expert width 256, written as transformers saves them (one tensor per expert;
-Granite: ``input_linear`` / ``output_linear`` 3-D; Mixtral: ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``)
+wide, HF ``shared_mlp.input_linear`` rows [gate | up]), expert width 256, written as transformers saves them
+(one tensor per expert; Granite: ``input_linear`` / ``output_linear`` 3-D; Mixtral: ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``)
 and as the converter merges them (3-D ``ffn_*_exps``; the router ``ffn_gate_inp`` stays F32).
 
 Tied embeddings (no ``output.weight``): llama3, qwen2, qwen3, gemma3. Sizes: hidden 256, 4 query heads,

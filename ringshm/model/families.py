@@ -104,7 +104,7 @@ class TensorNames:
     fused_qkv: bool = False  # Phi-3: one attn_qkv / qkv_proj tensor [q + 2 kv, hidden]
     fused_gate_up: bool = False  # Phi-3: one ffn_up / gate_up_proj tensor [2 I, hidden], rows [gate | up]
     hf_fused_experts: bool = False  # Granite MoE: HF experts 3-D, gate and up in one [E, 2 I, hidden] (w_exp_gate's)
-    hf_fused_shexp: bool = False  # Granite MoE Shared: HF shared expert gate and up in one [2 S, hidden] (w_shexp_gate's)
+    hf_fused_shexp: bool = False  # Granite MoE Shared: HF shared gate and up in one [2 S, hidden] (w_shexp_gate's)
 
 
 _LLAMA_LAYER = {
