@@ -23,8 +23,9 @@ granite-3.0-1b-a400m's muP multipliers; untied) and ``mixtral`` (16 experts, top
 attention; GGUF arch ``llama``) and ``qwen2moe`` (16 experts, top 4, not renormalised, a shared expert 512 wide
 gated by a sigmoid; q/k/v biases) and ``granitemoeshared`` (``granitemoe`` with an ungated shared expert 512
 wide, HF ``shared_mlp.input_linear`` rows [gate | up]), expert width 256, written as transformers saves them
-(one tensor per expert; Granite: ``input_linear`` / ``output_linear`` 3-D; Mixtral: ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``)
-and as the converter merges them (3-D ``ffn_*_exps``; the router ``ffn_gate_inp`` stays F32).
+(one tensor per expert; Granite: ``input_linear`` / ``output_linear`` 3-D; Mixtral:
+``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``) and as the converter merges them (3-D ``ffn_*_exps``; the
+router ``ffn_gate_inp`` stays F32).
 
 Tied embeddings (no ``output.weight``): llama3, qwen2, qwen3, gemma3. Sizes: hidden 256, 4 query heads,
 2 KV heads (gemma3: 1), head_dim 64, intermediate 512, vocab 512, 4 layers (gemma3: 6).
