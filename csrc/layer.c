@@ -15,7 +15,7 @@ static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
  * (token, rank) pair, t k rows of 2 expert_inter and expert_inter, and after act come
  *   logits [t, round16(E)] | wsel [t k] | isel [t k] (int32) | xs [t k, hidden] | ys [t k, hidden] | m [t, hidden]
  *   | order [t k] (int32) | where [t k] (int32) | offs [E + 1] (int32) | active [E] (int32) | p [E]
- *   and with a shared expert | sgu [t, 2 shared_inter] | sact [t, shared_inter] | sy [t, hidden] | sg [t]
+ *   and with a shared expert | sgu [t, 2 shared_inter] | sact [t, shared_inter] | sy [t, hidden] (| sg [t]: gated)
  * (p: one token's softmax; the int32 arrays take a float's room each). */
 struct layout {
     int64_t h, qkv, q, k, v, attn, x2, gu, act, logits, wsel, isel, xs, ys, m, order, where, offs, active, p;
@@ -35,7 +35,8 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
                           s->expert_inter % 16 ||
                           (s->gating != RINGSHM_GATE_SOFTMAX && s->gating != RINGSHM_GATE_SOFTMAX_NORM &&
                            s->gating != RINGSHM_GATE_TOPK_SOFTMAX))) ||
-        s->shared_inter < 0 || s->shared_inter % 16 || (s->shared_inter && !s->n_experts) ||
+        s->shared_inter < 0 || s->shared_inter % 16 || s->shared_inter > (1 << 24) ||
+        (s->shared_inter && !s->n_experts) ||
         (s->shared_gate != 0 && s->shared_gate != 1) || (s->shared_gate && !s->shared_inter) ||
         !(s->residual_scale > 0.0f) || !(s->residual_scale < 1e30f))
         return 0;
@@ -72,7 +73,7 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
         l->sgu = at, at += t * 2 * (int64_t)s->shared_inter;
         l->sact = at, at += t * s->shared_inter;
         l->sy = at, at += t * s->hidden;
-        l->sg = at, at += t;
+        if (s->shared_gate) l->sg = at, at += t;
     }
     l->total = at;
     return 1;
@@ -173,7 +174,8 @@ static int run_expert(const struct ringshm_layer_shape *s, const struct ringshm_
  * threads, every row the matmul's row-invariant result. */
 static int shared_expert(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w,
                          const struct layout *l, float *work, const float *h, int64_t t, int n_threads, int isa) {
-    const int hid = s->hidden, si = s->shared_inter;
+    const int hid = s->hidden;
+    const int64_t si = s->shared_inter;
     float *sgu = work + l->sgu, *sact = work + l->sact, *sg = work + l->sg;
     int st;
     if (!w->sh_gate_up || !w->sh_down) return RINGSHM_KERNEL_ERR_SHAPE;

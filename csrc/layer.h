@@ -41,7 +41,7 @@
  *         y = (act(h . Wgate_e^T) * (h . Wup_e^T)) . Wdown_e^T       [rows, hidden]  (width expert_inter)
  *     m[tok] = 0, then m[tok] = m[tok] + (w * y[tok]) for each of its experts in ascending id (two roundings
  *         each: the product, then the add; transformers' eager experts loop and index_add_)
- *     with a shared expert (shared_inter > 0; Qwen2-MoE), after the routed terms:
+ *     with a shared expert (shared_inter > 0; Qwen2-MoE, Granite MoE Shared), after the routed terms:
  *         s = (act(gate) * up) . Wsh_down^T with [gate | up] = h . Wsh_gate_up^T   [T, hidden] (the matmul)
  *         m[tok] = m[tok] + (g * s[tok]), g = 1 / (1 + expf(-z)), z = sum_j h[tok, j] * sh_gate_inp[j] (one fmaf
  *         per j, ascending from 0); without shared_gate m[tok] = m[tok] + s[tok]
@@ -92,7 +92,7 @@ struct ringshm_layer_shape {
     int n_experts_used, expert_inter, gating; /* top-k, one expert's width, enum ringshm_gating */
     float residual_scale; /* each branch's output times this before its residual add (Granite); 1: none */
     int shared_inter;     /* with experts: a shared expert of this width beside the routed ones (0: none) */
-    int shared_gate;      /* 1: the shared expert's output times sigmoid(h . sh_gate_inp) (Qwen2-MoE) */
+    int shared_gate;      /* 1: the shared expert's output times sigmoid(h . sh_gate_inp) (Qwen2-MoE; Granite: 0) */
 };
 
 /* One layer's weights (packed, matmul.h), RoPE tables and KV cache; pointers stay owned by the caller. */

@@ -92,8 +92,9 @@ class ModelConfig:
                 logits, w = softmax over those k logits alone
             m = Σ_{e in E, ascending id} w_e · ((act(h · Wgate_eᵀ) * (h · Wup_eᵀ)) · Wdown_eᵀ)   widths
                 expert_intermediate; each term one rounded product, added in that order from 0
-            with a shared expert (shared_expert_intermediate > 0, Qwen2-MoE): then m = m + g · s, s the dense FFN
-                of width shared_expert_intermediate on h, g = sigmoid(h · w_gate_inp) (shared_expert_gate) or 1
+            with a shared expert (shared_expert_intermediate > 0; Qwen2-MoE, Granite MoE Shared): then m = m + g · s,
+                s the dense FFN of width shared_expert_intermediate on h, g = sigmoid(h · w_gate_inp)
+                (shared_expert_gate: Qwen2-MoE) or 1
         post_norms: m = norm(m) · post_ffn_norm
         x = x + m
     (with ``residual_scale`` != 1, Granite: x = x + a * residual_scale and x = x + m * residual_scale)
@@ -149,7 +150,7 @@ class ModelConfig:
     expert_intermediate: int = 0  # one expert's FFN width (HF moe_intermediate_size)
     expert_gating: str = "softmax_norm"  # EXPERT_GATINGS
     residual_scale: float = 1.0  # each branch's output times this before its residual add (Granite's muP)
-    shared_expert_intermediate: int = 0  # a shared expert beside the routed ones, this wide (0: none; Qwen2-MoE)
+    shared_expert_intermediate: int = 0  # a shared expert beside the routed ones, this wide (0: none)
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(h · w) (Qwen2-MoE's gate)
     logit_scale: float = 1.0  # the LM head's logits divided by this (Granite's logits_scaling)
 

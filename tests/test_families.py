@@ -205,6 +205,7 @@ REFUSED = [
     ("llama", "hidden_act", "gelu", "hidden_act"),
     ("llama", "some_new_switch", 1, "some_new_switch"),  # a field no release of ringshm has heard of
     ("qwen3moe", "mlp_only_layers", [1], "mlp_only_layers"),  # a dense layer among routed ones
+    ("qwen2moe", "layer_types", ["sliding_attention"] * 4, "layer_types"),  # windows without use_sliding_window
     ("qwen3moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
     ("olmoe", "clip_qkv", 8.0, "clip_qkv"),
     ("qwen3moe", "model_type", "qwen3_next", "Gated DeltaNet"),  # MoE families not computed: by name, with why

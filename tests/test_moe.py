@@ -1,6 +1,7 @@
 """Routed mixture-of-experts families (issue 29) on the zoo's tiny models (``tests/zoo.py``: 16 experts, top 4;
 Mixtral top 2): Qwen3-MoE (top-k weights renormalised), OLMoE (not; q / k norms over the whole projection), Granite
-MoE (softmax over the top-k logits, muP multipliers) and Mixtral (renormalised; GGUF arch ``llama``).
+MoE (softmax over the top-k logits, muP multipliers), Mixtral (renormalised; GGUF arch ``llama``), Qwen2-MoE (a
+shared expert gated by a sigmoid) and Granite MoE Shared (an ungated shared expert).
 
 ``tests/test_families.py`` already runs every zoo family, these included, against transformers fp32 from the HF
 directory and the GGUF, at 1 and 2 stages, chunked, and beside batch-mates. Here, what is particular to experts:
@@ -198,6 +199,51 @@ def test_a_per_expert_gguf_with_one_expert_of_another_type_is_refused_naming_it(
     write_gguf(path, "llama", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "split", tensors)
     with pytest.raises(InvalidCheckpoint, match=r"blk\.1\.ffn_gate\.5\.weight.*F32.*one type"):
         Checkpoint.open(path)
+
+
+def test_a_shared_expert_checkpoint_that_lies_is_refused_naming_what(zoo, tmp_path):
+    import json
+    import shutil
+
+    from ringshm.errors import InvalidCheckpoint, MissingTensor
+
+    shutil.copytree(zoo("granitemoeshared").hf_dir, tmp_path / "hf")  # a width no int can hold
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, "shared_intermediate_size": float("inf")}))
+    with pytest.raises(InvalidCheckpoint, match="shared_intermediate_size"):
+        Checkpoint.open(tmp_path / "hf")
+    # a Granite GGUF whose header says a shared expert but whose tensors hold none (llama.cpp requires them)
+    plain = [(t.name, np.array(t.data), t.tensor_type) for t in gguf.GGUFReader(str(zoo("granitemoe").gguf_path)).tensors]
+    write_gguf(tmp_path / "no_shexp.gguf", "granitemoe", zoo("granitemoeshared").config,
+               gguf.LlamaFileType.MOSTLY_Q4_K_M, "lies", plain)
+    with pytest.raises(MissingTensor, match="ffn_gate_shexp"):
+        Checkpoint.open(tmp_path / "no_shexp.gguf")
+    # the shared expert's gate and up in two types (they are packed as one matmul)
+    model = zoo("qwen2moe")
+    mixed = [(n, gguf.quants.dequantize(raw, t), gguf.GGMLQuantizationType.F32) if n == "blk.1.ffn_up_shexp.weight"
+             else (n, raw, t) for n, raw, t in ((t.name, np.array(t.data), t.tensor_type)
+                                               for t in gguf.GGUFReader(str(model.gguf_path)).tensors)]
+    write_gguf(tmp_path / "mixed.gguf", "qwen2moe", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "mixed", mixed)
+    with pytest.raises(InvalidCheckpoint, match=r"blk\.1\.ffn_up_shexp\.weight.*F32.*one type"):
+        Checkpoint.open(tmp_path / "mixed.gguf")
+
+
+def test_the_memory_check_counts_a_shared_expert_of_odd_width_as_the_dense_weights_the_torch_path_holds(zoo):
+    from ringshm.config import EngineConfig
+    from ringshm.errors import ResourceShortage
+    from ringshm.model.stage_model import runs_native
+    from ringshm.runtime.resources import check_memory
+
+    odd = zoo("qwen2moe", shared_expert_intermediate_size=40)  # not whole 16-float vectors: the torch path
+    cfg = Checkpoint.open(odd.gguf_path).config
+    assert not runs_native(cfg, "cpu", torch.float32) and runs_native(Checkpoint.open(zoo("qwen2moe").gguf_path).config,
+                                                                       "cpu", torch.float32)
+    engine = EngineConfig(stages=1, max_rows=1, max_seq_len=64)
+    with pytest.raises(ResourceShortage) as info:
+        check_memory(engine, cfg, engine.layer_ranges(cfg.n_layers), 64, odd.gguf_path, available_bytes=1)
+    weights = float(str(info.value).split("weights and layer scratch ")[1].split(" GiB")[0])
+    dense = 4 * sum(p.numel() for p in odd.oracle().parameters()) / 2**30  # every weight fp32 on the torch path
+    assert weights >= 0.9 * dense, (weights, dense)
 
 
 def test_the_engine_serves_moe_over_two_stage_processes_with_prefix_hits_byte_identical(zoo):

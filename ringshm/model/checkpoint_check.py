@@ -397,10 +397,16 @@ def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tu
                                     f"{list(e.shape)} (torch order) for this config")
         ok = (readable_gguf_type(tname) if gguf else tname in FLOATS) if e.weight else tname in FLOATS
         if not ok:
+            kind = "norm" if "norm" in e.what else "gate" if "gate_inp" in e.what else "bias"
             expected = ("a type the loader dequantizes" if gguf else "F32, F16 or BF16") if e.weight else \
-                f"{', '.join(FLOATS)} ({'norm' if 'norm' in e.what else 'bias'} values are read as floats)"
+                f"{', '.join(FLOATS)} ({kind} values are read as floats)"
             raise InvalidCheckpoint(f"{where}: tensor {name!r} ({e.what}) is {tname}: expected {expected}")
     _check_one_type_per_role(where, want, found)
+    for i in range(cfg.n_layers):  # the shared expert's gate and up are packed as one matmul: one type
+        gate, up = (f"blk.{i}.ffn_{r}_shexp.weight" for r in ("gate", "up"))
+        if gguf and gate in want and up in want and found[gate][0] != found[up][0]:
+            raise InvalidCheckpoint(f"{where}: tensor {up!r} is {found[up][0]} but {gate!r} is {found[gate][0]}: the "
+                                    f"shared expert's gate and up in one type")
     extra = sorted(set(found) - set(want))
     if extra:
         layer_of = re.compile(r"(?:blk|model\.layers)\.(\d+)\.")

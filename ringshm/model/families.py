@@ -63,7 +63,8 @@ GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "
               "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "llama",
               "qwen2moe": "qwen2moe"}
 MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral", "qwen2moe")
-SUPPORTED_MOE = "qwen3moe / qwen3_moe, olmoe, granitemoe, mixtral (GGUF arch llama with experts), qwen2moe / qwen2_moe"
+SUPPORTED_MOE = ("qwen3moe / qwen3_moe, olmoe, granitemoe (and granitemoeshared), mixtral (GGUF arch llama with "
+                 "experts), qwen2moe / qwen2_moe")
 # MoE checkpoints ringshm does not compute, by HF model_type and GGUF arch, with what they would need.
 UNSUPPORTED_MOE = {
     "qwen3_next": "linear-attention (Gated DeltaNet) layers and a shared expert",
@@ -340,8 +341,9 @@ def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
             out.update(shared_expert_intermediate=int(c["shared_intermediate_size"]))
     if family == "qwen2moe":  # Qwen2MoeSparseMoeBlock: the shared expert always, gated by sigmoid(h . w)
         if not c.get("shared_expert_intermediate_size"):
-            raise InvalidCheckpoint(f"{where}: shared_expert_intermediate_size is missing: a qwen2_moe config must "
-                                    f"say how wide its shared expert is")
+            raise InvalidCheckpoint(f"{where}: shared_expert_intermediate_size = "
+                                    f"{c.get('shared_expert_intermediate_size')!r}: a qwen2_moe config must say how "
+                                    f"wide its shared expert is (> 0)")
         out.update(shared_expert_intermediate=int(c["shared_expert_intermediate_size"]), shared_expert_gate=True)
     elif c.get("shared_expert_intermediate_size"):
         raise _refuse(where, "shared_expert_intermediate_size", c["shared_expert_intermediate_size"],
@@ -379,6 +381,8 @@ def _hf_windows(c: dict, family: str, n_layers: int, used: set, where: str) -> d
     if family in ("qwen2", "qwen3", "qwen3moe", "qwen2moe"):
         if c.get("use_sliding_window"):
             raise _refuse(where, "use_sliding_window", True, "Qwen's per-layer sliding windows are not computed")
+        if layer_types is not None and set(layer_types) - {"full_attention"}:
+            raise _refuse(where, "layer_types", layer_types, "Qwen's per-layer sliding windows are not computed")
         return {}
     if family == "gemma3":
         if layer_types is None:
@@ -438,7 +442,7 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
     def need(key: str):
         value = meta.get(f"{arch}.{key}")
         if value is None:
-            raise UnsupportedArchitecture(f"{where}: GGUF metadata key {arch}.{key!r} is missing")
+            raise UnsupportedArchitecture(f"{where}: GGUF metadata key '{arch}.{key}' is missing")
         return value
 
     n_heads = int(need("attention.head_count"))
@@ -521,9 +525,9 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
     (Mixtral). llama.cpp fixes the gating per arch (its ``build_moe_ffn`` calls: qwen3moe and llama renormalise the
     top-k weights, olmoe and qwen2moe do not, granitemoe renormalises, which is the softmax over the top-k logits of
     its HF original, taken that way here), so a file says only the counts; an ``expert_weights_norm`` /
-    ``expert_gating_func`` key is refused by name, and so is a shared-expert key or tensor outside qwen2moe, whose
-    shared expert (``expert_shared_feed_forward_length`` wide, else ``feed_forward_length``) llama.cpp always gates
-    by ``sigmoid(h . ffn_gate_inp_shexp)``."""
+    ``expert_gating_func`` key is refused by name, and so is a shared-expert key or tensor outside qwen2moe (whose
+    shared expert, ``expert_shared_feed_forward_length`` wide, else ``feed_forward_length``, llama.cpp always gates
+    by ``sigmoid(h . ffn_gate_inp_shexp)``) and granitemoe (Granite MoE Shared: ``ffn_*_shexp``, ungated)."""
     shared = family in ("qwen2moe", "granitemoe")  # granitemoe: Granite MoE Shared's files add ffn_*_shexp
     for key in ("expert_weights_norm", "expert_gating_func", "expert_weights_scale", "expert_shared_count",
                 *(() if shared else ("expert_shared_feed_forward_length",))):
@@ -543,7 +547,9 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
     if family == "qwen2moe":
         out.update(shared_expert_gate=True, shared_expert_intermediate=int(
             meta.get(f"{arch}.expert_shared_feed_forward_length") or need("feed_forward_length")))
-    elif family == "granitemoe" and any(".ffn_gate_shexp." in n for n in tensor_names):  # llama.cpp: n_ff_shexp
+    elif family == "granitemoe" and (any(".ffn_gate_shexp." in n for n in tensor_names)
+                                     or f"{arch}.expert_shared_feed_forward_length" in meta):
+        # llama.cpp: n_ff_shexp > 0 makes the ffn_*_shexp tensors required (the tensor check names a missing one)
         out.update(shared_expert_intermediate=int(need("expert_shared_feed_forward_length")))
     if family == "olmoe":
         out["qk_norm_full"] = True

@@ -194,6 +194,7 @@ HF_RULES: dict[str, Check] = {
     "num_experts_per_tok": int_in(1, MAX_EXPERTS_USED, True),
     "moe_intermediate_size": int_in(1, MAX_INTERMEDIATE, True),
     "shared_expert_intermediate_size": int_in(0, MAX_INTERMEDIATE, True),
+    "shared_intermediate_size": int_in(0, MAX_INTERMEDIATE, True),
     "norm_topk_prob": boolean(True),
     "decoder_sparse_step": int_in(1, MAX_LAYERS, True),
     "mlp_only_layers": _int_list,

@@ -96,6 +96,14 @@ class StepPlan:
     table_offs: torch.Tensor
 
 
+def runs_native(config: ModelConfig, device: str, dtype: torch.dtype) -> bool:
+    """Whether a stage of ``config`` on ``device`` in ``dtype`` runs the C path (module docstring): fp32 on the CPU,
+    and dims the kernels take as whole 16-float vectors; else the torch path, its weights dense in ``dtype``."""
+    return (device == "cpu" and dtype == torch.float32 and config.hidden % 16 == 0
+            and config.intermediate % 8 == 0 and config.head_dim % 16 == 0 and config.head_dim <= MAX_HEAD_DIM
+            and config.expert_intermediate % 16 == 0 and config.shared_expert_intermediate % 16 == 0)
+
+
 class StageModel:
     """Layers ``layer_range`` of a model, with the embedding when first and norm + LM head when last.
 
@@ -142,11 +150,7 @@ class StageModel:
         if self.n_blocks <= 0:
             raise ValueError(f"n_blocks must be positive, got {n_blocks}")
         self.dtype, self.device = dtype, torch.device(device)
-        # the C path (module docstring); its kernels take whole 16-float vectors of these dims
-        self.native = (self.device.type == "cpu" and dtype == torch.float32 and config.hidden % 16 == 0
-                       and config.intermediate % 8 == 0 and config.head_dim % 16 == 0
-                       and config.head_dim <= MAX_HEAD_DIM and config.expert_intermediate % 16 == 0
-                       and config.shared_expert_intermediate % 16 == 0)
+        self.native = runs_native(config, self.device.type, dtype)
         self.norm = self.lm_head = self.embed = None
         if is_first:  # native: the encoded rows (a view of the file's map); else a dense table
             self.embed = weights.embed if self.native else weights.embed.dequantize().to(self.device, dtype)

@@ -115,14 +115,17 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
     Raises:
         ResourceShortage: with the per-stage numbers and what to change.
     """
-    from ringshm.model.loader import Checkpoint
+    import torch
+
     from ringshm.model.layer import layer_scratch_bytes
+    from ringshm.model.loader import Checkpoint
+    from ringshm.model.stage_model import runs_native
 
     gib = 2 ** 30
     n_blocks = cfg.kv_blocks(mc, max_seq_len)
     sized_by = (f"kv_cache_memory={cfg.kv_cache_memory:g} GiB" if cfg.kv_cache_memory is not None
                 else f"max_rows={cfg.max_rows} x max_seq_len={max_seq_len}")
-    native = cfg.device == "cpu" and cfg.dtype == "float32"
+    native = runs_native(mc, cfg.device, getattr(torch, cfg.dtype))  # else dense weights (torch path)
     width = 2.0 if cfg.dtype == "bfloat16" else 4.0
     ckpt = Checkpoint.open(model_path)
     local = range(len(layer_ranges)) if local is None else local
