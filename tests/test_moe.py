@@ -213,7 +213,8 @@ def test_a_shared_expert_checkpoint_that_lies_is_refused_naming_what(zoo, tmp_pa
     with pytest.raises(InvalidCheckpoint, match="shared_intermediate_size"):
         Checkpoint.open(tmp_path / "hf")
     # a Granite GGUF whose header says a shared expert but whose tensors hold none (llama.cpp requires them)
-    plain = [(t.name, np.array(t.data), t.tensor_type) for t in gguf.GGUFReader(str(zoo("granitemoe").gguf_path)).tensors]
+    plain = [(t.name, np.array(t.data), t.tensor_type)
+             for t in gguf.GGUFReader(str(zoo("granitemoe").gguf_path)).tensors]
     write_gguf(tmp_path / "no_shexp.gguf", "granitemoe", zoo("granitemoeshared").config,
                gguf.LlamaFileType.MOSTLY_Q4_K_M, "lies", plain)
     with pytest.raises(MissingTensor, match="ffn_gate_shexp"):
