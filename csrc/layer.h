@@ -52,8 +52,9 @@
  * whole on one thread (a dynamic schedule over the experts, most rows first); with fewer, one expert at a time
  * with its panels split over the threads. Neither changes a bit (the matmul's rows do not depend on the thread
  * count). Limits: n_experts <= RINGSHM_MAX_EXPERTS, 1 <= n_experts_used <= min(n_experts,
- * RINGSHM_MAX_EXPERTS_USED), expert_inter % 16 == 0 (gate and up share a row of the scratch). Scratch grows with
- * t k rows of hidden + 3 expert_inter + hidden floats (a 512-token chunk of Qwen3-30B-A3B: ~105 MB).
+ * RINGSHM_MAX_EXPERTS_USED), expert_inter % 16 == 0 (gate and up share a row of the scratch), shared_inter % 16 ==
+ * 0 and <= 2^24. Scratch grows with t k rows of hidden + 3 expert_inter + hidden floats (a 512-token chunk of
+ * Qwen3-30B-A3B: ~105 MB), and with a shared expert t rows of 3 shared_inter + hidden (+ 1 with its gate).
  *
  * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: starts, lens [n_seg] int64, at
  * most RINGSHM_ATTN_MAX_SEGMENTS; segment i's block table is tables[table_offs[i] .. table_offs[i + 1]) (int32,
