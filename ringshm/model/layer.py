@@ -30,7 +30,7 @@ class Layer:
         w_gate_up = None if self.moe else concat_rows([w.w_gate, w.w_up])
         self.wk = self.wv = None  # K and V apart from Q (native, encodings differ)
         self.w_router = self.exp_gate = self.exp_up = self.exp_down = None
-        self.shared = w.w_shexp_gate is not None  # a shared expert beside the routed ones (Qwen2-MoE)
+        self.shared = w.w_shexp_gate is not None  # a shared expert beside the routed ones (Qwen2-MoE, Granite)
         sh_gate_up = concat_rows([w.w_shexp_gate, w.w_shexp_up]) if self.shared else None
         self.sh_gate_up = self.sh_down = self.sh_gate_inp = None
         if native:
