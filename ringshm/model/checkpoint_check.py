@@ -35,7 +35,7 @@ import numpy as np
 
 from ringshm.config import ModelConfig
 from ringshm.errors import InvalidCheckpoint, MissingTensor, RingshmError, UnsupportedArchitecture
-from ringshm.model import families
+from ringshm.model import families, families_gguf
 from ringshm.model.gguf_index import GGUFIndex
 from ringshm.model.hf_index import HFIndex
 from ringshm.model.metadata_rules import (
@@ -121,7 +121,7 @@ def check_gguf(index: GGUFIndex) -> ModelConfig:
     if not isinstance(arch, str):
         raise bad_value(label("general.architecture"), arch, "the architecture's name (a string)")
     if arch not in families.GGUF_ARCHS.values():
-        families.gguf_config({}, set(), arch, where, 1, None)  # raises UnsupportedArchitecture naming it
+        families_gguf.gguf_config({}, set(), arch, where, 1, None)  # raises UnsupportedArchitecture naming it
     for key, rule in GGUF_RULES.items():
         full = f"{arch}.{key}"
         if full in meta:
@@ -200,7 +200,7 @@ def check_gguf(index: GGUFIndex) -> ModelConfig:
                                     f"finite factors > 0")
     keys = dict(meta)
     keys.update({k: None for k in index.array_lengths if k not in keys})  # long arrays are audited by name
-    cfg = _wrap_family_errors(families.gguf_config, where, keys, set(index.tensors), arch, where, vocab, rope_freqs)
+    cfg = _wrap_family_errors(families_gguf.gguf_config, where, keys, set(index.tensors), arch, where, vocab, rope_freqs)
     _check_tensors(where, cfg, True, {n: (_type_name(t.qtype), tuple(reversed(t.shape))) for n, t in
                                      index.tensors.items()})
     return cfg

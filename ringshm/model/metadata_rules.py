@@ -209,7 +209,7 @@ HF_RULES: dict[str, Check] = {
 HF_REQUIRED = ("model_type", "num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
                "vocab_size")
 
-# GGUF metadata under "<arch>.": every key families.gguf_config reads; required ones in GGUF_REQUIRED.
+# GGUF metadata under "<arch>.": every key families_gguf.gguf_config reads; required ones in GGUF_REQUIRED.
 GGUF_RULES: dict[str, Check] = {
     "embedding_scale": number_in(0, MAX_FACTOR),
     "residual_scale": number_in(0, MAX_FACTOR),
