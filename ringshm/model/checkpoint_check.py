@@ -200,7 +200,8 @@ def check_gguf(index: GGUFIndex) -> ModelConfig:
                                     f"finite factors > 0")
     keys = dict(meta)
     keys.update({k: None for k in index.array_lengths if k not in keys})  # long arrays are audited by name
-    cfg = _wrap_family_errors(families_gguf.gguf_config, where, keys, set(index.tensors), arch, where, vocab, rope_freqs)
+    cfg = _wrap_family_errors(families_gguf.gguf_config, where, keys, set(index.tensors), arch, where, vocab,
+                              rope_freqs)
     _check_tensors(where, cfg, True, {n: (_type_name(t.qtype), tuple(reversed(t.shape))) for n, t in
                                      index.tensors.items()})
     return cfg
