@@ -4,7 +4,8 @@
  * Each short buffer here is malloc'd at exactly its length, so a kernel that read past it would stop the run
  * with a heap-buffer-overflow report instead of passing.
  *
- * The layer: hidden 16, one query head and one KV head of 16, intermediate 8, 4 positions, F32 weights. */
+ * The layer: hidden 16, one query head and one KV head of 16, intermediate 8, 4 positions, F32 weights (and as a
+ * mixture of 2 experts with a shared expert: check_shared_expert). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -149,10 +150,52 @@ static void check_layer(void) {
     layer_free(&l);
 }
 
+/* The layer as a mixture of 2 experts (top 1, width 16) with a gated shared expert of width 16: a shared gate's
+ * weights shorter than hidden, missing, or present without a gate are refused; so is a shape whose shared width
+ * is not whole 16-float vectors or that has a shared expert but no routed ones. */
+static void check_shared_expert(void) {
+    struct layer l;
+    layer_init(&l);
+    l.shape.n_experts = 2, l.shape.n_experts_used = 1, l.shape.expert_inter = 16;
+    l.shape.gating = RINGSHM_GATE_SOFTMAX_NORM, l.shape.shared_inter = 16, l.shape.shared_gate = 1;
+    struct ringshm_layer_weights *w = &l.w;
+    int64_t both;
+    w->type_router = w->type_exp_gate = w->type_exp_up = w->type_exp_down = RINGSHM_W_F32;
+    w->type_sh_gate_up = w->type_sh_down = RINGSHM_W_F32;
+    w->router = packed_f32(2, HID, &w->router_bytes);
+    w->exp_gate = packed_f32(2 * 16, HID, &both), w->exp_gate_bytes = both / 2; /* two experts, one after another */
+    w->exp_up = packed_f32(2 * 16, HID, &both), w->exp_up_bytes = both / 2;
+    w->exp_down = packed_f32(2 * HID, 16, &both), w->exp_down_bytes = both / 2;
+    w->sh_gate_up = packed_f32(2 * 16, HID, &w->sh_gate_up_bytes);
+    w->sh_down = packed_f32(HID, 16, &w->sh_down_bytes);
+    float *gate = floats(HID, 0.1f), *short_gate = floats(HID - 1, 0.1f);
+    free(l.work);
+    l.work_floats = ringshm_layer_work_floats(&l.shape, 2);
+    l.work = floats(l.work_floats, 0.0f);
+    w->sh_gate_inp = gate, w->sh_gate_inp_len = HID;
+    if (layer_run(&l)) FAIL("the layer refused a good shared expert\n");
+    w->sh_gate_inp = short_gate, w->sh_gate_inp_len = HID - 1;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read a 15-float shared gate for hidden 16\n");
+    w->sh_gate_inp = NULL, w->sh_gate_inp_len = 0;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer ran a gated shared expert without its gate\n");
+    l.shape.shared_gate = 0, w->sh_gate_inp = gate, w->sh_gate_inp_len = HID;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer took a gate for an ungated shared expert\n");
+    w->sh_gate_inp = NULL, w->sh_gate_inp_len = 0;
+    if (layer_run(&l)) FAIL("the layer refused a good ungated shared expert\n");
+    l.shape.shared_inter = 8;
+    if (ringshm_layer_work_floats(&l.shape, 2) >= 0) FAIL("a shared width of 8 floats was taken\n");
+    l.shape.shared_inter = 16, l.shape.n_experts = 0;
+    if (ringshm_layer_work_floats(&l.shape, 2) >= 0) FAIL("a shared expert without routed ones was taken\n");
+    free((void *)w->router), free((void *)w->exp_gate), free((void *)w->exp_up), free((void *)w->exp_down);
+    free((void *)w->sh_gate_up), free((void *)w->sh_down), free(gate), free(short_gate);
+    layer_free(&l);
+}
+
 int main(void) {
     check_rms_norm();
     check_matmul_bias();
     check_layer();
+    check_shared_expert();
     printf("test_lengths: short norms, biases, RoPE tables and KV pools refused by status, nothing read past them\n");
     return 0;
 }
