@@ -99,8 +99,8 @@ test-c: csrc/build/simd_v1_san.o
 	$(CC) $(SAN_C) $(SAN) csrc/matmul.c csrc/matmul_pack.c csrc/build/simd_v1_san.o csrc/kernels.c csrc/dequant.c \
 		csrc/test_matmul.c -lm -o csrc/build/test_matmul
 	./csrc/build/test_matmul
-	$(CC) $(SAN_C) $(SAN) csrc/layer.c csrc/matmul.c csrc/matmul_pack.c csrc/build/simd_v1_san.o csrc/kernels.c \
-		csrc/dequant.c csrc/test_lengths.c -lm -o csrc/build/test_lengths
+	$(CC) $(SAN_C) $(SAN) csrc/layer.c csrc/layer_moe.c csrc/matmul.c csrc/matmul_pack.c csrc/build/simd_v1_san.o \
+		csrc/kernels.c csrc/dequant.c csrc/test_lengths.c -lm -o csrc/build/test_lengths
 	./csrc/build/test_lengths
 
 bench: install
