@@ -13,7 +13,8 @@ import random
 import pytest
 import torch
 
-from ringshm.runtime.stage import N_SLOTS, SLOT_ACTIVE, StageSpec, ThreadPicker
+from ringshm.runtime.stage import N_SLOTS, SLOT_ACTIVE, StageSpec
+from ringshm.runtime.stage_threads import ThreadPicker
 
 
 def spec(index=0, n_stages=2, cores=2, device="cpu") -> StageSpec:

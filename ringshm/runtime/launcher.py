@@ -6,7 +6,7 @@ Topology: coordinator ──ring 0──▶ stage 0 ──ring 1──▶ … �
 Device binding: ``device="cuda"`` gives stage i GPU ``i % torch.cuda.device_count()``: the stage sets
 ``CUDA_VISIBLE_DEVICES`` first thing (``StageSpec.gpu``), so the process sees only its GPU before torch
 initialises CUDA. ``device="cpu"``: the stages share this process's CPU affinity (``cores``); before
-each op a stage takes ``cores // (stages computing right now)`` torch threads (``stage.ThreadPicker``), so a
+each op a stage takes ``cores // (stages computing right now)`` torch threads (``stage_threads.ThreadPicker``), so a
 single stream's decode, which visits the stages one at a time, uses every core, and a pipelined prefill,
 which keeps them all busy, does not oversubscribe; while other processes hold the cores a stage runs on one.
 

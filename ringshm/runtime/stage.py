@@ -14,14 +14,21 @@ from __future__ import annotations
 
 import functools
 import os
-import resource
 import time
 from dataclasses import dataclass
 
-# Shared status slots per stage (multiprocessing.Array of doubles, index * N_SLOTS + slot).
-N_SLOTS = 4
-SLOT_STATE, SLOT_BUSY_S, SLOT_OPS, SLOT_ACTIVE = 0, 1, 2, 3  # ACTIVE: 1.0 while the stage computes an op
-STARTING, LOADED, FAILED, EXITED = 0.0, 1.0, 2.0, 3.0
+from ringshm.runtime.stage_status import (  # noqa: F401 - the status layout, read by the launcher and tests here
+    EXITED,
+    FAILED,
+    LOADED,
+    N_SLOTS,
+    SLOT_ACTIVE,
+    SLOT_BUSY_S,
+    SLOT_OPS,
+    SLOT_STATE,
+    STARTING,
+)
+from ringshm.runtime.stage_threads import ThreadPicker
 
 
 @dataclass(frozen=True)
@@ -223,99 +230,6 @@ def read_masks(rin, op, timeout_s: float, link_latency_ms: float, kept: list[int
     del record, view
     rin.release()
     return rows
-
-
-class ThreadPicker:
-    """Intra-op torch threads for each op: the shared cores split among the stages computing now, and one thread
-    while the machine's cores are taken by other processes.
-
-    - Split: a single stream's decode visits the stages one after another, so the stage at work may use every
-      core; a pipelined prefill keeps several stages busy at once, and more threads than cores would
-      oversubscribe them. Measured on 2 cores: 3 stages with 1 thread each decoded at 0.63 x a 1-stage engine
-      with 2.
-    - Contention: an op's threads meet at barriers, so one thread that lost its core to another process holds
-      the op back for a scheduler time slice. Measured on 2 cores with one CPU-bound neighbour, a 10-layer
-      decode op took 15.3 ms with 2 threads and 2.65 ms with 1 (2.06 ms with 2 on a quiet machine). The sign of
-      it is the kernel taking cores away mid-op: involuntary context switches of the process (``getrusage``'s
-      ``ru_nivcsw``, all threads) per second of op. Measured over decode ops of 1.4-36 ms (SmolLM2 at 1 and 3
-      stages, a Llama-3.2-1B shape at 1): 25-49 /s on average on a quiet machine, 183-1135 /s per stage beside
-      one or two CPU-bound processes. (CPU time over wall x threads cannot tell: a 10-layer SmolLM2 decode op
-      runs most of its work on one thread, 0.50 quiet; a count per op cannot either: a long op sees a few
-      switches on a quiet machine.) So after every op of at least ``MIN_WALL_S`` on 2+ threads its rate feeds
-      a moving average; over ``CONTENDED`` the stage runs its ops on one thread and now and then one op on the
-      split again (a probe: after ``PROBE_MIN_S``, then twice as long after each that fails, up to
-      ``PROBE_MAX_S``, so a neighbour that was busy for a moment costs little and a lasting one few probes):
-      one op under ``CONTENDED`` ends the contended state. The thread count never
-      changes a bit of the result (batch invariance: every output element is reduced in one fixed order
-      whatever the threads).
-
-    ``cores <= 1`` leaves torch alone (e.g. a fake stage running in a test's thread). A GPU stage only splits:
-    its ops wait on the device, so the cores are not what they wait for.
-    """
-
-    CONTENDED = 150.0  # involuntary switches per second of op above which the cores are taken by others
-    MIN_WALL_S = 5e-4  # ops shorter than this are not measured
-    PROBE_MIN_S, PROBE_MAX_S = 0.05, 1.0  # a contended stage's waits before it tries the split again
-    SMOOTHING = 0.05  # weight of the newest op in the moving average
-
-    def __init__(self, spec: StageSpec, status, clock=time.perf_counter, switches=None):
-        self.spec, self.status, self.clock = spec, status, clock
-        self.switches = switches or _involuntary_switches
-        self.current = 0  # threads torch runs with now (0: not set yet)
-        self.switch_rate = 0.0  # moving average of involuntary switches per second of op
-        self.contended_since: float | None = None
-        self._probe_at, self._probe_wait = 0.0, self.PROBE_MIN_S
-        self._t0, self._s0 = 0.0, 0
-
-    def split(self) -> int:
-        """The cores over the stages computing now (this one included)."""
-        spec = self.spec
-        others = sum(self.status[i * N_SLOTS + SLOT_ACTIVE] > 0 for i in range(spec.n_stages) if i != spec.index)
-        return max(1, spec.cores // (others + 1))
-
-    def _measured(self) -> bool:
-        return self.spec.cores > 1 and self.spec.device == "cpu" and self.current >= 2
-
-    def before_op(self) -> int:
-        """Set torch's threads for the next op; returns them."""
-        if self.spec.cores <= 1:
-            return self.current
-        want = self.split()
-        now = self.clock()
-        if self.contended_since is not None and want > 1:
-            if now >= self._probe_at:  # this op runs on the split: after_op decides
-                self._probe_wait = min(2 * self._probe_wait, self.PROBE_MAX_S)
-                self._probe_at = now + self._probe_wait
-            else:
-                want = 1
-        if want != self.current:
-            import torch
-
-            torch.set_num_threads(want)
-            self.current = want
-        if self._measured():
-            self._t0, self._s0 = now, self.switches()
-        return want
-
-    def after_op(self) -> None:
-        """Measure the op just run (``before_op`` started the counters) and update the contention state."""
-        wall = self.clock() - self._t0
-        if not self._measured() or wall < self.MIN_WALL_S:
-            return
-        rate = (self.switches() - self._s0) / wall
-        if self.contended_since is not None:  # a probe: one op that kept its cores ends the contended state
-            if rate < self.CONTENDED:
-                self.contended_since, self.switch_rate = None, 0.0
-            return
-        self.switch_rate += self.SMOOTHING * (rate - self.switch_rate)
-        if self.switch_rate > self.CONTENDED:
-            self.contended_since, self._probe_wait = self.clock(), self.PROBE_MIN_S
-            self._probe_at = self.contended_since + self._probe_wait
-
-
-def _involuntary_switches() -> int:
-    """Times the kernel took a core from any thread of this process so far (``getrusage`` ``ru_nivcsw``)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
 
 
 def apply(model, msg, is_last: bool, max_op_tokens: int = 1 << 20, ended=None, masks=None):
