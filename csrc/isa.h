@@ -30,11 +30,13 @@ struct ringshm_kv_pool; /* kernels.h */
 #define RINGSHM_ISA_DECLS(S)                                                                                   \
     void ringshm_attn_chunk_##S(float *out, const float *q, const struct ringshm_kv_pool *pool,               \
                                 const int32_t *table, int n, int hq, int d, int start, int window, float scale, \
-                                int h0, int h1);                                                              \
+                                const float *sinks, int h0, int h1);                                          \
     void ringshm_rms_norm_rows_##S(float *out, const float *x, const float *w, int64_t m, int64_t k,          \
                                    float eps);                                                                \
     void ringshm_silu_mul_rows_##S(float *out, const float *gu, int64_t m, int64_t inter);                   \
     void ringshm_gelu_tanh_mul_rows_##S(float *out, const float *gu, int64_t m, int64_t inter);              \
+    void ringshm_swiglu_oai_mul_rows_##S(float *out, const float *gu, int64_t m, int64_t inter, float alpha,  \
+                                         float limit);                                                        \
     void ringshm_kv_widen_rows_##S(float *out, const void *src, int64_t n, int kv_type);                     \
     void ringshm_argmax_rows_impl_##S(int64_t *out, const float *logits, const uint32_t *words, int64_t m,     \
                                       int64_t vocab, int64_t width);                                          \

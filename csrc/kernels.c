@@ -17,7 +17,7 @@
 #define VW RINGSHM_ATTN_HEAD_DIM_MULTIPLE
 
 typedef void (*attn_fn)(float *, const float *, const struct ringshm_kv_pool *, const int32_t *, int, int, int, int,
-                        int, float, int, int);
+                        int, float, const float *, int, int);
 typedef void (*rms_fn)(float *, const float *, const float *, int64_t, int64_t, float);
 typedef void (*silu_fn)(float *, const float *, int64_t, int64_t);
 
@@ -118,10 +118,10 @@ static inline void kv_store(void *dst, size_t at, const float *x, int n, int kv_
 }
 
 int ringshm_attn_forward(float *out, const float *q, const struct ringshm_kv_pool *pool, const int32_t *table,
-                         int n_table, int n, int n_q_heads, int start, int window, float scale) {
+                         int n_table, int n, int n_q_heads, int start, int window, float scale, const float *sinks) {
     if (n <= 0 || !attn_params_ok(pool, n_q_heads, window, scale)) return RINGSHM_KERNEL_ERR_SHAPE;
     if (start < 0 || !table_ok(table, n_table, (int64_t)start + n, pool)) return RINGSHM_KERNEL_ERR_RANGE;
-    ISA_PICK(ringshm_attn_chunk)(out, q, pool, table, n, n_q_heads, pool->head_dim, start, window, scale, 0,
+    ISA_PICK(ringshm_attn_chunk)(out, q, pool, table, n, n_q_heads, pool->head_dim, start, window, scale, sinks, 0,
                                  pool->n_kv_heads);
     return RINGSHM_KERNEL_OK;
 }
@@ -129,7 +129,7 @@ int ringshm_attn_forward(float *out, const float *q, const struct ringshm_kv_poo
 int ringshm_attn_forward_segments(float *out, const float *q, const struct ringshm_kv_pool *pool,
                                   const int32_t *tables, const int64_t *table_offs, const int64_t *starts,
                                   const int64_t *lens, int n_seg, int n_q_heads, int window, float scale,
-                                  int n_threads) {
+                                  const float *sinks, int n_threads) {
     if (n_seg < 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS || !attn_params_ok(pool, n_q_heads, window, scale))
         return RINGSHM_KERNEL_ERR_SHAPE;
     for (int i = 0; i < n_seg; i++) {
@@ -152,7 +152,7 @@ int ringshm_attn_forward_segments(float *out, const float *q, const struct rings
         const int i = (int)((it) / hkv), h = (int)((it) % hkv);                                                 \
         const int64_t o = offsets[i];                                                                          \
         fn(out + o * tok, q + o * tok, pool, tables + table_offs[i], (int)lens[i], n_q_heads, d, (int)starts[i], \
-           window, scale, h, h + 1);                                                                           \
+           window, scale, sinks, h, h + 1);                                                                    \
     } while (0)
 #ifdef _OPENMP
     if (nt > 1) {
@@ -264,6 +264,13 @@ int ringshm_argmax_rows(int64_t *out, const float *logits, const int32_t *words,
     if (isa == RINGSHM_ISA_AVX2) fn = ringshm_argmax_rows_impl_v3;
 #endif
     fn(out, logits, (const uint32_t *)words, m, vocab, width);
+    return RINGSHM_KERNEL_OK;
+}
+
+int ringshm_swiglu_oai_mul(float *out, const float *gu, int64_t m, int64_t inter, float alpha, float limit) {
+    if (m <= 0 || inter <= 0 || !(alpha > 0.0f) || !(alpha < 1e30f) || !(limit > 0.0f) || !(limit < 1e30f))
+        return RINGSHM_KERNEL_ERR_SHAPE;
+    ISA_PICK(ringshm_swiglu_oai_mul_rows)(out, gu, m, inter, alpha, limit);
     return RINGSHM_KERNEL_OK;
 }
 

@@ -117,6 +117,11 @@ int ringshm_kv_append(const struct ringshm_kv_pool *pool, const int32_t *table, 
  *     out[j, h] = sum_t softmax_t(q[j, h] . k[h', t] * scale) v[h', t],  lo(p) <= t <= p,  h' = h / (Hq / Hkv)
  *
  * scale: the factor on q . k (1 / sqrt(D) for Llama; Gemma's query_pre_attn_scalar^-1/2).
+ * sinks: [Hq] fp32 or NULL. With sinks (gpt-oss's attention sinks), query head h's softmax has one more logit,
+ *     sinks[h] (not scaled), that weighs no value: out = sum_t exp(s_t - M) v_t / (exp(sinks[h] - M) + sum_t
+ *     exp(s_t - M)), M the largest of them all (transformers' GptOss eager_attention_forward: the sink
+ *     concatenated to the scores, softmax, the sink's column dropped). The online softmax starts from m =
+ *     sinks[h], l = 1 instead of m = -inf, l = 0. The caller guarantees Hq floats behind it.
  * Keys and values are widened to fp32 as they are read; accumulation in fp32 with an online (flash-style,
  * max-subtracted) softmax over key tiles of RINGSHM_KV_KEY_TILE positions in position order, from the tile
  * holding lo(p); keys before lo(p) in it weigh exactly 0. Each output row depends only on its own query, its
@@ -125,7 +130,7 @@ int ringshm_kv_append(const struct ringshm_kv_pool *pool, const int32_t *table, 
  * RINGSHM_KERNEL_ERR_SHAPE for a bad D, B or KV type, Hq % Hkv != 0, window < 0 or scale not finite > 0,
  * RINGSHM_KERNEL_ERR_RANGE for a table too short or naming a block outside the pool. */
 int ringshm_attn_forward(float *out, const float *q, const struct ringshm_kv_pool *pool, const int32_t *table,
-                         int n_table, int n, int n_q_heads, int start, int window, float scale);
+                         int n_table, int n, int n_q_heads, int start, int window, float scale, const float *sinks);
 
 /* ringshm_attn_forward_segments: ringshm_attn_forward for a ragged batch of segments, each on its own table.
  *
@@ -133,8 +138,8 @@ int ringshm_attn_forward(float *out, const float *q, const struct ringshm_kv_poo
  *     tables       int32, segment i's table at tables[table_offs[i] .. table_offs[i + 1])
  *     table_offs   [n_seg + 1] int64;  starts, lens [n_seg] int64
  *
- * out[segment i] = attn_forward(q[segment i], pool, its table, lens[i], starts[i], window, scale). The work items
- * are (segment, kv head) pairs spread over up to n_threads OpenMP threads, each run in the caller's FP mode; an
+ * out[segment i] = attn_forward(q[segment i], pool, its table, lens[i], starts[i], window, scale, sinks). The work
+ * items are (segment, kv head) pairs spread over up to n_threads OpenMP threads, each run in the caller's FP mode; an
  * item is computed exactly as attn_forward computes it, so the bits do not depend on n_threads or on the other
  * segments (batch invariance). Tables may share blocks (reads only). Everything is checked before anything is
  * written: RINGSHM_KERNEL_ERR_SHAPE for a bad shape, window or scale, lens[i] < 1, or n_seg >
@@ -143,7 +148,7 @@ int ringshm_attn_forward(float *out, const float *q, const struct ringshm_kv_poo
 int ringshm_attn_forward_segments(float *out, const float *q, const struct ringshm_kv_pool *pool,
                                   const int32_t *tables, const int64_t *table_offs, const int64_t *starts,
                                   const int64_t *lens, int n_seg, int n_q_heads, int window, float scale,
-                                  int n_threads);
+                                  const float *sinks, int n_threads);
 
 /* ringshm_kv_check: may a step op's segments read and write the KV their tables name? Positions a block holds
  * are tracked in fill [n_blocks] (written by ringshm_kv_mark): segment i (start s, n tokens, its table T) needs
@@ -210,6 +215,17 @@ int ringshm_silu_mul(float *out, const float *gu, int64_t m, int64_t inter);
  * gelu_pytorch_tanh), tanh through the vector exp of the softmax: within a few ulp of torch's, and each element
  * depends only on its own two inputs (batch invariance). Returns RINGSHM_KERNEL_ERR_SHAPE if m or inter <= 0. */
 int ringshm_gelu_tanh_mul(float *out, const float *gu, int64_t m, int64_t inter);
+
+/* ringshm_swiglu_oai_mul: gpt-oss's clamped SwiGLU, out[r, j] = (u + 1) * (g * sigmoid(alpha * g)) with
+ * g = min(gu[r, j], limit), u = clamp(gu[r, inter + j], -limit, limit), j < inter (transformers'
+ * GptOssExperts._apply_gate after its gate / up columns are de-interleaved; llama.cpp's swiglu_oai; gpt-oss:
+ * alpha 1.702, limit 7).
+ *
+ *     gu   [m, 2 * inter] fp32: each row is [gate | up];  out  [m, inter] fp32, must not overlap gu
+ *
+ * sigmoid(z) = 1 / (1 + e), e = exp(-z) by the softmax's vector exp (as silu), each element on its own two inputs.
+ * Returns RINGSHM_KERNEL_ERR_SHAPE if m or inter <= 0, or alpha or limit is not finite > 0. */
+int ringshm_swiglu_oai_mul(float *out, const float *gu, int64_t m, int64_t inter, float alpha, float limit);
 /* CDEF END */
 
 #endif /* RINGSHM_KERNELS_H */

@@ -16,7 +16,10 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
     if (!s || t <= 0 || s->hidden <= 0 || s->hidden % 16 || s->inter <= 0 || s->inter % 8 || s->n_heads <= 0 ||
         s->n_kv_heads <= 0 || s->head_dim <= 0 || s->n_pos <= 0 ||
         s->n_heads % s->n_kv_heads || s->head_dim % RINGSHM_ATTN_HEAD_DIM_MULTIPLE ||
-        s->head_dim > RINGSHM_ATTN_MAX_HEAD_DIM || (s->act != RINGSHM_ACT_SILU && s->act != RINGSHM_ACT_GELU_TANH) ||
+        s->head_dim > RINGSHM_ATTN_MAX_HEAD_DIM ||
+        (s->act != RINGSHM_ACT_SILU && s->act != RINGSHM_ACT_GELU_TANH && s->act != RINGSHM_ACT_SWIGLU_OAI) ||
+        (s->act == RINGSHM_ACT_SWIGLU_OAI && !(s->swiglu_alpha > 0.0f && s->swiglu_alpha < 1e30f &&
+                                               s->swiglu_limit > 0.0f && s->swiglu_limit < 1e30f)) ||
         !(s->attn_scale > 0.0f) || (s->qk_norm_full != 0 && s->qk_norm_full != 1) || s->n_experts < 0 ||
         s->n_experts > RINGSHM_MAX_EXPERTS ||
         (s->n_experts && (s->n_experts_used < 1 || s->n_experts_used > s->n_experts ||
@@ -80,13 +83,27 @@ static int lengths_ok(const struct ringshm_layer_shape *s, const struct ringshm_
            LEN_OK(w->bo, w->bo_len, hid) && LEN_OK(w->bgate_up, w->bgate_up_len, 2 * (int64_t)s->inter) &&
            LEN_OK(w->bdown, w->bdown_len, hid) && LEN_OK(w->sh_gate_inp, w->sh_gate_inp_len, hid) &&
            (w->sh_gate_inp != NULL) == (s->shared_gate == 1) && w->cos_len == (int64_t)s->n_pos * (d / 2) &&
-           w->sin_len == w->cos_len;
+           w->sin_len == w->cos_len && LEN_OK(w->sinks, w->sinks_len, s->n_heads) &&
+           LEN_OK(w->router_bias, w->router_bias_len, s->n_experts) &&
+           LEN_OK(w->exp_gate_bias, w->exp_gate_bias_len, (int64_t)s->n_experts * s->expert_inter) &&
+           LEN_OK(w->exp_up_bias, w->exp_up_bias_len, (int64_t)s->n_experts * s->expert_inter) &&
+           LEN_OK(w->exp_down_bias, w->exp_down_bias_len, (int64_t)s->n_experts * hid) &&
+           (s->n_experts || !(w->router_bias || w->exp_gate_bias || w->exp_up_bias || w->exp_down_bias));
 #undef LEN_OK
 }
 
 int64_t ringshm_layer_work_floats(const struct ringshm_layer_shape *s, int64_t t) {
     struct layout l;
     return layout_of(s, t, &l) ? l.total : RINGSHM_KERNEL_ERR_SHAPE;
+}
+
+/* The shape's gate on gu [m, 2 inter] rows [gate | up] into out [m, inter] (kernels.h); a status. */
+int ringshm_layer_act(const struct ringshm_layer_shape *s, float *out, const float *gu, int64_t m, int64_t inter) {
+    switch (s->act) {
+    case RINGSHM_ACT_GELU_TANH: return ringshm_gelu_tanh_mul(out, gu, m, inter);
+    case RINGSHM_ACT_SWIGLU_OAI: return ringshm_swiglu_oai_mul(out, gu, m, inter, s->swiglu_alpha, s->swiglu_limit);
+    default: return ringshm_silu_mul(out, gu, m, inter);
+    }
 }
 
 /* x[i] = a[i] + b[i] over [t, hidden] (one rounded add each: the residual of a post-normed branch). */
@@ -168,7 +185,7 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
     }
     /* then every segment's attention at once: (segment, kv head) items over the threads */
     if ((st = ringshm_attn_forward_segments(attn, q, &w->kv, tables, table_offs, starts, lens, n_seg, hq, w->window,
-                                            s->attn_scale, n_threads)))
+                                            s->attn_scale, w->sinks, n_threads)))
         return st;
     if (post) { /* x2 = x + norm(attn . Wo^T + bo) */
         if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, w->bo_len, NULL,
@@ -193,9 +210,7 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
     if ((st = ringshm_qmat_matmul(w->type_gate_up, w->gate_up, w->gate_up_bytes, 2 * (int64_t)s->inter, hid, h, t,
                                   gu, l.gu_w, w->bgate_up, w->bgate_up_len, NULL, 0, n_threads, isa)))
         return st;
-    if ((st = s->act == RINGSHM_ACT_GELU_TANH ? ringshm_gelu_tanh_mul(act, gu, t, s->inter)
-                                              : ringshm_silu_mul(act, gu, t, s->inter)))
-        return st;
+    if ((st = ringshm_layer_act(s, act, gu, t, s->inter))) return st;
     if (post) { /* x = x2 + norm(act . Wdown^T + bdown) */
         if ((st = ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, h, hid, w->bdown,
                                       w->bdown_len, NULL, 0, n_threads, isa)) ||

@@ -14,11 +14,13 @@
  *         kv_append(pool, its table, rope(k), v) at positions p .. p + n - 1;  q[o .. o + n) = rope(q)   (this
  *         layer's cos / sin: Gemma 3's sliding layers have their own base)
  *     attn = attention of every segment through its table, this layer's window (0: causal over every earlier
- *            key) and the shape's attn_scale (ringshm_attn_forward_segments: threads over (segment, kv head))
+ *            key), the shape's attn_scale and the layer's sinks, if any (ringshm_attn_forward_segments: threads
+ *            over (segment, kv head))
  *     o    = attn . Wo^T (+ bo)
  *     x2   = x + o,  or with post norms  x2 = x + rms_norm(o, post_attn_norm)                [T, hidden]
  *     gu   = rms_norm(x2, ffn_norm) . Wgate_up^T (+ bgate_up)          [T, 2 I]  rows [gate | up]
- *     m    = act(gate) * up . Wdown^T (+ bdown)      act: silu (SwiGLU) or gelu_tanh (GeGLU)
+ *     m    = act(gate) * up . Wdown^T (+ bdown)      act: silu (SwiGLU), gelu_tanh (GeGLU) or gpt-oss's clamped
+ *            SwiGLU (RINGSHM_ACT_SWIGLU_OAI: ringshm_swiglu_oai_mul, (clamp(up) + 1) * ..., kernels.h)
  *     x    = x2 + m,  or with post norms  x = x2 + rms_norm(m, post_ffn_norm)                written over x
  *
  * residual_scale != 1 (Granite's residual_multiplier): x2 = x + (o * residual_scale) and x = x2 + (m *
@@ -28,7 +30,7 @@
  * instead of each head's D values.
  *
  * A routed mixture of experts (shape n_experts > 0) replaces gu / m, with h = rms_norm(x2, ffn_norm):
- *     logits = h . Wrouter^T                                           [T, E] (the matmul: every row alike)
+ *     logits = h . Wrouter^T (+ router_bias)                           [T, E] (the matmul: every row alike)
  *     per token, in fixed order (expf is libm's: a host's glibc picks its variant by CPU, so hosts of different
  *     CPUs could differ in its last bit; one host, or hosts of one kind, give one result):
  *         p = softmax(logits) (max subtracted, expf, the sum over e ascending, then one
@@ -38,7 +40,8 @@
  *         RINGSHM_GATE_TOPK_SOFTMAX (Granite) picks the k largest logits the same way and takes the softmax over
  *         those k alone (the first one's logit subtracted, expf, summed in rank order, one division each)
  *     per expert e ascending, on the rows of the tokens routed to it (ascending token order):
- *         y = (act(h . Wgate_e^T) * (h . Wup_e^T)) . Wdown_e^T       [rows, hidden]  (width expert_inter)
+ *         y = (act(h . Wgate_e^T + bgate_e) * (h . Wup_e^T + bup_e)) . Wdown_e^T + bdown_e   [rows, hidden]
+ *             (width expert_inter; the biases gpt-oss's, each one rounded add after its matmul, where present)
  *     m[tok] = 0, then m[tok] = m[tok] + (w * y[tok]) for each of its experts in ascending id (two roundings
  *         each: the product, then the add; transformers' eager experts loop and index_add_)
  *     with a shared expert (shared_inter > 0; Qwen2-MoE, Granite MoE Shared), after the routed terms:
@@ -76,7 +79,7 @@
 
 /* CDEF BEGIN */
 /* The MLP's gate (ringshm.config.ACTIVATIONS). */
-enum ringshm_act { RINGSHM_ACT_SILU = 0, RINGSHM_ACT_GELU_TANH = 1 };
+enum ringshm_act { RINGSHM_ACT_SILU = 0, RINGSHM_ACT_GELU_TANH = 1, RINGSHM_ACT_SWIGLU_OAI = 2 };
 /* How a routed MoE weighs its top-k experts (ringshm.config.EXPERT_GATINGS). */
 enum ringshm_gating { RINGSHM_GATE_SOFTMAX = 0, RINGSHM_GATE_SOFTMAX_NORM = 1, RINGSHM_GATE_TOPK_SOFTMAX = 2 };
 #define RINGSHM_MAX_EXPERTS 1024
@@ -94,6 +97,7 @@ struct ringshm_layer_shape {
     float residual_scale; /* each branch's output times this before its residual add (Granite); 1: none */
     int shared_inter;     /* with experts: a shared expert of this width beside the routed ones (0: none) */
     int shared_gate;      /* 1: the shared expert's output times sigmoid(h . sh_gate_inp) (Qwen2-MoE; Granite: 0) */
+    float swiglu_alpha, swiglu_limit; /* act RINGSHM_ACT_SWIGLU_OAI: its alpha and limit (gpt-oss: 1.702, 7) */
 };
 
 /* One layer's weights (packed, matmul.h), RoPE tables and KV cache; pointers stay owned by the caller. */
@@ -131,6 +135,10 @@ struct ringshm_layer_weights {
     int64_t sh_gate_up_bytes, sh_down_bytes;
     const float *sh_gate_inp;
     int64_t sh_gate_inp_len;
+    /* gpt-oss: attention sinks [n_heads] (kernels.h), the router's bias [E], and each expert's biases, E after
+     * one another: gate and up [E, expert_inter] each, down [E, hidden]; NULL (length 0) where absent */
+    const float *sinks, *router_bias, *exp_gate_bias, *exp_up_bias, *exp_down_bias;
+    int64_t sinks_len, router_bias_len, exp_gate_bias_len, exp_up_bias_len, exp_down_bias_len;
     int window;                                                 /* sliding-window keys, 0: none */
     struct ringshm_kv_pool kv;                                  /* this layer's blocks (kernels.h) */
 };

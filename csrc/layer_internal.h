@@ -21,6 +21,9 @@ struct layout {
     int64_t qkv_w, gu_w, logits_w;
 };
 
+/* The shape's gate (act) on gu [m, 2 inter] rows [gate | up] into out [m, inter] (layer.c); a status. */
+int ringshm_layer_act(const struct ringshm_layer_shape *s, float *out, const float *gu, int64_t m, int64_t inter);
+
 /* x[i] = a[i] + b[i] * scale over n floats (layer.c). */
 void ringshm_add_scaled_rows(float *x, const float *a, const float *b, float scale, int64_t n);
 

@@ -53,15 +53,17 @@ static int run_expert(const struct ringshm_layer_shape *s, const struct ringshm_
     float *ys = work + l->ys + lo * hid;
     int st;
     for (int64_t r = 0; r < n; r++) memcpy(xs + r * hid, h + (pairs[r] / k) * hid, sizeof(float) * (size_t)hid);
+    const float *bg = w->exp_gate_bias ? w->exp_gate_bias + (int64_t)e * ie : NULL;
+    const float *bu = w->exp_up_bias ? w->exp_up_bias + (int64_t)e * ie : NULL;
+    const float *bd = w->exp_down_bias ? w->exp_down_bias + (int64_t)e * hid : NULL;
     if ((st = ringshm_qmat_matmul(w->type_exp_gate, w->exp_gate + e * w->exp_gate_bytes, w->exp_gate_bytes, ie, hid,
-                                  xs, n, gu, 2 * ie, NULL, 0, NULL, 0, n_threads, isa)) ||
+                                  xs, n, gu, 2 * ie, bg, bg ? ie : 0, NULL, 0, n_threads, isa)) ||
         (st = ringshm_qmat_matmul(w->type_exp_up, w->exp_up + e * w->exp_up_bytes, w->exp_up_bytes, ie, hid, xs, n,
-                                  gu + ie, 2 * ie, NULL, 0, NULL, 0, n_threads, isa)) ||
-        (st = s->act == RINGSHM_ACT_GELU_TANH ? ringshm_gelu_tanh_mul(act, gu, n, ie)
-                                              : ringshm_silu_mul(act, gu, n, ie)))
+                                  gu + ie, 2 * ie, bu, bu ? ie : 0, NULL, 0, n_threads, isa)) ||
+        (st = ringshm_layer_act(s, act, gu, n, ie)))
         return st;
     return ringshm_qmat_matmul(w->type_exp_down, w->exp_down + e * w->exp_down_bytes, w->exp_down_bytes, hid, ie, act,
-                               n, ys, hid, NULL, 0, NULL, 0, n_threads, isa);
+                               n, ys, hid, bd, bd ? hid : 0, NULL, 0, n_threads, isa);
 }
 
 /* The shared expert on h [t, hidden] (layer.h): sy [t, hidden] and, with its gate, sg [t] = sigmoid(h . w) with
@@ -76,8 +78,7 @@ static int shared_expert(const struct ringshm_layer_shape *s, const struct rings
     if (!w->sh_gate_up || !w->sh_down) return RINGSHM_KERNEL_ERR_SHAPE;
     if ((st = ringshm_qmat_matmul(w->type_sh_gate_up, w->sh_gate_up, w->sh_gate_up_bytes, 2 * si, hid, h, t, sgu,
                                   2 * si, NULL, 0, NULL, 0, n_threads, isa)) ||
-        (st = s->act == RINGSHM_ACT_GELU_TANH ? ringshm_gelu_tanh_mul(sact, sgu, t, si)
-                                              : ringshm_silu_mul(sact, sgu, t, si)) ||
+        (st = ringshm_layer_act(s, sact, sgu, t, si)) ||
         (st = ringshm_qmat_matmul(w->type_sh_down, w->sh_down, w->sh_down_bytes, hid, si, sact, t, work + l->sy, hid,
                                   NULL, 0, NULL, 0, n_threads, isa)))
         return st;
@@ -108,7 +109,7 @@ int ringshm_moe_ffn(const struct ringshm_layer_shape *s, const struct ringshm_la
     if (!w->router || !w->exp_gate || !w->exp_up || !w->exp_down) return RINGSHM_KERNEL_ERR_SHAPE;
     if (s->shared_inter && (st = shared_expert(s, w, l, work, h, t, n_threads, isa))) return st;
     if ((st = ringshm_qmat_matmul(w->type_router, w->router, w->router_bytes, n_e, hid, h, t, logits, l->logits_w,
-                                  NULL, 0, NULL, 0, n_threads, isa)))
+                                  w->router_bias, w->router_bias_len, NULL, 0, n_threads, isa)))
         return st;
     for (int64_t i = 0; i < t; i++)
         route_token(logits + i * l->logits_w, n_e, k, s->gating, work + l->p, wsel + i * k, isel + i * k);

@@ -182,6 +182,28 @@ static void check_shared_expert(void) {
     if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer took a gate for an ungated shared expert\n");
     w->sh_gate_inp = NULL, w->sh_gate_inp_len = 0;
     if (layer_run(&l)) FAIL("the layer refused a good ungated shared expert\n");
+
+    /* gpt-oss's vectors: sinks [n_heads], router bias [E], expert biases [E, expert_inter] / [E, hidden] */
+    float *sinks = floats(1, 0.5f), *rb = floats(2, 0.1f), *eb = floats(2 * 16, 0.1f), *db = floats(2 * HID, 0.1f);
+    w->sinks = sinks, w->sinks_len = 1, w->router_bias = rb, w->router_bias_len = 2;
+    w->exp_gate_bias = w->exp_up_bias = eb, w->exp_gate_bias_len = w->exp_up_bias_len = 2 * 16;
+    w->exp_down_bias = db, w->exp_down_bias_len = 2 * HID;
+    l.shape.act = RINGSHM_ACT_SWIGLU_OAI, l.shape.swiglu_alpha = 1.702f, l.shape.swiglu_limit = 7.0f;
+    if (layer_run(&l)) FAIL("the layer refused good gpt-oss vectors\n");
+    w->sinks_len = 2;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer took 2 sinks for 1 head\n");
+    w->sinks_len = 1, w->exp_down_bias_len = 2 * HID - 1;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read a short expert down bias\n");
+    w->exp_down_bias_len = 2 * HID, w->exp_gate_bias_len = 16;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read one expert's gate bias for two\n");
+    w->exp_gate_bias_len = 2 * 16, w->router_bias_len = 1;
+    if (layer_run(&l) != RINGSHM_KERNEL_ERR_LENGTH) FAIL("the layer read a 1-float router bias for 2 experts\n");
+    w->router_bias_len = 2, l.shape.swiglu_limit = 0.0f;
+    if (ringshm_layer_work_floats(&l.shape, 2) >= 0) FAIL("a clamped SwiGLU with limit 0 was taken\n");
+    l.shape.swiglu_limit = 7.0f, l.shape.act = RINGSHM_ACT_SILU;
+    w->sinks = w->router_bias = w->exp_gate_bias = w->exp_up_bias = w->exp_down_bias = NULL;
+    w->sinks_len = w->router_bias_len = w->exp_gate_bias_len = w->exp_up_bias_len = w->exp_down_bias_len = 0;
+    free(sinks), free(rb), free(eb), free(db);
     l.shape.shared_inter = 8;
     if (ringshm_layer_work_floats(&l.shape, 2) >= 0) FAIL("a shared width of 8 floats was taken\n");
     l.shape.shared_inter = 16, l.shape.n_experts = 0;

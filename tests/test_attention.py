@@ -224,6 +224,31 @@ def test_a_window_as_long_as_the_context_is_no_window_bit_for_bit():
     assert torch.equal(A.attention(q, pool, table, 200, 230), A.attention(q, pool, table, 200))
 
 
+@pytest.mark.parametrize("hq,hkv,d,n,start,window", [(4, 2, 64, 1, 40, 16), (4, 2, 64, 37, 0, 0), (8, 1, 64, 300, 5, 0),
+                                                       (6, 2, 48, 7, 200, 16)])
+def test_attention_sinks_match_transformers_and_keep_every_row_on_its_own(hq, hkv, d, n, start, window):
+    """gpt-oss's sinks: one more logit per head in the softmax, weighing no value (transformers' eager form: the
+    sink concatenated to the scores, softmax, its column dropped); each row's bits still its own."""
+    g = _gen(hq + n + start)
+    k_row, v_row = _row(hkv, start + n + 3, d, g)
+    pool, table = paged(k_row, v_row, 32)
+    q = torch.randn(n, hq, d, generator=g)
+    sinks = torch.randn(hq, generator=g) * 3
+    sinks[0] = 50.0  # a sink that dwarfs every key: that head's output goes to ~0
+    got = A.attention(q, pool, table, start, window, None, sinks)
+    torch.testing.assert_close(got, A.attention_reference(q, pool, table, start, window, None, sinks), atol=ATOL,
+                               rtol=RTOL)
+    assert got[:, 0].abs().max() < 1e-6 and not torch.allclose(got, A.attention(q, pool, table, start, window))
+    assert torch.equal(A.attention(q[-1:].clone(), pool, table, start + n - 1, window, None, sinks)[0], got[-1])
+    one = A.attention_segments(q, pool, table, torch.tensor([0, table.numel()]), torch.tensor([start]),
+                               torch.tensor([n]), 2, window, None, sinks)  # the layer's path, 2 threads
+    assert torch.equal(one, got)
+    assert torch.equal(A.attention(q, pool, table, start, window, None, torch.full((hq,), float("-inf"))),
+                       A.attention(q, pool, table, start, window))  # a sink at -inf weighs nothing: no sink
+    with pytest.raises(ValueError, match="sinks"):
+        A.attention(q, pool, table, start, window, None, sinks[:-1])
+
+
 @pytest.mark.parametrize("window, scale", [(-1, None), (0, 0.0), (0, float("nan")), (2.5, None)])
 def test_a_bad_window_or_scale_is_refused(window, scale):
     pool = A.KVPool(1, 1, 32, 16)
@@ -369,10 +394,11 @@ def test_the_c_kernels_report_bad_arguments_as_a_status_not_a_crash():
     t = torch.tensor([0, 1], dtype=torch.int32)
     tp = ffi.cast("int32_t *", t.data_ptr())
     two_heads = A.KVPool(2, 2, 32, 16)
-    assert lib.ringshm_attn_forward(p, p, two_heads.c, tp, 2, 1, 3, 0, 0, 0.25) == lib.RINGSHM_KERNEL_ERR_SHAPE  # 3 % 2
-    assert lib.ringshm_attn_forward(p, p, pool.c, tp, 2, 1, 1, 0, -1, 0.25) == lib.RINGSHM_KERNEL_ERR_SHAPE  # window
-    assert lib.ringshm_attn_forward(p, p, pool.c, tp, 2, 1, 1, 0, 0, 0.0) == lib.RINGSHM_KERNEL_ERR_SHAPE  # scale
-    assert lib.ringshm_attn_forward(p, p, pool.c, tp, 1, 2, 1, 31, 0, 0.25) == lib.RINGSHM_KERNEL_ERR_RANGE  # short
+    no_sinks, shape, rng = ffi.NULL, lib.RINGSHM_KERNEL_ERR_SHAPE, lib.RINGSHM_KERNEL_ERR_RANGE
+    assert lib.ringshm_attn_forward(p, p, two_heads.c, tp, 2, 1, 3, 0, 0, 0.25, no_sinks) == shape  # 3 % 2
+    assert lib.ringshm_attn_forward(p, p, pool.c, tp, 2, 1, 1, 0, -1, 0.25, no_sinks) == shape  # window
+    assert lib.ringshm_attn_forward(p, p, pool.c, tp, 2, 1, 1, 0, 0, 0.0, no_sinks) == shape  # scale
+    assert lib.ringshm_attn_forward(p, p, pool.c, tp, 1, 2, 1, 31, 0, 0.25, no_sinks) == rng  # short
     assert lib.ringshm_kv_append(pool.c, tp, 2, p, p, p, p, 2, 63, 100) == lib.RINGSHM_KERNEL_ERR_RANGE
 
 

@@ -345,6 +345,24 @@ def test_gelu_tanh_mul_is_close_to_torch_and_batch_invariant(inter):
     assert rows_match_alone(lambda a: kernels.act_mul(a, "gelu_tanh"), torch.randn(256, 2 * inter))
 
 
+@pytest.mark.parametrize("inter", [1536, 96, 21])
+def test_swiglu_oai_mul_is_close_to_transformers_and_batch_invariant(inter):
+    """gpt-oss's clamped SwiGLU: the gate clamped above, up on both sides, (up + 1) times the gate's swish."""
+    gu = torch.randn(33, 2 * inter) * 6
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, 6.9])  # up: past either limit, inside
+    gu[0, inter:inter + 4] = torch.tensor([100.0, -100.0, 7.5, -7.5])
+    out = kernels.act_mul(gu, "swiglu_oai", 1.702, 7.0)
+    g, u = gu.double().chunk(2, dim=-1)
+    g = g.clamp(max=7.0)
+    ref = (u.clamp(-7.0, 7.0) + 1) * (g * torch.sigmoid(g * 1.702))  # GptOssExperts._apply_gate, de-interleaved
+    assert ((out.double() - ref).abs() <= 2e-6 * (1 + ref.abs())).all()
+    assert rows_match_alone(lambda a: kernels.act_mul(a, "swiglu_oai", 1.702, 7.0), torch.randn(256, 2 * inter) * 6)
+    nan = torch.full((1, 2 * inter), float("nan"))
+    assert torch.isnan(kernels.act_mul(nan, "swiglu_oai")).all()  # the clamps keep a NaN, as torch.clamp does
+    with pytest.raises(ValueError):
+        kernels.act_mul(gu, "swiglu_oai", 1.702, 0.0)  # a limit of 0 clamps everything away: refused
+
+
 # ---- findings of a hostile review (each reproduced on the code before its fix) ---------------------------
 
 

@@ -174,10 +174,27 @@ def _check_window_scale(what: str, window: int, scale: float | None) -> None:
         raise ValueError(f"{what}: scale must be a finite number > 0, got {scale!r}")
 
 
+def _sinks(what: str, sinks: torch.Tensor | None, hq: int) -> torch.Tensor | None:
+    """``sinks`` as the C kernel reads it (fp32, contiguous, CPU) after checking it holds one logit per query head.
+
+    Raises:
+        ValueError: not ``[Hq]``."""
+    if sinks is None:
+        return None
+    if sinks.dim() != 1 or sinks.numel() != hq:
+        raise ValueError(f"{what}: sinks must be [{hq}] (one logit per query head), got {tuple(sinks.shape)}")
+    return sinks.to("cpu", torch.float32).contiguous()
+
+
+def _f32p_or_null(t: torch.Tensor | None):
+    return ffi.NULL if t is None else f32_ptr(t)
+
+
 def attention_reference(q: torch.Tensor, pool: KVPool, table: torch.Tensor, start: int, window: int = 0,
-                        scale: float | None = None) -> torch.Tensor:
+                        scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Plain torch attention over the stream's gathered KV (matmul, mask, softmax, matmul in fp32); the fallback
-    of ``attention`` and the oracle. Same contract; no checks of its own."""
+    of ``attention`` and the oracle. Same contract; no checks of its own. ``sinks [Hq]``: each head's sink logit
+    joins the softmax as a last column and is dropped after it (transformers' GptOss eager attention)."""
     n, hq, d = q.shape
     n_keys = start + n
     k_row, v_row = pool.row(table, n_keys)  # [Hkv, L, D]
@@ -191,12 +208,16 @@ def attention_reference(q: torch.Tensor, pool: KVPool, table: torch.Tensor, star
     if window:
         masked |= key_pos[None, :] <= query_pos[:, None] - window  # the window's latest keys only
     scores = scores.masked_fill(masked, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v  # [Hq, n, D]
+    if sinks is not None:  # [Hq, n, L + 1], the sink last
+        scores = torch.cat([scores, sinks.float().to(q.device)[:, None, None].expand(hq, n, 1)], dim=-1)
+        out = torch.softmax(scores, dim=-1)[..., :-1] @ v
+    else:
+        out = torch.softmax(scores, dim=-1) @ v  # [Hq, n, D]
     return out.transpose(0, 1).to(q.dtype)  # [n, Hq, D]
 
 
 def attention(q: torch.Tensor, pool: KVPool, table: torch.Tensor, start: int, window: int = 0,
-              scale: float | None = None) -> torch.Tensor:
+              scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal GQA attention of a chunk of n queries through its stream's block table.
 
     Args:
@@ -206,6 +227,8 @@ def attention(q: torch.Tensor, pool: KVPool, table: torch.Tensor, start: int, wi
         start: absolute position of the chunk's first token.
         window: a sliding window of that many keys (itself included); 0: none.
         scale: the factor on q · k (default ``1 / sqrt(D)``).
+        sinks: ``[Hq]`` fp32 attention sinks (gpt-oss): head h's softmax has one more logit, ``sinks[h]`` (not
+            scaled), that weighs no value; None: none.
 
     Query j at position p sees keys ``0 .. p`` (causal mask aligned bottom-right), or with a window only the
     latest ``window`` of them (``p - window < t <= p``, transformers' sliding-window mask); query head h reads kv
@@ -230,18 +253,18 @@ def attention(q: torch.Tensor, pool: KVPool, table: torch.Tensor, start: int, wi
         return torch.empty_like(q)
     table = _table("attention", table, start + n, pool)
     if not (pool.native and q.dtype == torch.float32 and q.is_cpu):
-        return attention_reference(q, pool, table, start, window, scale)
+        return attention_reference(q, pool, table, start, window, scale, sinks)
     q = q.contiguous()
     out = torch.empty((n, hq, d), dtype=torch.float32)
+    sinks = _sinks("attention", sinks, hq)
     check_status(lib.ringshm_attn_forward(f32_ptr(out), f32_ptr(q), pool.c, _i32p(table), table.numel(), n, hq, start,
-                                          window,
-                                    _scale(d, scale)), "attention")
+                                          window, _scale(d, scale), _f32p_or_null(sinks)), "attention")
     return out
 
 
 def attention_segments(q: torch.Tensor, pool: KVPool, tables: torch.Tensor, table_offs: torch.Tensor,
                        starts: torch.Tensor, lens: torch.Tensor, n_threads: int | None = None, window: int = 0,
-                       scale: float | None = None) -> torch.Tensor:
+                       scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of a ragged batch of segments, each through its own block table (a step op's attention).
 
     Args:
@@ -252,7 +275,7 @@ def attention_segments(q: torch.Tensor, pool: KVPool, tables: torch.Tensor, tabl
             table_offs: int64 ``[n_seg + 1]``; starts, lens: int64 ``[n_seg]`` (CPU), ``sum(lens) == T``,
             ``n_seg <= MAX_SEGMENTS``.
         n_threads: OpenMP threads over (segment, kv head) items (default: torch's intra-op threads).
-        window, scale: as ``attention``.
+        window, scale, sinks: as ``attention``.
 
     ``out[segment i] == attention(q[segment i], pool, its table, starts[i], window, scale)``, bitwise on the C
     path, whatever ``n_threads`` and the other segments (csrc/kernels.h).
@@ -280,17 +303,17 @@ def attention_segments(q: torch.Tensor, pool: KVPool, tables: torch.Tensor, tabl
         for i in range(n_seg):
             n, s = int(lens[i]), int(starts[i])
             t = _table("attention_segments", tables[int(table_offs[i]):int(table_offs[i + 1])], s + n, pool)
-            out.append(attention_reference(q[o:o + n], pool, t, s, window, scale))
+            out.append(attention_reference(q[o:o + n], pool, t, s, window, scale, sinks))
             o += n
         return torch.cat(out)
     q = q.contiguous()
     tables, table_offs, starts, lens = (t.contiguous() for t in (tables, table_offs, starts, lens))
     out = torch.empty_like(q)
+    sinks = _sinks("attention_segments", sinks, q.shape[1])
     check_status(lib.ringshm_attn_forward_segments(
         f32_ptr(out), f32_ptr(q), pool.c, _i32p(tables), _i64p(table_offs), _i64p(starts), _i64p(lens), n_seg,
-        q.shape[1],
-        window, _scale(pool.head_dim, scale), torch.get_num_threads() if n_threads is None else n_threads),
-        "attention_segments")
+        q.shape[1], window, _scale(pool.head_dim, scale), _f32p_or_null(sinks),
+        torch.get_num_threads() if n_threads is None else n_threads), "attention_segments")
     return out
 
 

@@ -163,21 +163,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+def act_mul(gate_up: torch.Tensor, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """The MLP's gate: ``act(gate) * up`` for fp32 CPU ``gate_up [T, 2I]`` (rows ``[gate | up]``) → ``[T, I]``.
 
-    ``activation``: "silu" (SwiGLU, Llama) or "gelu_tanh" (GeGLU, Gemma: transformers' gelu_pytorch_tanh).
+    ``activation``: "silu" (SwiGLU, Llama), "gelu_tanh" (GeGLU, Gemma: transformers' gelu_pytorch_tanh) or
+    "swiglu_oai" (gpt-oss: ``(clamp(up, ±limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``).
     Each element by the same vector code (csrc/kernels.h), so its bits depend only on its two inputs.
 
     Raises:
-        ValueError: not a 2-D fp32 CPU tensor with an even, positive number of columns; another activation.
+        ValueError: not a 2-D fp32 CPU tensor with an even, positive number of columns; another activation; alpha
+            or limit not finite > 0.
     """
     if gate_up.dim() != 2 or gate_up.dtype is not torch.float32 or not gate_up.is_cpu or gate_up.shape[1] % 2 \
             or gate_up.shape[1] == 0 or gate_up.shape[0] < 1:
         raise ValueError(f"act_mul takes fp32 CPU [T ≥ 1, 2I], got {gate_up.dtype} {tuple(gate_up.shape)}")
-    fn = {"silu": lib.ringshm_silu_mul, "gelu_tanh": lib.ringshm_gelu_tanh_mul}.get(activation)
+    fn = {"silu": lib.ringshm_silu_mul, "gelu_tanh": lib.ringshm_gelu_tanh_mul,
+          "swiglu_oai": lambda *a: lib.ringshm_swiglu_oai_mul(*a, alpha, limit)}.get(activation)
     if fn is None:
-        raise ValueError(f"act_mul: activation {activation!r} is not silu or gelu_tanh")
+        raise ValueError(f"act_mul: activation {activation!r} is not silu, gelu_tanh or swiglu_oai")
     gate_up = gate_up.contiguous()
     inter = gate_up.shape[1] // 2
     out = torch.empty((gate_up.shape[0], inter), dtype=torch.float32)
@@ -185,8 +188,13 @@ def act_mul(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     return out
 
 
-def act_mul_reference(gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """Torch form of ``act_mul`` (any dtype and device): ``silu`` or tanh-``gelu`` of the gate times up."""
+def act_mul_reference(gate_up: torch.Tensor, activation: str = "silu", alpha: float = 1.702,
+                      limit: float = 7.0) -> torch.Tensor:
+    """Torch form of ``act_mul`` (any dtype and device): ``silu`` or tanh-``gelu`` of the gate times up, or gpt-oss's
+    clamped SwiGLU in transformers' order (``GptOssExperts._apply_gate`` on de-interleaved halves)."""
     gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "swiglu_oai":
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
     return act * up
