@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 from ringshm.generation_params import MAX_SPEC_K
 
-ACTIVATIONS = ("silu", "gelu_tanh")  # the MLP's gate: SwiGLU (Llama) or GeGLU with tanh-GELU (Gemma)
+ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
+"""The MLP's (or each expert's) gate: SwiGLU (Llama), GeGLU with tanh-GELU (Gemma), or gpt-oss's clamped SwiGLU
+``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)`` (``ModelConfig.swiglu_alpha`` /
+``swiglu_limit``; transformers' ``GptOssExperts._apply_gate``)."""
 ROPE_SCALINGS = ("linear", "llama3", "yarn")  # what RopeScaling.kind may be; others (dynamic, longrope) are refused
 EXPERT_GATINGS = ("softmax", "softmax_norm", "topk_softmax")
 """How a routed MoE layer weighs its top-k experts (``ModelConfig.expert_gating``): ``softmax`` and
@@ -81,17 +84,19 @@ class ModelConfig:
         q, k, v = h · Wq/Wk/Wvᵀ (+ biases: attention_bias)
         q, k = rmsnorm_per_head(q, k) (qk_norm: Qwen 3, Gemma 3), or over the whole projection (qk_norm_full: OLMoE)
         a = attention(rope(q), rope(k), v), scale attn_scale (0: 1/sqrt(head_dim)), a sliding window of
-            window(layer) keys on sliding layers (0: every earlier key)
+            window(layer) keys on sliding layers (0: every earlier key); with attention_sinks (gpt-oss) each
+            head's softmax has one more logit, its learned sink, that weighs no value
         a = a · Woᵀ (+ o_bias);   post_norms: a = norm(a) · post_attn_norm (Gemma 2/3 "sandwich" norms)
         x = x + a
         h = norm(x) · ffn_norm;  g, u = h · Wgate/Wupᵀ (+ mlp_bias)
-        m = (act(g) * u) · Wdownᵀ (+ mlp_bias);  act: silu (SwiGLU) or gelu_tanh (GeGLU)
+        m = (act(g) * u) · Wdownᵀ (+ mlp_bias);  act: silu (SwiGLU), gelu_tanh (GeGLU) or swiglu_oai (gpt-oss)
         or, with n_experts > 0 (a routed mixture of experts on every layer; no dense FFN):
             p = softmax(h · Wrouterᵀ) over the n_experts (fp32);  E = the n_experts_used largest p (ties: lowest id)
             w_e = p_e, or p_e / Σ_{E} p (expert_gating "softmax_norm"); "topk_softmax" (Granite): E = the k largest
                 logits, w = softmax over those k logits alone
             m = Σ_{e in E, ascending id} w_e · ((act(h · Wgate_eᵀ) * (h · Wup_eᵀ)) · Wdown_eᵀ)   widths
-                expert_intermediate; each term one rounded product, added in that order from 0
+                expert_intermediate; each term one rounded product, added in that order from 0; with moe_bias
+                (gpt-oss) the router and each expert's gate, up and down matmuls add their biases
             with a shared expert (shared_expert_intermediate > 0; Qwen2-MoE, Granite MoE Shared): then m = m + g · s,
                 s the dense FFN of width shared_expert_intermediate on h, g = sigmoid(h · w_gate_inp)
                 (shared_expert_gate: Qwen2-MoE) or 1
@@ -115,7 +120,7 @@ class ModelConfig:
             activation, a ``sliding_layers`` of the wrong length, or sliding layers without a window.
     """
 
-    arch: str  # "llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe", "mixtral"
+    arch: str  # ringshm.model.families.FAMILIES: "llama", "mistral", ..., "qwen2moe", "gptoss"
     n_layers: int
     hidden: int
     n_heads: int
@@ -153,6 +158,10 @@ class ModelConfig:
     shared_expert_intermediate: int = 0  # a shared expert beside the routed ones, this wide (0: none)
     shared_expert_gate: bool = False  # the shared expert's output times sigmoid(h · w) (Qwen2-MoE's gate)
     logit_scale: float = 1.0  # the LM head's logits divided by this (Granite's logits_scaling)
+    attention_sinks: bool = False  # a learned sink logit per query head in every softmax (gpt-oss)
+    moe_bias: bool = False  # the router and every expert's gate, up and down carry biases (gpt-oss)
+    swiglu_alpha: float = 1.702  # activation "swiglu_oai": sigmoid(alpha * g) (gpt-oss's swiglu_alpha)
+    swiglu_limit: float = 7.0  # activation "swiglu_oai": the clamp on gate and up (gpt-oss's swiglu_limit)
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab",
@@ -189,6 +198,11 @@ class ModelConfig:
                              f"min(n_experts, {MAX_EXPERTS_USED}), expert_intermediate > 0 and expert_gating in "
                              f"{EXPERT_GATINGS}; got {self.n_experts}, {self.n_experts_used}, "
                              f"{self.expert_intermediate}, {self.expert_gating!r}")
+        if self.activation == "swiglu_oai" and not (0 < self.swiglu_alpha < 1e30 and 0 < self.swiglu_limit < 1e30):
+            raise ValueError(f"ModelConfig: swiglu_oai needs a finite swiglu_alpha > 0 and swiglu_limit > 0, got "
+                             f"{self.swiglu_alpha!r}, {self.swiglu_limit!r}")
+        if self.moe_bias and not self.n_experts:
+            raise ValueError("ModelConfig.moe_bias needs routed experts (n_experts > 0)")
         if self.shared_expert_intermediate < 0 or (self.shared_expert_intermediate and not self.n_experts) or (
                 self.shared_expert_gate and not self.shared_expert_intermediate):
             raise ValueError(f"ModelConfig: a shared expert needs routed experts (n_experts > 0) and a width >= 0, its "

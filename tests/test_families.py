@@ -111,8 +111,10 @@ COMPUTED = [
     ("granitemoe", dict(intermediate_size=40)),  # the same, with Granite's top-k softmax and muP multipliers
     ("qwen2moe", dict(shared_expert_intermediate_size=40)),  # a shared expert of odd width: the torch path
     ("qwen2moe", dict(norm_topk_prob=True)),  # Qwen2-MoE renormalised (HF only: llama.cpp's qwen2moe never does)
+    ("gptoss", dict(intermediate_size=40)),  # sinks, biases and the clamped SwiGLU on the torch path
+    ("gptoss", dict(swiglu_limit=0.5)),  # a clamp that bites (HF only: llama.cpp fixes gpt-oss's at 7)
 ]
-HF_ONLY = {"sliding_window", "norm_topk_prob"}  # settings llama.cpp's converter does not carry over
+HF_ONLY = {"sliding_window", "norm_topk_prob", "swiglu_limit"}  # settings llama.cpp's converter does not carry over
 
 
 @pytest.mark.parametrize("family, overrides", COMPUTED, ids=[f"{f}-{next(iter(o))}" for f, o in COMPUTED])
@@ -210,7 +212,7 @@ REFUSED = [
     ("olmoe", "clip_qkv", 8.0, "clip_qkv"),
     ("qwen3moe", "model_type", "qwen3_next", "Gated DeltaNet"),  # MoE families not computed: by name, with why
     ("qwen3moe", "model_type", "deepseek_v3", "MLA"),
-    ("qwen3moe", "model_type", "gpt_oss", "MXFP4"),
+    ("gptoss", "quantization_config", {"quant_method": "mxfp4"}, "GGUF"),  # openai/gpt-oss-20b as released
     ("qwen3moe", "model_type", "phimoe", "sparsemixer"),
 ]
 

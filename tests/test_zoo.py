@@ -54,12 +54,17 @@ EXPECTED_KEYS = {
     "granitemoeshared": _BASE_KEYS + ["vocab_size", "rope.dimension_count", "attention.scale", "embedding_scale",
                                       "residual_scale", "logit_scale", "expert_count", "expert_used_count",
                                       "expert_shared_feed_forward_length"],
+    "gptoss": _BASE_KEYS + _HEAD_DIM_KEYS + ["rope.scaling.type", "rope.scaling.factor",
+                                            "rope.scaling.original_context_length", "rope.scaling.yarn_beta_fast",
+                                            "rope.scaling.yarn_beta_slow", "expert_count", "expert_used_count",
+                                            "attention.sliding_window", "expert_feed_forward_length"],
 }
 GENERAL_KEYS = {"general.architecture", "general.type", "general.name", "general.size_label", "general.file_type",
                 "general.quantization_version"}
 ARCH = {"llama": "llama", "llama3": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "gemma3": "gemma3", "gemma3_softcap": "gemma3", "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe",
-        "granitemoe": "granitemoe", "mixtral": "llama", "qwen2moe": "qwen2moe", "granitemoeshared": "granitemoe"}
+        "granitemoe": "granitemoe", "mixtral": "llama", "qwen2moe": "qwen2moe", "granitemoeshared": "granitemoe",
+        "gptoss": "gpt-oss"}
 
 _LLAMA_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
 _GEMMA3_LAYER = ["attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
@@ -90,6 +95,10 @@ EXPECTED_TENSORS = {
     "qwen2moe": ([n for n in _MOE_LAYER if n not in ("attn_q_norm", "attn_k_norm")]
                  + ["attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_gate_inp_shexp", "ffn_gate_shexp",
                     "ffn_up_shexp", "ffn_down_shexp"], ["token_embd.weight", "output_norm.weight", "output.weight"]),
+    "gptoss": (["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q.bias", "attn_k.bias", "attn_v.bias",
+                "attn_output.bias", "attn_sinks", "post_attention_norm", "ffn_gate_inp", "ffn_gate_inp.bias",
+                "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_exps.bias", "ffn_up_exps.bias",
+                "ffn_down_exps.bias"], ["token_embd.weight", "output_norm.weight", "output.weight"]),
 }
 # Q4_K_M spot checks (llama-quantize): use_more_bits layers are 2, 3 of 4 and 2, 5 of 6; the LM head (or a tied
 # embedding) Q6_K; qwen2's rows of 320 / 640 take the fallbacks Q5_0 (for Q4_K) and Q8_0 (for Q6_K).
@@ -118,6 +127,9 @@ Q4_K_M_TYPES = {
                  "blk.0.attn_q.bias": Q.F32},
     "mixtral": {"blk.0.ffn_gate_inp.weight": Q.F32, "blk.3.ffn_down_exps.weight": Q.Q6_K,
                 "blk.0.ffn_gate_exps.weight": Q.Q4_K, "blk.2.attn_v.weight": Q.Q6_K, "output.weight": Q.Q6_K},
+    # the experts MXFP4 whatever the recipe (the released files' own), the rest by llama-quantize's rules
+    "gptoss": {"blk.0.ffn_gate_exps.weight": Q.MXFP4, "blk.3.ffn_down_exps.weight": Q.MXFP4,
+               "blk.2.attn_v.weight": Q.Q6_K, "blk.0.ffn_gate_inp.bias": Q.F32, "blk.1.attn_sinks.weight": Q.F32},
 }
 
 
@@ -215,6 +227,19 @@ def test_gguf_tensors_decode_to_the_hf_tensors_bit_for_bit(zoo, family):
             assert np.array_equal(got.view(np.uint32), w.numpy().view(np.uint32)), hf_name
             seen.update(t.name for t in parts)
             continue
+        oss = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?", hf_name)
+        if oss:  # gpt-oss: 3-D [E, in, out], gate | up columns interleaved; the converter splits and transposes
+            kind = "bias" if oss[3] else "weight"
+            parts = ("ffn_gate_exps", "ffn_up_exps") if oss[2] == "gate_up_proj" else ("ffn_down_exps",)
+            got = [gguf.quants.dequantize(tensors[f"blk.{oss[1]}.{p}.{kind}"].data,
+                                          tensors[f"blk.{oss[1]}.{p}.{kind}"].tensor_type) for p in parts]
+            got = [g if kind == "bias" else g.transpose(0, 2, 1) for g in got]  # [E, rows, cols] -> [E, in, out]
+            full = np.stack(got, axis=-1).reshape(w.shape) if len(got) == 2 else got[0]  # columns interleaved
+            assert np.array_equal(np.ascontiguousarray(full).view(np.uint32), w.numpy().view(np.uint32)), hf_name
+            seen.update(f"blk.{oss[1]}.{p}.{kind}" for p in parts)
+            continue
+        if hf_name.endswith(".self_attn.sinks"):  # the converter names the sinks as a weight
+            hf_name += ".weight"
         expert = re.fullmatch(r"(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(\w+)\.weight",
                               hf_name)
         if expert:  # one expert's slice of the layer's 3-D tensor
@@ -248,9 +273,10 @@ _NOT_FROM_GGUF = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id", 
                   "shared_expert_intermediate_size")
 
 
-# transformers reads no olmoe, granitemoe or Mixtral GGUF (its llama reader has no experts)
+# transformers reads no olmoe, granitemoe or Mixtral GGUF (its llama reader has no experts); its gpt-oss reader
+# (transformers 5.25) stops on a TypeError reading any rope.scaling key (float() of the field's array part)
 @pytest.mark.parametrize("family", [f for f in FAMILY_NAMES if f not in ("olmoe", "granitemoe", "mixtral",
-                                                                           "granitemoeshared")])
+                                                                           "granitemoeshared", "gptoss")])
 def test_transformers_gguf_reader_recovers_the_hf_weights_bit_for_bit(zoo, family):
     """An independent reverse of the converter: transformers' GGUF loader (un-permutes llama Q/K, subtracts
     Gemma's 1, maps llama.cpp names back) gets every HF tensor back exactly, and the same logits."""

@@ -22,7 +22,10 @@ over the whole projection, 4 KV heads) and ``granitemoe`` (16 experts, top 4, so
 granite-3.0-1b-a400m's muP multipliers; untied) and ``mixtral`` (16 experts, top 2, renormalised; Mistral's
 attention; GGUF arch ``llama``) and ``qwen2moe`` (16 experts, top 4, not renormalised, a shared expert 512 wide
 gated by a sigmoid; q/k/v biases) and ``granitemoeshared`` (``granitemoe`` with an ungated shared expert 512
-wide, HF ``shared_mlp.input_linear`` rows [gate | up]), expert width 256, written as transformers saves them
+wide, HF ``shared_mlp.input_linear`` rows [gate | up]) and ``gptoss`` (16 experts, top 4, softmax over the top-k
+logits; q/k/v/o biases, attention sinks, layers alternately sliding (window 16) and full, YaRN; biased router and
+experts, the clamped SwiGLU; experts MXFP4 in every recipe, as the released files hold them, HF ``gate_up_proj``
+``[E, hidden, 2 I]`` columns interleaved), expert width 256, written as transformers saves them
 (one tensor per expert; Granite: ``input_linear`` / ``output_linear`` 3-D; Mixtral:
 ``block_sparse_moe.experts.{e}.w1`` / ``w3`` / ``w2``) and as the converter merges them (3-D ``ffn_*_exps``; the
 router ``ffn_gate_inp`` stays F32).
@@ -145,6 +148,19 @@ def _qwen2moe(**kw):
                              "shared_expert_intermediate_size": 512, "norm_topk_prob": False, **kw})
 
 
+def _gptoss(**kw):
+    from transformers import GptOssConfig
+
+    # gpt-oss-20b's layout scaled down: layer_types alternate sliding / full, rope_parameters YaRN (factor 32,
+    # ramp not truncated), swiglu_limit 7, all GptOssConfig's defaults but the original context: 16 positions x 32
+    # = the zoo's 512, so that YaRN interpolates at the tests' positions
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 16}
+    return GptOssConfig(**{**_COMMON, "head_dim": 64, "num_local_experts": 16, "num_experts_per_tok": 4,
+                           "intermediate_size": 256, "sliding_window": WINDOW, "rms_norm_eps": 1e-5,
+                           "rope_parameters": rope, **kw})
+
+
 def _phi3(**kw):
     from transformers import Phi3Config
 
@@ -218,8 +234,9 @@ FAMILIES: dict[str, Family] = {
     "mixtral": Family(_mixtral, "llama", permute_qk=True, hf_renames=_MIXTRAL_RENAMES),
     "qwen2moe": Family(_qwen2moe, "qwen2moe"),
     "granitemoeshared": Family(_granitemoeshared, "granitemoe", permute_qk=True, std=_GRANITEMOE_STD),
+    "gptoss": Family(_gptoss, "gpt-oss", std={**_STD, "attn_sinks": 1.0}),
 }
-MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral", "qwen2moe", "granitemoeshared")
+MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral", "qwen2moe", "granitemoeshared", "gptoss")
 
 
 class Greedy(NamedTuple):
@@ -330,6 +347,9 @@ def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0, 
     if config.to_dict().get("rope_parameters", {}).get("rope_type") == "llama3":
         gguf_tensors.append(("rope_freqs.weight", llama3_rope_factors(config), gguf.GGMLQuantizationType.F32))
     for hf_name, shape in shapes.items():
+        if ".mlp.experts." in hf_name and spec.arch == "gpt-oss":  # 3-D in both, transposed and interleaved in HF
+            _add_gptoss_experts(hf_name, shape, spec, rng, gguf_tensors, hf_tensors)
+            continue
         if ".mlp.experts." in hf_name:  # routed experts: 3-D in GGUF, one 2-D tensor per expert in HF
             _add_experts(hf_name, shape, spec, recipe, n_layers, tied, rng, gguf_tensors, hf_tensors)
             continue
@@ -339,7 +359,9 @@ def build(family: str, root: str | Path, recipe: str = "q4_k_m", seed: int = 0, 
         if hf_name.endswith(".shared_mlp.input_linear.weight"):  # Granite's shared expert: [gate | up] in one
             _add_granite_shared_gate_up(hf_name, shape, spec, recipe, n_layers, tied, rng, gguf_tensors, hf_tensors)
             continue
-        gname = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        # (gpt-oss's converter names the sinks as a weight: self_attn.sinks.weight -> attn_sinks.weight)
+        gname = names.get_name(hf_name + (".weight" if hf_name.endswith(".sinks") else ""),
+                               try_suffixes=(".weight", ".bias"))
         assert gname is not None, f"{family}: no GGUF name for {hf_name}"
         role, layer = gguf_role(gname)
         qtype = tensor_type(recipe, role, layer, n_layers, shape[-1], len(shape), tied)
@@ -389,6 +411,43 @@ def _add_experts(hf_name: str, shape: tuple[int, ...], spec: Family, recipe: str
         for e in range(n_exp):
             hf_tensors[f"{prefix}.mlp.experts.{e}.{hf_part}.weight"] = torch.from_numpy(
                 np.ascontiguousarray(vals[e * rows:(e + 1) * rows], dtype=np.float32))
+
+
+def _add_gptoss_experts(hf_name: str, shape: tuple[int, ...], spec: Family, rng: np.random.Generator,
+                        gguf_tensors: list, hf_tensors: dict) -> None:
+    """One gpt-oss layer's experts or their biases, as llama.cpp's ``GptOssModel`` converts them: HF
+    ``gate_up_proj`` ``[E, hidden, 2 I]`` (``x . W``, columns gate 0, up 0, gate 1, ...) becomes ``ffn_gate_exps`` and
+    ``ffn_up_exps`` ``[E, I, hidden]``, ``down_proj`` ``[E, I, hidden]`` becomes ``ffn_down_exps`` ``[E, hidden, I]``
+    (MXFP4: the released checkpoints' experts are MXFP4 and the converter repacks their blocks as they are);
+    ``gate_up_proj_bias`` ``[E, 2 I]`` splits the same way into ``ffn_{gate,up}_exps.bias`` ``[E, I]`` (F32)."""
+    prefix, part = hf_name.split(".mlp.experts.")
+    layer = int(prefix.split(".")[-1])
+    n_exp = shape[0]
+    # MXFP4 blocks hold 32 weights of a row; rows of another width are written as floats (the converter's F32)
+    mx = gguf.GGMLQuantizationType.MXFP4 if shape[1] % 32 == 0 else gguf.GGMLQuantizationType.F32
+    if part in ("gate_up_proj", "gate_up_proj_bias"):
+        width = shape[-1] // 2
+        full = np.zeros(shape, np.float32)
+        for role, first in (("ffn_gate_exps", 0), ("ffn_up_exps", 1)):
+            if part == "gate_up_proj":  # [E, I, hidden] in GGUF; HF columns first, first + 2, ...
+                raw, vals = make_weight(mx, (n_exp * width, shape[1]), spec.std["linear"], rng)
+                gguf_tensors.append((f"blk.{layer}.{role}.weight", raw.reshape(n_exp, width, -1), mx))
+                full[:, :, first::2] = vals.reshape(n_exp, width, shape[1]).transpose(0, 2, 1)
+            else:
+                vals = rng.normal(0.0, spec.std["bias"], size=(n_exp, width)).astype(np.float32)
+                gguf_tensors.append((f"blk.{layer}.{role}.bias", vals, gguf.GGMLQuantizationType.F32))
+                full[:, first::2] = vals
+        hf_tensors[hf_name] = torch.from_numpy(full)
+        return
+    if part == "down_proj":  # HF [E, I, hidden] (x . W); GGUF [E, hidden, I]
+        raw, vals = make_weight(mx, (n_exp * shape[2], shape[1]), spec.std["linear"], rng)
+        gguf_tensors.append((f"blk.{layer}.ffn_down_exps.weight", raw.reshape(n_exp, shape[2], -1), mx))
+        hf_tensors[hf_name] = torch.from_numpy(np.ascontiguousarray(
+            vals.reshape(n_exp, shape[2], shape[1]).transpose(0, 2, 1)))
+        return
+    vals = rng.normal(0.0, spec.std["bias"], size=shape).astype(np.float32)  # down_proj_bias [E, hidden]
+    gguf_tensors.append((f"blk.{layer}.ffn_down_exps.bias", vals, gguf.GGMLQuantizationType.F32))
+    hf_tensors[hf_name] = torch.from_numpy(vals)
 
 
 def _add_granite_moe(hf_name: str, shape: tuple[int, ...], spec: Family, recipe: str, n_layers: int, tied: bool,

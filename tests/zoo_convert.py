@@ -74,6 +74,12 @@ transforms it applies to HF tensors (read at ggml-org/llama.cpp: ``convert_hf_to
   ``attention_factor`` (else llama.cpp takes 32, 1 and 1, as transformers does). Without ``attention_factor``,
   ``mscale`` or ``mscale_all_dim`` in the dict the attention factor is ``0.1 ln(factor) + 1`` in both engines; with
   one they differ (ringshm refuses the GGUF's ``yarn_attn_factor``, and the converter drops the mscales).
+- gptoss → ``gpt-oss`` (``GptOssModel``): no reorder; TextModel's keys (its YaRN ones among them), ``expert_count``,
+  ``expert_used_count``, ``sliding_window``, ``expert_feed_forward_length`` (``intermediate_size``); q/k/v/o biases,
+  ``attn_sinks.weight`` (``self_attn.sinks`` named as a weight), ``post_attention_layernorm`` → ``post_attention_norm``
+  (the FFN's norm), ``mlp.router`` → ``ffn_gate_inp`` weight and bias; the experts split and transposed as
+  ``zoo._add_gptoss_experts`` draws (MXFP4). No key for the gating, the sliding pattern (every even layer slides),
+  the SwiGLU's alpha / limit (1.702, 7) or the attention scale: llama.cpp fixes them for the arch.
 - phi3 → ``phi3``, no reorder; fused ``attn_qkv`` (q rows, then k, then v) and fused ``ffn_up`` (gate rows,
   then up: ``[2 * intermediate, hidden]``), no ``ffn_gate``. Keys: ``rope.scaling.original_context_length``,
   ``rope.dimension_count``, ``attention.sliding_window`` (0 when the config has none).
@@ -230,6 +236,9 @@ def write_gguf(path: Path, arch: str, config, file_type: gguf.LlamaFileType, mod
                 w.add_expert_shared_feed_forward_length(hp["shared_expert_intermediate_size"])
             if hp.get("shared_intermediate_size"):  # GraniteMoeModel, for GraniteMoeSharedForCausalLM
                 w.add_expert_shared_feed_forward_length(hp["shared_intermediate_size"])
+        if arch == "gpt-oss":  # GptOssModel.set_gguf_parameters
+            w.add_sliding_window(hp["sliding_window"])
+            w.add_expert_feed_forward_length(hp["intermediate_size"])
         if arch == "gemma3":
             if hp.get("final_logit_softcapping"):
                 w.add_final_logit_softcapping(hp["final_logit_softcapping"])

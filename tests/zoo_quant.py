@@ -75,7 +75,7 @@ _SCALE_FIELDS: dict[GGMLQuantizationType, tuple[int, int | None]] = {
 for _t in _SCALE_FIELDS:  # the block sizes these offsets assume
     assert GGML_QUANT_SIZES[_t][1] == {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210,
                                        Q.IQ4_NL: 18}[_t]
-_QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0)
+_QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.MXFP4)
 _WITH_MIN = (Q.Q4_1, Q.Q5_1)  # block = fp16 d, fp16 m, quants; value = d * q + m
 
 

@@ -317,7 +317,8 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
         "wq": (q + 2 * kv if names.fused_qkv else q, h), "wk": (kv, h), "wv": (kv, h), "wo": (h, q),
         "w_gate": (2 * inter if names.fused_gate_up else inter, h), "w_up": (inter, h), "w_down": (h, inter),
         "bq": (q,), "bk": (kv,), "bv": (kv,), "bo": (h,), "b_gate": (2 * inter if names.fused_gate_up else inter,),
-        "b_up": (inter,), "b_down": (h,),
+        "b_up": (inter,), "b_down": (h,), "sinks": (cfg.n_heads,), "b_router": (n_e,), "b_exp_gate": (n_e, ie),
+        "b_exp_up": (n_e, ie), "b_exp_down": (n_e, h),
     }
     side = 0 if gguf else 1
     out = {}
@@ -327,7 +328,14 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
             if not families.wanted(cfg, field, names):
                 continue
             what = f"layer {i} {field}"
-            if field in families.EXPERT_FIELDS and not gguf and names.hf_fused_experts:  # 3-D, gate | up in one
+            if field in (*families.EXPERT_FIELDS, "b_exp_gate", "b_exp_up", "b_exp_down") and not gguf and \
+                    names.hf_transposed_experts:  # gpt-oss: [E, in, out], gate | up columns interleaved in one
+                fused = {"w_exp_gate": (n_e, h, 2 * ie), "w_exp_down": (n_e, ie, h), "b_exp_gate": (n_e, 2 * ie),
+                         "b_exp_down": (n_e, h)}
+                if field in fused:
+                    out[prefix + pair[1]] = Expect(fused[field], field.startswith("w"), f"layer {i} " + field.replace(
+                        "_gate", "_gate_up") if field.endswith("_gate") else f"layer {i} {field}")
+            elif field in families.EXPERT_FIELDS and not gguf and names.hf_fused_experts:  # 3-D, gate | up in one
                 if field != "w_exp_up":
                     out[prefix + pair[1]] = Expect((n_e, 2 * ie, h) if field == "w_exp_gate" else shapes[field], True,
                                                    f"layer {i} {'w_exp_gate_up' if field == 'w_exp_gate' else field}")

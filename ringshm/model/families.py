@@ -25,6 +25,11 @@ reads the description; nothing here computes.
     qwen2moe qwen2_moe       qwen2moe    Qwen 2's attention (q/k/v biases); routed experts, top-k of a softmax
                                          (renormalised when norm_topk_prob; GGUF: never), plus a shared expert
                                          whose output is gated by sigmoid(h . w) (Qwen1.5-MoE, Qwen2-57B-A14B)
+    gptoss   gpt_oss         gpt-oss     q/k/v/o biases, a learned attention sink per head, sliding (128) and full
+                                         layers alternating, YaRN (ramp not truncated); routed experts, softmax
+                                         over the top-k logits, biased router and experts, the clamped SwiGLU
+                                         (swiglu_oai); HF experts fused 3-D and transposed (gate_up_proj
+                                         [E, hidden, 2 I], gate and up columns interleaved); GGUF experts MXFP4
     (* llama.cpp writes Mistral checkpoints as arch "llama"; ** a "llama" file with llama.expert_count is Mixtral)
 
 A routed expert's weights: in GGUF one 3-D tensor per role and layer, ``ffn_{gate,up,down}_exps`` (``[E, rows,
@@ -56,16 +61,16 @@ from ringshm.model.rope_settings import hf_rope
 _refuse = UnsupportedArchitecture.setting  # "<where>: <field> = <value> is not supported (<why>)"
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3", "qwen3moe", "olmoe", "granitemoe", "mixtral",
-            "qwen2moe")
+            "qwen2moe", "gptoss")
 HF_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
             "phi3": "phi3", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "mixtral",
-            "qwen2_moe": "qwen2moe", "granitemoeshared": "granitemoe"}
+            "qwen2_moe": "qwen2moe", "granitemoeshared": "granitemoe", "gpt_oss": "gptoss"}
 GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3",
               "phi3": "phi3", "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "mixtral": "llama",
-              "qwen2moe": "qwen2moe"}
-MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral", "qwen2moe")
+              "qwen2moe": "qwen2moe", "gptoss": "gpt-oss"}
+MOE_FAMILIES = ("qwen3moe", "olmoe", "granitemoe", "mixtral", "qwen2moe", "gptoss")
 SUPPORTED_MOE = ("qwen3moe / qwen3_moe, olmoe, granitemoe (and granitemoeshared), mixtral (GGUF arch llama with "
-                 "experts), qwen2moe / qwen2_moe")
+                 "experts), qwen2moe / qwen2_moe, gpt-oss / gpt_oss")
 # MoE checkpoints ringshm does not compute, by HF model_type and GGUF arch, with what they would need.
 UNSUPPORTED_MOE = {
     "qwen3_next": "linear-attention (Gated DeltaNet) layers and a shared expert",
@@ -75,8 +80,6 @@ UNSUPPORTED_MOE = {
     "deepseek_v2": "multi-head latent attention (MLA) and shared experts",
     "deepseek_v3": "multi-head latent attention (MLA) and shared experts",
     "deepseek2": "multi-head latent attention (MLA) and shared experts",
-    "gpt_oss": "MXFP4 experts, attention sinks, biased router and experts, a clamped SwiGLU",
-    "gpt-oss": "MXFP4 experts, attention sinks, biased router and experts, a clamped SwiGLU",
     "phimoe": "sparsemixer routing", "jetmoe": "mixture-of-attention heads", "dbrx": "clipped fused qkv",
 }
 # llama.cpp's converter reorders these arches' q/k rows (loader docstring; Granite's converter is a LlamaModel)
@@ -107,6 +110,7 @@ class TensorNames:
     fused_gate_up: bool = False  # Phi-3: one ffn_up / gate_up_proj tensor [2 I, hidden], rows [gate | up]
     hf_fused_experts: bool = False  # Granite MoE: HF experts 3-D, gate and up in one [E, 2 I, hidden] (w_exp_gate's)
     hf_fused_shexp: bool = False  # Granite MoE Shared: HF shared gate and up in one [2 S, hidden] (w_shexp_gate's)
+    hf_transposed_experts: bool = False  # gpt-oss: HF experts 3-D [E, in, out], gate | up columns interleaved
 
 
 _LLAMA_LAYER = {
@@ -162,6 +166,23 @@ _QWEN2MOE_LAYER = {
     "w_shexp_down": ("ffn_down_shexp.weight", "mlp.shared_expert.down_proj.weight"),
     "shexp_gate_inp": ("ffn_gate_inp_shexp.weight", "mlp.shared_expert_gate.weight"),
 }
+_GPTOSS_LAYER = {
+    **_LLAMA_LAYER,
+    "ffn_norm": ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+    "sinks": ("attn_sinks.weight", "self_attn.sinks"),  # [n_heads]
+    "w_router": ("ffn_gate_inp.weight", "mlp.router.weight"),
+    "b_router": ("ffn_gate_inp.bias", "mlp.router.bias"),  # [E]
+    # HF: one [E, hidden, 2 I] tensor (x . W, columns gate 0, up 0, gate 1, ...), one [E, I, hidden]; biases
+    # [E, 2 I] (interleaved alike) and [E, hidden]. GGUF (llama.cpp's converter splits and transposes them):
+    # [E, I, hidden] gate and up, [E, hidden, I] down, biases [E, I] and [E, hidden]
+    "w_exp_gate": ("ffn_gate_exps.weight", "mlp.experts.gate_up_proj"),
+    "w_exp_up": ("ffn_up_exps.weight", "mlp.experts.gate_up_proj"),
+    "w_exp_down": ("ffn_down_exps.weight", "mlp.experts.down_proj"),
+    "b_exp_gate": ("ffn_gate_exps.bias", "mlp.experts.gate_up_proj_bias"),
+    "b_exp_up": ("ffn_up_exps.bias", "mlp.experts.gate_up_proj_bias"),
+    "b_exp_down": ("ffn_down_exps.bias", "mlp.experts.down_proj_bias"),
+}
+MOE_BIAS_FIELDS = ("b_router", "b_exp_gate", "b_exp_up", "b_exp_down")
 SHARED_EXPERT_FIELDS = ("w_shexp_gate", "w_shexp_up", "w_shexp_down")
 GGUF_MERGED_GATE_UP_EXPS = "ffn_gate_up_exps.weight"  # newer converters: gate and up of every expert in one tensor
 EXPERT_FIELDS = ("w_exp_gate", "w_exp_up", "w_exp_down")
@@ -188,6 +209,7 @@ TENSOR_NAMES = {
     "granitemoe": TensorNames(_GRANITEMOE_LAYER, hf_fused_experts=True, hf_fused_shexp=True),
     "mixtral": TensorNames(_MIXTRAL_LAYER),
     "qwen2moe": TensorNames(_QWEN2MOE_LAYER),
+    "gptoss": TensorNames(_GPTOSS_LAYER, hf_transposed_experts=True),
 }
 GLOBAL_TENSORS = {  # role -> (GGUF name, HF name)
     "embed": ("token_embd.weight", "model.embed_tokens.weight"),
@@ -204,6 +226,10 @@ def wanted(cfg: ModelConfig, field: str, names: TensorNames) -> bool:
         return False
     if field in ("w_router", *EXPERT_FIELDS):
         return cfg.moe
+    if field in MOE_BIAS_FIELDS:
+        return cfg.moe_bias
+    if field == "sinks":
+        return cfg.attention_sinks
     if field in SHARED_EXPERT_FIELDS:
         return cfg.shared_expert_intermediate > 0
     if field == "shexp_gate_inp":
@@ -247,6 +273,11 @@ def hf_config(c: dict, where: str) -> ModelConfig:
     family = HF_TYPES.get(model_type)
     if family is None or model_type in UNSUPPORTED_MOE:
         raise unsupported_family(where, "model_type", model_type, ", ".join(HF_TYPES))
+    if c.get("quantization_config") is not None:  # e.g. openai/gpt-oss-20b's MXFP4 experts as _blocks / _scales
+        method = (c["quantization_config"] or {}).get("quant_method") if isinstance(c["quantization_config"], dict) \
+            else c["quantization_config"]
+        raise _refuse(where, "quantization_config", method, "a quantized HF checkpoint's tensors are not read: use a "
+                      "GGUF of it (llama.cpp's convert_hf_to_gguf.py writes gpt-oss's MXFP4 experts as they are)")
     used: set[str] = set()
 
     def get(key: str, default=None):
@@ -279,6 +310,10 @@ def hf_config(c: dict, where: str) -> ModelConfig:
         kw["qk_norm"] = True
     if family in MOE_FAMILIES:
         kw.update(_hf_experts(c, family, used, where))
+    if family == "gptoss":  # GptOssAttention / GptOssExperts: sinks, biased router and experts, the clamped SwiGLU
+        used.update(("swiglu_alpha", "swiglu_limit"))
+        kw.update(activation="swiglu_oai", attention_sinks=True, moe_bias=True,
+                  swiglu_alpha=float(c.get("swiglu_alpha", 1.702)), swiglu_limit=float(c.get("swiglu_limit", 7.0)))
     if family == "granitemoe":  # muP: transformers' GraniteMoe* modules
         used.update(("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"))
         def mult(key: str) -> float:
@@ -333,7 +368,7 @@ def _hf_experts(c: dict, family: str, used: set, where: str) -> dict:
         raise _refuse(where, "decoder_sparse_step", c["decoder_sparse_step"], "every layer routed only")
     if c.get("clip_qkv") is not None:
         raise _refuse(where, "clip_qkv", c["clip_qkv"])
-    gating = "topk_softmax" if family == "granitemoe" else "softmax_norm" if c.get("norm_topk_prob") or \
+    gating = "topk_softmax" if family in ("granitemoe", "gptoss") else "softmax_norm" if c.get("norm_topk_prob") or \
         family == "mixtral" else "softmax"
     out = dict(n_experts=int(n_experts), n_experts_used=int(c["num_experts_per_tok"]),
                expert_intermediate=int(c[inter_key]), expert_gating=gating)
@@ -371,6 +406,9 @@ def _hf_biases(c: dict, family: str, used: set, where: str) -> dict:
         return dict(attention_bias=bool(c.get("qkv_bias", True)))
     if family == "mixtral":  # MixtralAttention and its experts: no bias whatever attention_bias / mlp_bias say
         return {}
+    if family == "gptoss":  # GptOssAttention: q/k/v/o biases unless attention_bias is false (GptOssConfig: true)
+        attn_bias = bool(c.get("attention_bias", True))
+        return dict(attention_bias=attn_bias, o_bias=attn_bias)
     attn_bias = bool(c.get("attention_bias", False))
     if attn_bias and family in ("gemma3", "phi3", "qwen3", "mistral"):
         # these families' attention_bias covers q/k/v and o, as Llama's (transformers' modeling files)
@@ -389,9 +427,10 @@ def _hf_windows(c: dict, family: str, n_layers: int, used: set, where: str) -> d
         if layer_types is not None and set(layer_types) - {"full_attention"}:
             raise _refuse(where, "layer_types", layer_types, "Qwen's per-layer sliding windows are not computed")
         return {}
-    if family == "gemma3":
-        if layer_types is None:
-            pattern = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6)
+    if family in ("gemma3", "gptoss"):
+        if layer_types is None:  # Gemma 3: every 6th layer full; gpt-oss: every 2nd (GptOssConfig.__post_init__)
+            pattern = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or (
+                6 if family == "gemma3" else 2))
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
         if len(layer_types) != n_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
             raise _refuse(where, "layer_types", layer_types)

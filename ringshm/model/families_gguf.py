@@ -5,6 +5,7 @@ or listed in ``HARMLESS_GGUF_KEYS``; any other is refused by name.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ringshm.config import ModelConfig
@@ -25,7 +26,7 @@ HARMLESS_GGUF_KEYS = frozenset({
 # Whether an arch's layers carry q / k norms, as llama.cpp's (and transformers') models of it fix it; the other
 # arches (llama, qwen2, phi3) have none and say so by their tensors (a norm there is refused as not read).
 FIXED_QK_NORM = {"qwen3": True, "gemma3": True, "qwen3moe": True, "olmoe": True, "granitemoe": False,
-                 "mixtral": False, "qwen2moe": False}
+                 "mixtral": False, "qwen2moe": False, "gptoss": False}
 GRANITE_GGUF_KEYS = frozenset({"embedding_scale", "residual_scale", "attention.scale", "logit_scale"})
 
 
@@ -39,12 +40,13 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
             be harmless, or a value ringshm does not compute (each named).
     """
     family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3",
-              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2moe": "qwen2moe"}.get(arch)
+              "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2moe": "qwen2moe",
+              "gpt-oss": "gptoss"}.get(arch)
     if arch == "llama" and "llama.expert_count" in meta:
         family = "mixtral"  # llama.cpp's Mixtral: arch llama whose hparams count experts (LLM_ARCH_LLAMA, n_expert > 0)
     if family is None or arch in UNSUPPORTED_MOE:
         raise unsupported_family(where, "GGUF architecture", arch, "llama (and Mixtral: llama with experts), qwen2, "
-                                 "qwen3, gemma3, phi3, qwen3moe, olmoe, granitemoe, qwen2moe")
+                                 "qwen3, gemma3, phi3, qwen3moe, olmoe, granitemoe, qwen2moe, gpt-oss")
 
     def need(key: str):
         value = meta.get(f"{arch}.{key}")
@@ -76,8 +78,11 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
               mlp_bias="blk.0.ffn_down.bias" in tensor_names, qk_norm="blk.0.attn_q_norm.weight" in tensor_names)
     if family in FIXED_QK_NORM:  # the arch fixes these: a file that lacks or adds them is refused by its tensors
         kw.update(qk_norm=FIXED_QK_NORM[family])
-    if family in MOE_FAMILIES and family != "qwen2moe":  # llama.cpp's MoE arches read no attention biases but
-        kw.update(attention_bias=False, o_bias=False)  # qwen2moe's q/k/v ones (o: none, refused by its tensor)
+    if family in MOE_FAMILIES and family not in ("qwen2moe", "gptoss"):  # llama.cpp's MoE arches read no
+        kw.update(attention_bias=False, o_bias=False)  # attention biases but qwen2moe's q/k/v and gpt-oss's q/k/v/o
+    if family == "gptoss":  # llama.cpp's gpt-oss (LLM_ARCH_OPENAI_MOE): every one required, sinks, the clamped
+        kw.update(attention_bias=True, o_bias=True, attention_sinks=True, moe_bias=True,  # SwiGLU of alpha 1.702,
+                  activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)  # limit 7 (build_moe_ffn)
     if family == "qwen2moe":
         kw.update(o_bias=False)
     if family in MOE_FAMILIES:
@@ -94,6 +99,10 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
                   residual_scale=float(meta.get(f"{arch}.residual_scale", 1.0)),
                   logit_scale=float(meta.get(f"{arch}.logit_scale", 1.0)))
     kw.update(gguf_rope(meta, arch, where, need, rope_freqs))
+    if family == "gptoss" and kw.get("rope_scaling") is not None and kw["rope_scaling"].kind == "yarn":
+        # gpt-oss's YaRN ramp is not truncated (OpenAI's reference and transformers' "truncate": false); llama.cpp
+        # floors / ceils every arch's ramp ends: the model's own definition is taken here
+        kw["rope_scaling"] = dataclasses.replace(kw["rope_scaling"], truncate=False)
     window = meta.get(f"{arch}.attention.sliding_window")
     if family == "gemma3":
         pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
@@ -112,6 +121,11 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
                   logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0))
         if kw["attention_bias"] or kw["o_bias"] or kw["mlp_bias"]:
             raise _refuse(where, "biases", "present", "Gemma 3 has none")
+    elif family == "gptoss":  # llama.cpp: set_swa_pattern(2), layers 0, 2, 4, ... slide (transformers' layer_types)
+        if not window:
+            raise InvalidCheckpoint(f"{where}: GGUF metadata key '{arch}.attention.sliding_window' is missing: "
+                                    f"gpt-oss's even layers slide over it")
+        kw.update(sliding_window=int(window), sliding_layers=tuple(i % 2 == 0 for i in range(n_layers)))
     elif window:
         if family not in ("phi3", "llama", "mixtral"):
             raise _refuse(where, f"{arch}.attention.sliding_window", window)
@@ -128,10 +142,11 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
 
 
 def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, where: str, need) -> dict:
-    """The routed-expert fields of a qwen3moe / olmoe / granitemoe / qwen2moe GGUF or a llama one with experts
-    (Mixtral). llama.cpp fixes the gating per arch (its ``build_moe_ffn`` calls: qwen3moe and llama renormalise the
-    top-k weights, olmoe and qwen2moe do not, granitemoe renormalises, which is the softmax over the top-k logits of
-    its HF original, taken that way here), so a file says only the counts; an ``expert_weights_norm`` /
+    """The routed-expert fields of a qwen3moe / olmoe / granitemoe / qwen2moe / gpt-oss GGUF or a llama one with
+    experts (Mixtral). llama.cpp fixes the gating per arch (its ``build_moe_ffn`` calls: qwen3moe and llama
+    renormalise the top-k weights, olmoe and qwen2moe do not, granitemoe renormalises, which is the softmax over the
+    top-k logits of its HF original, taken that way here; gpt-oss takes the softmax of the k picked logits), so a
+    file says only the counts; an ``expert_weights_norm`` /
     ``expert_gating_func`` key is refused by name, and so is a shared-expert key or tensor outside qwen2moe (whose
     shared expert, ``expert_shared_feed_forward_length`` wide, else ``feed_forward_length``, llama.cpp always gates
     by ``sigmoid(h . ffn_gate_inp_shexp)``) and granitemoe (Granite MoE Shared: ``ffn_*_shexp``, ungated)."""
@@ -150,7 +165,7 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
                expert_intermediate=int(meta.get(f"{arch}.expert_feed_forward_length")
                                        or need("feed_forward_length")),
                expert_gating={"qwen3moe": "softmax_norm", "olmoe": "softmax", "granitemoe": "topk_softmax",
-                              "mixtral": "softmax_norm", "qwen2moe": "softmax"}[family])
+                              "mixtral": "softmax_norm", "qwen2moe": "softmax", "gptoss": "topk_softmax"}[family])
     if family == "qwen2moe":
         out.update(shared_expert_gate=True, shared_expert_intermediate=int(
             meta.get(f"{arch}.expert_shared_feed_forward_length") or need("feed_forward_length")))

@@ -39,6 +39,9 @@ class Layer:
 
             self.attn_norm, self.ffn_norm = f32(w.attn_norm), f32(w.ffn_norm)
             self.q_norm, self.k_norm = f32(w.q_norm), f32(w.k_norm)
+            self.sinks, self.b_router = f32(w.sinks), f32(w.b_router)  # gpt-oss; the experts' biases flat, E after
+            self.b_exp_gate, self.b_exp_up, self.b_exp_down = (  # one another
+                None if b is None else f32(b).reshape(-1) for b in (w.b_exp_gate, w.b_exp_up, w.b_exp_down))
             self.post_attn_norm, self.post_ffn_norm = f32(w.post_attn_norm), f32(w.post_ffn_norm)
             if len({w.wq.qtype, w.wk.qtype, w.wv.qtype}) > 1:
                 self.wqkv, self.wk, self.wv = PackedWeight(w.wq), PackedWeight(w.wk), PackedWeight(w.wv)
@@ -65,6 +68,8 @@ class Layer:
 
         self.attn_norm, self.ffn_norm = dense(w.attn_norm), dense(w.ffn_norm)
         self.q_norm, self.k_norm = dense(w.q_norm), dense(w.k_norm)
+        self.sinks, self.b_router = dense(w.sinks), dense(w.b_router)  # [n_heads]; [E]
+        self.b_exp_gate, self.b_exp_up, self.b_exp_down = (dense(b) for b in (w.b_exp_gate, w.b_exp_up, w.b_exp_down))
         self.post_attn_norm, self.post_ffn_norm = dense(w.post_attn_norm), dense(w.post_ffn_norm)
         self.wqkv, self.bqkv = dense(concat_rows([w.wq, w.wk, w.wv])), dense(bqkv)
         self.wo, self.bo = dense(w.wo), dense(w.bo)
@@ -103,7 +108,9 @@ class Layer:
                          ("bdown", self.w_down.bias if dense_ffn else None), ("attn_norm", self.attn_norm),
                          ("ffn_norm", self.ffn_norm), ("q_norm", self.q_norm), ("k_norm", self.k_norm),
                          ("post_attn_norm", self.post_attn_norm), ("post_ffn_norm", self.post_ffn_norm),
-                         ("sh_gate_inp", self.sh_gate_inp), ("cos", cos), ("sin", sin)):
+                         ("sh_gate_inp", self.sh_gate_inp), ("sinks", self.sinks), ("router_bias", self.b_router),
+                         ("exp_gate_bias", self.b_exp_gate), ("exp_up_bias", self.b_exp_up),
+                         ("exp_down_bias", self.b_exp_down), ("cos", cos), ("sin", sin)):
             # the pointer and the elements behind it: the C layer reads no vector past its length (layer.h)
             setattr(c, field, ffi.NULL if t is None else ffi.cast("float *", t.data_ptr()))
             setattr(c, f"{field}_len", 0 if t is None else t.numel())
@@ -119,7 +126,9 @@ def layer_shape(config: ModelConfig, max_seq_len: int):
         hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
         inter=config.intermediate, n_pos=max_seq_len, rms_eps=config.rms_eps,
         attn_scale=config.attention_scale,
-        act=lib.RINGSHM_ACT_GELU_TANH if config.activation == "gelu_tanh" else lib.RINGSHM_ACT_SILU,
+        act={"silu": lib.RINGSHM_ACT_SILU, "gelu_tanh": lib.RINGSHM_ACT_GELU_TANH,
+             "swiglu_oai": lib.RINGSHM_ACT_SWIGLU_OAI}[config.activation],
+        swiglu_alpha=config.swiglu_alpha, swiglu_limit=config.swiglu_limit,
         qk_norm_full=int(config.qk_norm_full), n_experts=config.n_experts,
         n_experts_used=config.n_experts_used, expert_inter=config.expert_intermediate,
         gating={"softmax": lib.RINGSHM_GATE_SOFTMAX, "softmax_norm": lib.RINGSHM_GATE_SOFTMAX_NORM,

@@ -55,7 +55,10 @@ class LayerWeights:
     ``[n_experts, hidden]`` and, per expert ``e`` (lists of ``n_experts``), ``w_exp_gate[e]`` / ``w_exp_up[e]``
     ``[expert_intermediate, hidden]`` and ``w_exp_down[e]`` ``[hidden, expert_intermediate]``; with a shared
     expert (``ModelConfig.shared_expert_intermediate`` = S > 0) also ``w_shexp_gate`` / ``w_shexp_up`` ``[S, hidden]``,
-    ``w_shexp_down`` ``[hidden, S]`` and, with its gate, ``shexp_gate_inp`` fp32 ``[hidden]``.
+    ``w_shexp_down`` ``[hidden, S]`` and, with its gate, ``shexp_gate_inp`` fp32 ``[hidden]``. gpt-oss adds
+    ``sinks`` fp32 ``[n_heads]`` (``ModelConfig.attention_sinks``) and (``moe_bias``) the router's bias ``b_router``
+    ``[n_experts]`` and the experts' ``b_exp_gate`` / ``b_exp_up`` ``[n_experts, expert_intermediate]``,
+    ``b_exp_down`` ``[n_experts, hidden]``, fp32.
     """
 
     attn_norm: torch.Tensor
@@ -86,6 +89,11 @@ class LayerWeights:
     w_shexp_up: RawWeight | None = None
     w_shexp_down: RawWeight | None = None
     shexp_gate_inp: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None
+    b_router: torch.Tensor | None = None
+    b_exp_gate: torch.Tensor | None = None
+    b_exp_up: torch.Tensor | None = None
+    b_exp_down: torch.Tensor | None = None
 
 
 @dataclass
@@ -222,6 +230,8 @@ class Checkpoint:
                 name = prefix + pair[side]
                 if f in families.EXPERT_FIELDS:
                     w[f] = self._experts(prefix, f, pair[side], loaded)
+                elif f in ("b_exp_gate", "b_exp_up") and names.hf_transposed_experts and not self.gguf:
+                    w[f] = get(name)[:, 0 if f == "b_exp_gate" else 1::2].contiguous()  # [E, 2 I] interleaved
                 elif f == "shexp_gate_inp":  # [hidden]; HF holds it as a linear layer's [1, hidden] weight
                     w[f] = get(name).reshape(-1)
                 else:
@@ -261,6 +271,14 @@ class Checkpoint:
         or the per-expert tensors of HF and of GGUF files older than the 3-D ones (``families.GGUF_SPLIT_EXPERTS``)."""
         cfg = self.config
         ie = cfg.expert_intermediate
+        if not self.gguf and families.TENSOR_NAMES[cfg.arch].hf_transposed_experts:  # gpt-oss: [E, in, out]
+            full = self.source.get(prefix + name)  # [E, hidden, 2 I_e] columns gate, up interleaved; [E, I_e, hidden]
+            if full.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+                full = full.float()
+            cols = {"w_exp_gate": slice(0, None, 2), "w_exp_up": slice(1, None, 2)}.get(field, slice(None))
+            out = [RawWeight.from_tensor(full[e][:, cols].t().contiguous()) for e in range(cfg.n_experts)]
+            loaded.extend((f"{prefix}{name} expert {e}", w) for e, w in enumerate(out))
+            return out
         if not self.gguf and families.TENSOR_NAMES[cfg.arch].hf_fused_experts:  # one 3-D tensor, gate | up rows
             full = self.source.get(prefix + name)  # [E, 2 I_e, hidden] or [E, hidden, I_e] as stored
             if full.dtype not in (torch.float32, torch.float16, torch.bfloat16):

@@ -447,7 +447,7 @@ class StageModel:
         if layer.moe:
             return x + self._experts(layer, self._rms_norm(x, layer.ffn_norm)) * rs
         gate_up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up, layer.b_gate_up)  # [T, 2I]
-        m = F.linear(kernels.act_mul_reference(gate_up, cfg.activation), layer.w_down, layer.b_down)
+        m = F.linear(self._act(gate_up), layer.w_down, layer.b_down)
         return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m * rs)
 
     def _experts(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
@@ -455,7 +455,7 @@ class StageModel:
         order: experts ascending, each term added into zeros; a shared expert's (gated) output added last).
         Returns ``[T, hidden]``."""
         cfg = self.config
-        logits = F.linear(h, layer.w_router).float()  # [T, E]
+        logits = F.linear(h, layer.w_router, layer.b_router).float()  # [T, E]
         if cfg.expert_gating == "topk_softmax":  # Granite: the softmax over the k largest logits
             top, experts = torch.topk(logits, cfg.n_experts_used, dim=-1)
             weights = torch.softmax(top, dim=-1)
@@ -468,15 +468,21 @@ class StageModel:
             tok, rank = torch.where(experts == e)
             if tok.numel():
                 xs = h[tok]
-                y = F.linear(kernels.act_mul_reference(torch.cat([F.linear(xs, layer.exp_gate[e]), F.linear(
-                    xs, layer.exp_up[e])], dim=-1), cfg.activation), layer.exp_down[e])
+                bg, bu, bd = (None if b is None else b[e] for b in (layer.b_exp_gate, layer.b_exp_up, layer.b_exp_down))
+                y = F.linear(self._act(torch.cat([F.linear(xs, layer.exp_gate[e], bg), F.linear(
+                    xs, layer.exp_up[e], bu)], dim=-1)), layer.exp_down[e], bd)
                 out.index_add_(0, tok, y * weights[tok, rank, None].to(y.dtype))
         if layer.shared:  # Qwen2MoeSparseMoeBlock: sigmoid(h . w) * shared(h), added after the routed sum
-            shared = F.linear(kernels.act_mul_reference(F.linear(h, layer.sh_gate_up), cfg.activation), layer.sh_down)
+            shared = F.linear(self._act(F.linear(h, layer.sh_gate_up)), layer.sh_down)
             if layer.sh_gate_inp is not None:
                 shared = torch.sigmoid(h @ layer.sh_gate_inp)[:, None] * shared
             out = out + shared
         return out
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The config's gate on ``gate_up [T, 2 I]`` rows ``[gate | up]`` (torch path) → ``[T, I]``."""
+        cfg = self.config
+        return kernels.act_mul_reference(gate_up, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
 
     def _attend_segments(self, li: int, q, k, v, op: StepPlan) -> torch.Tensor:
         """RoPE, KV-append and attention of every segment through its table (torch path): ``q [T, Hq, D]``,
@@ -487,7 +493,8 @@ class StageModel:
             blocks = op.tables[int(op.table_offs[i]):int(op.table_offs[i + 1])]
             kv_append(self.kv[li], blocks, k[o:o + n].contiguous(), v[o:o + n].contiguous(), start, cos, sin)
             qi = kernels.apply_rope(q[o:o + n].contiguous(), start, cos, sin)
-            out.append(attention(qi, self.kv[li], blocks, start, self.windows[li], self.config.attention_scale))
+            out.append(attention(qi, self.kv[li], blocks, start, self.windows[li], self.config.attention_scale,
+                                 self.layers[li].sinks))
             o += n
         return torch.cat(out) if len(out) > 1 else out[0]
 
