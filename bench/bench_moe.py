@@ -10,10 +10,14 @@ changes the decode cost):
     qwen3moe-30b    Qwen3-30B-A3B's body: 48 layers, hidden 2048, 32 / 4 heads of 128, 128 experts of 768, top 8,
                     renormalised (~17 GB); only with ``RINGSHM_BENCH_30B=1`` (it needs the disk, ~10 min to write,
                     and most of a 23 GiB machine's memory)
+    gptoss-20b      gpt-oss-20b's body: 24 layers, hidden 2880, 64 / 8 heads of 64 (sinks; every other layer a
+                    128-key window), 32 experts of 2880, top 4, biased router and experts, the clamped SwiGLU,
+                    experts MXFP4 as the released file holds them (~11 GB); only with ``RINGSHM_BENCH_GPTOSS=1``
 
 Tensor types are llama-quantize's Q4_K_M (``tests/zoo_quant.tensor_type``: experts Q4_K, ``ffn_down_exps`` and
-``attn_v`` Q6_K on its more-bits layers, the head Q6_K, the router F32), blocks drawn from a pool of valid
-random blocks; the router weights are random too, so tokens spread over the experts about evenly.
+``attn_v`` Q6_K on its more-bits layers, the head Q6_K, the router F32; gpt-oss's rows of 2880 take the fallbacks
+Q5_0 / Q8_0 and its experts MXFP4), blocks drawn from a pool of valid random blocks; the router weights are random
+too, so tokens spread over the experts about evenly.
 
 Per model, one after another (never both resident: a 17 GB model cannot be held twice):
 - ringshm at 1 stage, then 2 stages: load (``Engine(...)`` to ready), each stage's anonymous RSS (its private
@@ -24,7 +28,8 @@ Per model, one after another (never both resident: a 17 GB model cannot be held 
 The physical bound of decode is the bandwidth (``qmatmul.read_probe``, 2 threads, 1 GiB) over the bytes one token
 reads: every non-expert weight plus k / E of the experts' (and the embedding row).
 
-    RINGSHM_BENCH_30B=1 python -m pytest bench/bench_moe.py --benchmark-only -s -p no:cacheprovider
+    RINGSHM_BENCH_30B=1 RINGSHM_BENCH_GPTOSS=1 python -m pytest bench/bench_moe.py --benchmark-only -s \
+        -p no:cacheprovider
 """
 
 from __future__ import annotations
@@ -49,7 +54,9 @@ N_NEW, N_PROMPT, N_LONG, N_STREAMS = 32, 16, 512, 8
 SHAPES = {  # name: (arch, layers, hidden, heads, kv heads, head dim, experts, used, expert width)
     "olmoe-7b": ("olmoe", 16, 2048, 16, 16, 128, 64, 8, 1024),
     "qwen3moe-30b": ("qwen3moe", 48, 2048, 32, 4, 128, 128, 8, 768),
+    "gptoss-20b": ("gpt-oss", 24, 2880, 64, 8, 64, 32, 4, 2880),
 }
+OPT_IN = {"qwen3moe-30b": "RINGSHM_BENCH_30B", "gptoss-20b": "RINGSHM_BENCH_GPTOSS"}  # big files: asked for by name
 
 
 def build(name: str, tokenizer_src: Path) -> Path:
@@ -66,8 +73,11 @@ def build(name: str, tokenizer_src: Path) -> Path:
     rng = np.random.default_rng(0)
     pools: dict = {}
 
+    oss = arch == "gpt-oss"
+
     def tensors():
-        """(name, role, layer, shape in torch order) in file order; role None: an F32 vector of ones."""
+        """(name, role, layer, shape in torch order) in file order; role None: an F32 vector of ones, "bias": small
+        random F32 values, "sinks": F32 of about unit size."""
         yield "token_embd.weight", "token_embd", None, (vocab, hidden)
         for i in range(n_layers):
             q, kv = heads * head_dim, kv_heads * head_dim
@@ -75,20 +85,40 @@ def build(name: str, tokenizer_src: Path) -> Path:
             for role, rows, cols in (("attn_q", q, hidden), ("attn_k", kv, hidden), ("attn_v", kv, hidden),
                                      ("attn_output", hidden, q)):
                 yield f"blk.{i}.{role}.weight", role, i, (rows, cols)
-            yield f"blk.{i}.attn_q_norm.weight", None, i, (q if arch == "olmoe" else head_dim,)
-            yield f"blk.{i}.attn_k_norm.weight", None, i, (kv if arch == "olmoe" else head_dim,)
-            yield f"blk.{i}.ffn_norm.weight", None, i, (hidden,)
+                if oss:
+                    yield f"blk.{i}.{role}.bias", "bias", i, (rows,)
+            if oss:
+                yield f"blk.{i}.attn_sinks.weight", "sinks", i, (heads,)
+                yield f"blk.{i}.post_attention_norm.weight", None, i, (hidden,)
+            else:
+                yield f"blk.{i}.attn_q_norm.weight", None, i, (q if arch == "olmoe" else head_dim,)
+                yield f"blk.{i}.attn_k_norm.weight", None, i, (kv if arch == "olmoe" else head_dim,)
+                yield f"blk.{i}.ffn_norm.weight", None, i, (hidden,)
             yield f"blk.{i}.ffn_gate_inp.weight", "ffn_gate_inp", i, (n_exp, hidden)
             yield f"blk.{i}.ffn_gate_exps.weight", "ffn_gate_exps", i, (n_exp, width, hidden)
             yield f"blk.{i}.ffn_up_exps.weight", "ffn_up_exps", i, (n_exp, width, hidden)
             yield f"blk.{i}.ffn_down_exps.weight", "ffn_down_exps", i, (n_exp, hidden, width)
+            if oss:
+                yield f"blk.{i}.ffn_gate_inp.bias", "bias", i, (n_exp,)
+                for role, rows in (("ffn_gate_exps", width), ("ffn_up_exps", width), ("ffn_down_exps", hidden)):
+                    yield f"blk.{i}.{role}.bias", "bias", i, (n_exp, rows)
         yield "output_norm.weight", None, None, (hidden,)
         yield "output.weight", "output", None, (vocab, hidden)
+
+    def qtype_of(role, layer, shape):
+        if role in (None, "bias", "sinks"):
+            return gguf.GGMLQuantizationType.F32
+        if oss and role.endswith("_exps"):  # the released gpt-oss files' experts
+            return gguf.GGMLQuantizationType.MXFP4
+        return tensor_type("q4_k_m", role, layer, n_layers, shape[-1], len(shape), False)
 
     def data(role, layer, shape):
         if role is None:
             return np.ones(shape, dtype=np.float32), gguf.GGMLQuantizationType.F32
-        qtype = tensor_type("q4_k_m", role, layer, n_layers, shape[-1], len(shape), False)
+        if role in ("bias", "sinks"):
+            return rng.normal(0, 0.02 if role == "bias" else 1.0, size=shape).astype(np.float32), \
+                gguf.GGMLQuantizationType.F32
+        qtype = qtype_of(role, layer, shape)
         if qtype == gguf.GGMLQuantizationType.F32:  # the router: std 1 / sqrt(hidden), logits of about unit size
             return rng.normal(0, hidden ** -0.5, size=shape).astype(np.float32), qtype
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
@@ -108,9 +138,14 @@ def build(name: str, tokenizer_src: Path) -> Path:
     w.add_feed_forward_length(width)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(1e6 if arch == "qwen3moe" else 10000.0)
+    w.add_rope_freq_base({"qwen3moe": 1e6, "gpt-oss": 150000.0}.get(arch, 10000.0))
     w.add_layer_norm_rms_eps(1e-6 if arch == "qwen3moe" else 1e-5)
-    if arch == "qwen3moe":
+    if oss:  # GptOssModel's keys: YaRN x 32 over 4096, a 128-key window
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
+        w.add_sliding_window(128)
+    if arch in ("qwen3moe", "gpt-oss"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
         w.add_expert_feed_forward_length(width)
@@ -122,8 +157,7 @@ def build(name: str, tokenizer_src: Path) -> Path:
         w.add_key_value(key, val, vtype, sub)
     plan = list(tensors())
     for tname, role, layer, shape in plan:  # the table first (shapes and types), then the data in the same order
-        qtype = gguf.GGMLQuantizationType.F32 if role is None else tensor_type(
-            "q4_k_m", role, layer, n_layers, shape[-1], len(shape), False)
+        qtype = qtype_of(role, layer, shape)
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         n_bytes = int(np.prod(shape[:-1])) * shape[-1] // block * block_bytes
         if qtype == gguf.GGMLQuantizationType.F32:
@@ -215,7 +249,7 @@ def test_moe_ringshm_vs_llama_cpp(benchmark, figures):
     from ringshm.model import qmatmul as qm
     from ringshm.model.packaged import default_model_path
 
-    names = ["olmoe-7b"] + (["qwen3moe-30b"] if os.environ.get("RINGSHM_BENCH_30B") == "1" else [])
+    names = ["olmoe-7b"] + [n for n, var in OPT_IN.items() if os.environ.get(var) == "1"]
     found = {n: build(n, default_model_path()) for n in names}
     buf = torch.ones(1 << 28, dtype=torch.float32)
     qm.read_probe(buf, 2)
