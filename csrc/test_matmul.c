@@ -235,6 +235,38 @@ static void check_mxfp4_dequant_edges(void) {
     }
 }
 
+/* The matmul's MXFP4 d at every E8M0 byte: row r has scale byte r in both its blocks and x holds integers -2 .. 2
+ * times 2^-20, so every product and sum is exact and out[m, r] = 2^(r - 128) * (x . q) with no rounding to hide a
+ * wrong d (the subnormal d of e < 2, the 2^127 of e = 255 included): bitwise the reference, in the register decode
+ * (M = 1) and the slab (M = 30), 1 and 3 threads. */
+static void check_mxfp4_every_scale_in_the_matmul(void) {
+    enum { N = 256, K = 64, M = 30 };
+    static uint8_t src[N * K / 32 * 17], packed[N / 16 * K / 32 * 272];
+    static float x[M * K], out[M * N];
+    for (int r = 0; r < N; r++)
+        for (int b = 0; b < K / 32; b++) {
+            uint8_t *blk = src + (r * K / 32 + b) * 17;
+            blk[0] = (uint8_t)r;
+            for (int j = 1; j < 17; j++) blk[j] = (uint8_t)next();
+        }
+    for (int i = 0; i < M * K; i++) x[i] = (float)((int)(next() % 5) - 2) / (float)(1 << 20);
+    if (ringshm_qmat_pack(RINGSHM_W_MXFP4, src, sizeof src, N, K, packed, sizeof packed)) FAIL("pack refused\n");
+    const int ms[] = {1, M};
+    for (int mi = 0; mi < 2; mi++)
+        for (int threads = 1; threads <= 3; threads += 2) {
+            if (ringshm_qmat_matmul(RINGSHM_W_MXFP4, packed, sizeof packed, N, K, x, ms[mi], out, N, NULL, 0, NULL, 0,
+                                    threads, RINGSHM_ISA_PORTABLE))
+                FAIL("matmul refused\n");
+            for (int r = 0; r < ms[mi]; r++)
+                for (int c = 0; c < N; c++) {
+                    const float want = reference(RINGSHM_W_MXFP4, src + c * K / 32 * 17, x + r * K, K);
+                    if (memcmp(&want, &out[r * N + c], 4))
+                        FAIL("mxfp4 matmul at e %d: m %d row %d threads %d: want %a, got %a\n", c, ms[mi], r,
+                             threads, want, out[r * N + c]);
+                }
+        }
+}
+
 int main(void) {
     const int types[] = {RINGSHM_W_F32,  RINGSHM_W_F16,  RINGSHM_W_BF16, RINGSHM_W_Q4_0,
                          RINGSHM_W_Q4_1, RINGSHM_W_Q8_0, RINGSHM_W_Q5_0, RINGSHM_W_Q5_1,
@@ -300,8 +332,9 @@ int main(void) {
         cases++;
     }
     check_mxfp4_dequant_edges();
+    check_mxfp4_every_scale_in_the_matmul();
     printf("test_matmul: %d cases over %d types, every element bitwise the contract's, alone and batched; "
-           "%d dequantized rows bitwise the reference decode; MXFP4 at every E8M0 byte and nibble\n", cases, n_types,
-           dequant_rows);
+           "%d dequantized rows bitwise the reference decode; MXFP4 at every E8M0 byte, dequantized and "
+           "multiplied\n", cases, n_types, dequant_rows);
     return 0;
 }
