@@ -469,6 +469,26 @@ def test_every_thread_count_gives_the_same_bits_in_the_callers_flush_to_zero_mod
     assert was and torch.equal(one, two) and torch.equal(one, torch.zeros(1, 64))
 
 
+def test_mxfp4_subnormal_scales_follow_the_callers_denormals_are_zero_mode_on_every_path():
+    """e < 2 gives a subnormal d (2^-128, 2^-127), assembled from bits, so no FP mode changes d itself; the fma
+    that reads it follows the caller's mode (torch's flush_denormal sets FTZ and DAZ: d reads as 0) alike on every
+    ISA path and thread count, and with the mode off the product is nonzero."""
+    rng = np.random.default_rng(12)
+    blocks = rng.integers(0, 256, size=(64, 2, 17), dtype=np.uint8)
+    blocks[:, :, 0] = rng.integers(0, 2, size=(64, 2))
+    pw = qm.PackedWeight(qm.RawWeight.from_bytes(qm.MXFP4, 64, 64, blocks.reshape(-1)))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(13)) * 2.0 ** 100  # x d q ~ 2^-25: normal
+    pw.matmul(x, threads=2)  # the pool exists before the mode changes
+    was = torch.set_flush_denormal(True)
+    try:
+        daz = [pw.matmul(x, isa=isa, threads=t) for isa in ISAS for t in (1, 2)]
+    finally:
+        torch.set_flush_denormal(False)
+    plain = [pw.matmul(x, isa=isa, threads=t) for isa in ISAS for t in (1, 2)]
+    assert was and all(torch.equal(o, torch.zeros(5, 64)) for o in daz)
+    assert all(torch.equal(o, plain[0]) for o in plain) and bool((plain[0] != 0).any())
+
+
 def test_an_output_overlapping_x_or_the_residual_is_refused_in_c():
     pw = qm.PackedWeight(make_weight(qm.F32, 32, 64)[0])
     x, res = torch.randn(3, 64), torch.randn(3, 32)
