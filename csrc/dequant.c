@@ -48,6 +48,22 @@ NO_FMA int ringshm_dequant_q4_1(const uint8_t *src, float *dst, int64_t n_blocks
     return 0;
 }
 
+/* MXFP4: w = d * kvalues[q], d = 2^(e - 128) from e's bits (gguf_blocks.h): the product is exact, or inf where it
+ * overflows (e >= 253 and a large nibble), as gguf.quants' float32 product. */
+NO_FMA int ringshm_dequant_mxfp4(const uint8_t *src, float *dst, int64_t n_blocks) {
+    static const float kvalues[16] = {RINGSHM_MXFP4_KVALUES};
+    if (n_blocks < 0) return -1;
+    for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_mxfp4), dst += 32) {
+        const struct block_mxfp4 *blk = (const struct block_mxfp4 *)src;
+        const float d = ringshm_e8m0_to_float_half(blk->e);
+        for (int j = 0; j < 16; j++) {
+            dst[j] = d * kvalues[blk->qs[j] & 0x0F];
+            dst[j + 16] = d * kvalues[blk->qs[j] >> 4];
+        }
+    }
+    return 0;
+}
+
 /* The fifth bit of weight i of a Q5_0 / Q5_1 block: bit i of its qh read as a little-endian u32. */
 static inline unsigned q5_high(const uint8_t *qh, int i) { return (qh[i / 8] >> (i % 8)) & 1u; }
 
@@ -140,6 +156,7 @@ int ringshm_dequant_rows(int type, const uint8_t *src, int64_t src_bytes, int64_
         case RINGSHM_W_Q4_1: ringshm_dequant_q4_1(row, o, k / 32); break;
         case RINGSHM_W_Q5_0: ringshm_dequant_q5_0(row, o, k / 32); break;
         case RINGSHM_W_Q5_1: ringshm_dequant_q5_1(row, o, k / 32); break;
+        case RINGSHM_W_MXFP4: ringshm_dequant_mxfp4(row, o, k / 32); break;
         case RINGSHM_W_Q4_K: ringshm_dequant_q4_k(row, o, k / 256); break;
         case RINGSHM_W_Q5_K: ringshm_dequant_q5_k(row, o, k / 256); break;
         case RINGSHM_W_Q6_K: ringshm_dequant_q6_k(row, o, k / 256); break;

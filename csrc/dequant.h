@@ -4,13 +4,15 @@
  *
  *   Q8_0  34 B   w = d * q                     Q5_0  22 B   w = d * (q - 16)
  *   Q4_0  18 B   w = d * (q - 8)               Q5_1  24 B   w = d * q + m
- *   Q4_1  20 B   w = d * q + m
+ *   Q4_1  20 B   w = d * q + m                 MXFP4 17 B   w = 2^(e - 128) * kvalues[q]
  *   Q4_K 144 B, Q5_K 176 B   w = (d * sc) * q - dmin * m    (sc, m: the sub-block's 6-bit scale and min)
  *   Q6_K 210 B               w = (d * sc) * (q - 32)        (sc: the int8 scale of 16 weights)
  *
  * src: n_blocks whole blocks; dst: 32 * n_blocks floats (256 * n_blocks for the K-quants). Arithmetic is f32,
  * one rounding per operation in the order written (f16 fields widened exactly, integers converted exactly, no
- * fused multiply-add), which is gguf.quants.dequantize's numpy float32 order: results equal it bit for bit.
+ * fused multiply-add), which is gguf.quants.dequantize's numpy float32 order: results equal it bit for bit. MXFP4's
+ * e is an E8M0 byte (every e a finite power of two, the subnormals 2^-128, 2^-127 included) and kvalues its e2m1
+ * values doubled (gguf_blocks.h): w is exact, or inf for e >= 253 and a large nibble, as in gguf.quants.
  * Returns 0, or -1 when n_blocks < 0.
  */
 #ifndef RINGSHM_DEQUANT_H
@@ -24,6 +26,7 @@ int ringshm_dequant_q4_0(const uint8_t *src, float *dst, int64_t n_blocks);
 int ringshm_dequant_q4_1(const uint8_t *src, float *dst, int64_t n_blocks);
 int ringshm_dequant_q5_0(const uint8_t *src, float *dst, int64_t n_blocks);
 int ringshm_dequant_q5_1(const uint8_t *src, float *dst, int64_t n_blocks);
+int ringshm_dequant_mxfp4(const uint8_t *src, float *dst, int64_t n_blocks);
 int ringshm_dequant_q4_k(const uint8_t *src, float *dst, int64_t n_blocks);
 int ringshm_dequant_q5_k(const uint8_t *src, float *dst, int64_t n_blocks);
 int ringshm_dequant_q6_k(const uint8_t *src, float *dst, int64_t n_blocks);

@@ -9,6 +9,10 @@
  *   block_q5_0   22 B   d f16 | qh u8[4] | qs u8[16]             w = d * (q - 16)
  *   block_q5_1   24 B   d f16 | m f16 | qh u8[4] | qs u8[16]     w = d * q + m
  *   block_q8_0   34 B   d f16 | qs i8[32]                        w = d * q
+ *   block_mxfp4  17 B   e u8 | qs u8[16]                         w = 2^(e - 128) * kvalues[q]
+ *       e: an E8M0 scale (8 exponent bits, no sign, no mantissa); q: the nibble, an e2m1 value's bits, read
+ *       doubled through RINGSHM_MXFP4_KVALUES (ggml's kvalues_mxfp4; q = 8 is +0) so that its halves are whole;
+ *       2^(e - 128) (half the scale 2^(e - 127)) is ringshm_e8m0_to_float_half's float, exact for every e.
  *
  * K-quants, super-blocks of 256 weights (QK_K):
  *
@@ -33,6 +37,7 @@
 #define RINGSHM_GGUF_BLOCKS_H
 
 #include <stdint.h>
+#include <string.h>
 
 #define RINGSHM_QK 32    /* weights per legacy block */
 #define RINGSHM_QK_K 256 /* weights per K-quant super-block */
@@ -61,6 +66,10 @@ struct block_q8_0 {
     ringshm_half d;
     int8_t qs[RINGSHM_QK];
 };
+struct block_mxfp4 {
+    uint8_t e; /* E8M0 */
+    uint8_t qs[RINGSHM_QK / 2];
+};
 struct block_q4_K {
     ringshm_half d, dmin;
     uint8_t scales[12];
@@ -84,6 +93,7 @@ _Static_assert(sizeof(struct block_q4_1) == 20, "block_q4_1: d, m f16, 16 B of n
 _Static_assert(sizeof(struct block_q5_0) == 22, "block_q5_0: d f16, 4 B of high bits, 16 B of nibbles");
 _Static_assert(sizeof(struct block_q5_1) == 24, "block_q5_1: d, m f16, 4 B of high bits, 16 B of nibbles");
 _Static_assert(sizeof(struct block_q8_0) == 34, "block_q8_0: d f16, 32 int8");
+_Static_assert(sizeof(struct block_mxfp4) == 17, "block_mxfp4: e u8, 16 B of nibbles");
 _Static_assert(sizeof(struct block_q4_K) == 144, "block_q4_K: d, dmin f16, 12 B of scales, 128 B of nibbles");
 _Static_assert(sizeof(struct block_q5_K) == 176, "block_q5_K: block_q4_K's fields and 32 B of high bits");
 _Static_assert(sizeof(struct block_q6_K) == 210, "block_q6_K: 128 B low nibbles, 64 B high pairs, 16 scales, d");
@@ -96,6 +106,20 @@ static inline void ringshm_kq_scale_min(const uint8_t *scales, int s, int *sc, i
         *sc = (scales[s + 4] & 15) | (scales[s - 4] >> 6) << 4;
         *m = (scales[s + 4] >> 4) | (scales[s] >> 6) << 4;
     }
+}
+
+/* MXFP4's 16 weights a nibble can give, as an initializer list: e2m1 (sign, 2 exponent bits, 1 mantissa bit) times
+ * 2 (ggml's kvalues_mxfp4). Nibble 8 is +0 (e2m1's -0), as in ggml and gguf.quants. */
+#define RINGSHM_MXFP4_KVALUES 0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12
+
+/* An MXFP4 block's d = 2^(e - 128) (ggml's ggml_e8m0_to_fp32_half: half the E8M0 scale 2^(e - 127), as the
+ * kvalues are doubled), built from bits: (e - 1) << 23 (a normal float, 2^-126 .. 2^127) for e >= 2, and
+ * 0x00200000 << e for e < 2 (the subnormals 2^-128, 2^-127). Exact for every e; no float op, so no FP mode. */
+static inline float ringshm_e8m0_to_float_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
 #endif /* RINGSHM_GGUF_BLOCKS_H */

@@ -12,6 +12,7 @@
  *   Q5_0   32 w  22 B: d | qh[4] | qs[16]          d f16[16] | qh u8[4 r][16 n] | qs u8[16 j][16 n]         352
  *   Q5_1   32 w  24 B: d | m | qh[4] | qs[16]      d f16[16] | m f16[16] | qh u8[4 r][16 n] | qs ..         384
  *   Q8_0   32 w  34 B: d | qs i8[32]               d f16[16] | qs i8[32 k][16 n]                            544
+ *   MXFP4  32 w  17 B: e | qs[16]                  e u8[16] | qs u32[4 g][16 n]                             272
  *   Q4_K  256 w 144 B: d | dmin | scales[12] |     d f16[16] | dmin f16[16] | scales u8[12][16 n] |
  *                      qs[128]                       8 sub-blocks s x ( qs u32[4 g][16 n] )                2304
  *   Q5_K  256 w 176 B: Q4_K's | qh[32] | qs[128]   d f16[16] | dmin f16[16] | scales u8[12][16 n] |
@@ -24,8 +25,8 @@
  *
  *   Packed nibble byte (j, n): low nibble = the low 4 bits of weight 2j of row n in its block of 32 (a K-quant's
  *   sub-block s of 32), high nibble = weight 2j + 1, so the walk over k is in order (in GGUF, weights j and
- *   j + 16 share a byte; in a K-quant, sub-blocks 2c and 2c + 1 share 32 bytes). Q4_0, Q4_1 and Q4_K hold the
- *   same bytes as words: word (g, n) = bytes (j = 4g .. 4g + 3, n) in order, little-endian, so its nibble i is
+ *   j + 16 share a byte; in a K-quant, sub-blocks 2c and 2c + 1 share 32 bytes). Q4_0, Q4_1, Q4_K and MXFP4 hold
+ *   the same bytes as words: word (g, n) = bytes (j = 4g .. 4g + 3, n) in order, little-endian, so its nibble i is
  *   weight 8g + i of row n and one shift brings any of them to a lane's low bits. The high bits go where a byte
  *   SIMD op finds them for 64 nibble bytes (4 rows j) at once, with one shift for all:
  *   Q5 qh byte (r, n), r < 4: bits 2a, 2a + 1 = bit 4 of the two weights of nibble row j = 4a + r.
@@ -36,7 +37,7 @@
  *   a block is read (a few integer ops per 16 rows, csrc/gguf_blocks.h draws the packing).
  *   Panels are stored one after another, each holding its blocks along K in order (K / 32, K / 256 for the
  *   K-quants, ceil(K / 32) for floats). Rows of the last panel past N are zero. Float types allow any K (the
- *   last block is cut short); Q4_0 .. Q8_0 need K % 32 == 0, the K-quants K % 256 == 0.
+ *   last block is cut short); Q4_0 .. Q8_0 and MXFP4 need K % 32 == 0, the K-quants K % 256 == 0.
  *
  * The reduction (the contract every path, every M and every thread count follows, lane by lane). K runs in
  * blocks b of 32 (for a K-quant, the 8 sub-blocks of each super-block in order); for each block:
@@ -47,6 +48,7 @@
  *     Q5_0    5-bit value - 16                           d                      -
  *     Q5_1    5-bit value                                d                      m
  *     Q8_0    int8                                       d                      -
+ *     MXFP4   kvalues[nibble]                            2^(e - 128)            -
  *     Q4_K    nibble                                     d * sc[s]              (-dmin) * m[s]
  *     Q5_K    5-bit value                                d * sc[s]              (-dmin) * m[s]
  *     Q6_K    6-bit value - 32                           d * sc[k / 16], per half of 16 (below)
@@ -55,6 +57,14 @@
  *     fp16 fields are widened to fp32 (exact). The K-quant products are exact in fp32 (an 11-bit significand
  *     times a 6- or 8-bit integer), so Q4_K / Q5_K's m is exactly -(dmin * m[s]) (a zero's sign included:
  *     ggml's w = d sc q - dmin m), and d * sc is the value ggml and gguf.quants compute.
+ *     MXFP4 (ggml's block_mxfp4, the gpt-oss experts): kvalues = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6,
+ *     -8, -12}, the e2m1 values doubled (ggml's kvalues_mxfp4; nibble 8 is +0, not -0), and d = 2^(e - 128), half
+ *     the E8M0 scale 2^(e - 127) to undo the doubling, with ggml_e8m0_to_fp32_half's bits: (e - 1) << 23 for
+ *     e >= 2, the subnormals 0x00200000 << e (2^-128, 2^-127) for e < 2, and e = 255 is 2^127 (not NaN). d is
+ *     built from e's bits by integer ops, so flush-to-zero cannot change it (denormals-are-zero makes the fma read
+ *     a subnormal d as 0, on every path alike: the caller's mode, below); q is a small integer and d a power of
+ *     two, so ggml's w = d * q is exact in fp32 wherever it is finite (it overflows for e >= 253 and a large
+ *     nibble, 8 x 2^125 = 2^128; the reduction forms d * t, never d * q).
  *
  *     acc = 0
  *     for each block b in order:
@@ -98,7 +108,8 @@ enum ringshm_wtype {
     RINGSHM_W_Q4_K = 12,
     RINGSHM_W_Q5_K = 13,
     RINGSHM_W_Q6_K = 14,
-    RINGSHM_W_BF16 = 30
+    RINGSHM_W_BF16 = 30,
+    RINGSHM_W_MXFP4 = 39
 };
 
 /* Instruction-set paths; ringshm_isa_best() picks the best this CPU runs (cpuid), once per process. */

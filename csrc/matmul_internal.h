@@ -26,7 +26,7 @@ static inline const struct ringshm_wtype_info *ringshm_wtype_info(int type) {
     static const struct ringshm_wtype_info f32 = {32, 128, 2048, 0, 0}, f16 = {32, 64, 1024, 0, 0};
     static const struct ringshm_wtype_info q4_0 = {32, 18, 288, 1, 0}, q4_1 = {32, 20, 320, 1, 1};
     static const struct ringshm_wtype_info q5_0 = {32, 22, 352, 1, 0}, q5_1 = {32, 24, 384, 1, 1};
-    static const struct ringshm_wtype_info q8_0 = {32, 34, 544, 1, 0};
+    static const struct ringshm_wtype_info q8_0 = {32, 34, 544, 1, 0}, mxfp4 = {32, 17, 272, 1, 0};
     static const struct ringshm_wtype_info q4_k = {256, 144, 2304, 1, 1}, q5_k = {256, 176, 2816, 1, 1};
     static const struct ringshm_wtype_info q6_k = {256, 210, 3360, 1, 0};
     switch (type) {
@@ -38,6 +38,7 @@ static inline const struct ringshm_wtype_info *ringshm_wtype_info(int type) {
     case RINGSHM_W_Q5_0: return &q5_0;
     case RINGSHM_W_Q5_1: return &q5_1;
     case RINGSHM_W_Q8_0: return &q8_0;
+    case RINGSHM_W_MXFP4: return &mxfp4;
     case RINGSHM_W_Q4_K: return &q4_k;
     case RINGSHM_W_Q5_K: return &q5_k;
     case RINGSHM_W_Q6_K: return &q6_k;

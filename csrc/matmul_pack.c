@@ -10,7 +10,7 @@
 
 _Static_assert(16 * sizeof(struct block_q4_0) == 288 && 16 * sizeof(struct block_q4_1) == 320 &&
                    16 * sizeof(struct block_q5_0) == 352 && 16 * sizeof(struct block_q5_1) == 384 &&
-                   16 * sizeof(struct block_q8_0) == 544,
+                   16 * sizeof(struct block_q8_0) == 544 && 16 * sizeof(struct block_mxfp4) == 272,
                "a packed legacy block is 16 rows of the file's block");
 _Static_assert(16 * sizeof(struct block_q4_K) == 2304 && 16 * sizeof(struct block_q5_K) == 2816 &&
                    16 * sizeof(struct block_q6_K) == 3360,
@@ -71,6 +71,16 @@ static void pack_legacy(int type, const uint8_t *blk, uint8_t *o, int l) {
     }
 #undef LOW4
     }
+}
+
+/* MXFP4: e u8[16] at 0, the nibble words at 16 (Q4_0's: the same qs order). */
+static void pack_mxfp4(const uint8_t *blk, uint8_t *o, int l) {
+    const struct block_mxfp4 *b = (const struct block_mxfp4 *)blk;
+    const uint8_t *qs = b->qs;
+    o[l] = b->e;
+#define LOW4(i) nibble32(qs, i)
+    PUT_NIBBLE_WORDS(o + 16, l, LOW4);
+#undef LOW4
 }
 
 /* Q4_K / Q5_K: d | dmin | scales[12][16] at 0, 32, 64; sub-block s at 256 + s * (Q5_K ? 320 : 256). */
@@ -152,6 +162,8 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
                     pack_q45_k(type, row + b * t->row_block_bytes, o, l);
                 } else if (type == RINGSHM_W_Q6_K) {
                     pack_q6_k(row + b * t->row_block_bytes, o, l);
+                } else if (type == RINGSHM_W_MXFP4) {
+                    pack_mxfp4(row + b * t->row_block_bytes, o, l);
                 } else {
                     pack_legacy(type, row + b * t->row_block_bytes, o, l);
                 }

@@ -64,6 +64,15 @@ static void weight_at(int type, const uint8_t *row, int64_t kk, float *q, float 
         *w = q51 ? *d * *q + *m : *d * *q;
         return;
     }
+    case RINGSHM_W_MXFP4: { /* ggml's kvalues_mxfp4 and ggml_e8m0_to_fp32_half */
+        static const float kvalues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+        const uint8_t *blk = row + b * 17, e = blk[0];
+        const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+        memcpy(d, &bits, 4);
+        *q = kvalues[j < 16 ? blk[1 + j] & 15 : blk[1 + j - 16] >> 4];
+        *w = *d * *q;
+        return;
+    }
     case RINGSHM_W_Q8_0: {
         const uint8_t *blk = row + b * 34;
         *d = ringshm_half_to_float(blk);
@@ -134,7 +143,8 @@ static float reference(int type, const uint8_t *row, const float *x, int64_t k) 
     return acc;
 }
 
-/* Random GGUF rows of `type` with finite fp16 scales (the rest of each block random bytes). */
+/* Random GGUF rows of `type` with finite fp16 scales (the rest of each block random bytes); MXFP4's e near 2^-3
+ * (118 .. 129: products that neither overflow nor flush), one block in 8 at e 0 .. 3 (d subnormal for e < 2). */
 static void random_rows(int type, uint8_t *src, int64_t n, int64_t k, int64_t row_bytes) {
     for (int64_t i = 0; i < n * row_bytes; i++) src[i] = (uint8_t)next();
     for (int64_t r = 0; r < n; r++) {
@@ -152,6 +162,9 @@ static void random_rows(int type, uint8_t *src, int64_t n, int64_t k, int64_t ro
             }
             break;
         }
+        case RINGSHM_W_MXFP4:
+            for (int64_t b = 0; b < k / 32; b++) row[b * 17] = (uint8_t)(next() % 8 ? 118 + next() % 12 : next() % 4);
+            break;
         case RINGSHM_W_Q4_K:
         case RINGSHM_W_Q5_K:
         case RINGSHM_W_Q6_K: {
@@ -178,16 +191,92 @@ static void random_rows(int type, uint8_t *src, int64_t n, int64_t k, int64_t ro
     }
 }
 
+/* MXFP4's dequantization at every E8M0 byte and nibble (dequant.c, straight and as rows): bitwise the reference
+ * decode, and at the edges the bits ggml gives: d's subnormals (e 0, 1), the least normal (e 2), 2^126 and 2^127
+ * (e 254, 255: finite, not NaN), inf where d * q overflows, and +0 for nibbles 0 and 8 at every e. */
+static void check_mxfp4_dequant_edges(void) {
+    uint8_t src[256 * 17];
+    float out[256 * 32], rows[256 * 32];
+    for (int e = 0; e < 256; e++) {
+        src[e * 17] = (uint8_t)e;
+        for (int j = 0; j < 16; j++) src[e * 17 + 1 + j] = (uint8_t)(j | (15 - j) << 4); /* nibble j, 15 - j */
+    }
+    if (ringshm_dequant_mxfp4(src, out, 256)) FAIL("dequant_mxfp4 refused\n");
+    int64_t ids[256];
+    for (int i = 0; i < 256; i++) ids[i] = i;
+    if (ringshm_dequant_rows(RINGSHM_W_MXFP4, src, sizeof src, 256, 32, ids, 256, rows))
+        FAIL("dequant_rows refused\n");
+    for (int e = 0; e < 256; e++)
+        for (int kk = 0; kk < 32; kk++) {
+            float q, d, m, w;
+            weight_at(RINGSHM_W_MXFP4, src + e * 17, kk, &q, &d, &m, &w);
+            if (memcmp(&w, &out[e * 32 + kk], 4) || memcmp(&w, &rows[e * 32 + kk], 4))
+                FAIL("mxfp4 dequant: e %d weight %d: want %a, got %a / %a\n", e, kk, w, out[e * 32 + kk],
+                     rows[e * 32 + kk]);
+        }
+    /* weight j < 16 of block e holds nibble j; nibble 1 (kvalue 1) gives d itself */
+    const struct {
+        int e, nibble;
+        uint32_t bits;
+    } want[] = {{0, 1, 0x00200000u}, {1, 1, 0x00400000u}, {2, 1, 0x00800000u}, {3, 1, 0x01000000u},
+                {128, 1, 0x3F800000u}, {254, 1, 0x7E800000u}, {255, 1, 0x7F000000u},
+                {255, 2, 0x7F800000u},  /* 2 x 2^127 = inf */
+                {255, 10, 0xFF800000u}, /* -2 x 2^127 = -inf */
+                {253, 7, 0x7F800000u},  /* 12 x 2^125 */
+                {253, 5, 0x7F400000u},  /* 6 x 2^125 = 1.5 x 2^127: finite */
+                {0, 15, 0x81400000u},   /* -12 x 2^-128 = -1.5 x 2^-125 */
+                {0, 0, 0}, {0, 8, 0}, {255, 0, 0}, {255, 8, 0}}; /* +0, never -0 */
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        uint32_t got;
+        memcpy(&got, &out[want[i].e * 32 + want[i].nibble], 4);
+        if (got != want[i].bits)
+            FAIL("mxfp4 dequant: e %d nibble %d: want bits %08x, got %08x\n", want[i].e, want[i].nibble,
+                 want[i].bits, got);
+    }
+}
+
+/* The matmul's MXFP4 d at every E8M0 byte: row r has scale byte r in both its blocks and x holds integers -2 .. 2
+ * times 2^-20, so every product and sum is exact and out[m, r] = 2^(r - 128) * (x . q) with no rounding to hide a
+ * wrong d (the subnormal d of e < 2, the 2^127 of e = 255 included): bitwise the reference, in the register decode
+ * (M = 1) and the slab (M = 30), 1 and 3 threads. */
+static void check_mxfp4_every_scale_in_the_matmul(void) {
+    enum { N = 256, K = 64, M = 30 };
+    static uint8_t src[N * K / 32 * 17], packed[N / 16 * K / 32 * 272];
+    static float x[M * K], out[M * N];
+    for (int r = 0; r < N; r++)
+        for (int b = 0; b < K / 32; b++) {
+            uint8_t *blk = src + (r * K / 32 + b) * 17;
+            blk[0] = (uint8_t)r;
+            for (int j = 1; j < 17; j++) blk[j] = (uint8_t)next();
+        }
+    for (int i = 0; i < M * K; i++) x[i] = (float)((int)(next() % 5) - 2) / (float)(1 << 20);
+    if (ringshm_qmat_pack(RINGSHM_W_MXFP4, src, sizeof src, N, K, packed, sizeof packed)) FAIL("pack refused\n");
+    const int ms[] = {1, M};
+    for (int mi = 0; mi < 2; mi++)
+        for (int threads = 1; threads <= 3; threads += 2) {
+            if (ringshm_qmat_matmul(RINGSHM_W_MXFP4, packed, sizeof packed, N, K, x, ms[mi], out, N, NULL, 0, NULL, 0,
+                                    threads, RINGSHM_ISA_PORTABLE))
+                FAIL("matmul refused\n");
+            for (int r = 0; r < ms[mi]; r++)
+                for (int c = 0; c < N; c++) {
+                    const float want = reference(RINGSHM_W_MXFP4, src + c * K / 32 * 17, x + r * K, K);
+                    if (memcmp(&want, &out[r * N + c], 4))
+                        FAIL("mxfp4 matmul at e %d: m %d row %d threads %d: want %a, got %a\n", c, ms[mi], r,
+                             threads, want, out[r * N + c]);
+                }
+        }
+}
+
 int main(void) {
     const int types[] = {RINGSHM_W_F32,  RINGSHM_W_F16,  RINGSHM_W_BF16, RINGSHM_W_Q4_0,
                          RINGSHM_W_Q4_1, RINGSHM_W_Q8_0, RINGSHM_W_Q5_0, RINGSHM_W_Q5_1,
-                         RINGSHM_W_Q4_K, RINGSHM_W_Q5_K, RINGSHM_W_Q6_K};
+                         RINGSHM_W_Q4_K, RINGSHM_W_Q5_K, RINGSHM_W_Q6_K, RINGSHM_W_MXFP4};
     const int n_types = (int)(sizeof types / sizeof types[0]);
     int cases = 0, dequant_rows = 0;
     for (int it = 0; it < 16 * n_types; it++) {
         const int type = types[it % n_types];
         const int kquant = type == RINGSHM_W_Q4_K || type == RINGSHM_W_Q5_K || type == RINGSHM_W_Q6_K;
-        const int quant = kquant || (type >= RINGSHM_W_Q4_0 && type <= RINGSHM_W_Q8_0);
+        const int quant = kquant || (type >= RINGSHM_W_Q4_0 && type <= RINGSHM_W_Q8_0) || type == RINGSHM_W_MXFP4;
         const int64_t n = 1 + next() % 70;
         const int64_t k = kquant ? 256 * (1 + next() % 3) : quant ? 32 * (1 + next() % 5) : 1 + next() % 150;
         const int64_t m = it % 10 == 0 ? 200 + next() % 20 : 1 + next() % 20; /* to 20: 1-4 tiles of the register decode */
@@ -242,7 +331,10 @@ int main(void) {
         free(src), free(packed), free(x), free(out), free(one), free(bias), free(res);
         cases++;
     }
+    check_mxfp4_dequant_edges();
+    check_mxfp4_every_scale_in_the_matmul();
     printf("test_matmul: %d cases over %d types, every element bitwise the contract's, alone and batched; "
-           "%d dequantized rows bitwise the reference decode\n", cases, n_types, dequant_rows);
+           "%d dequantized rows bitwise the reference decode; MXFP4 at every E8M0 byte, dequantized and "
+           "multiplied\n", cases, n_types, dequant_rows);
     return 0;
 }

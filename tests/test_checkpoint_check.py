@@ -276,3 +276,31 @@ def test_tokenizer_metadata_transformers_cannot_convert_is_one_line_after_the_st
     assert proc.returncode == 2 and "Traceback" not in err and len(lines) == 1, err
     assert "KeyError: 'scores'" in lines[0], lines
     assert not [s for s in list_segments() if s.startswith(f"/ringshm-{proc.pid}-")]
+
+
+def test_the_native_gguf_types_are_the_ones_the_matmul_reads():
+    from ringshm.model import qmatmul
+    from ringshm.model.checkpoint_check import NATIVE_GGUF_TYPES, readable_gguf_type
+
+    assert NATIVE_GGUF_TYPES == set(qmatmul.TYPE_NAMES.values()) and readable_gguf_type("MXFP4")
+
+
+def test_an_mxfp4_ffn_is_read_in_its_encoding_and_runs_bitwise_as_its_f32_dequantization(tmp_path, caplog):
+    """gpt-oss stores its experts as MXFP4 (ggml type 39). The loader keeps such weights in their encoding (no
+    widening to fp32 at load), and as d = 2^(e - 128) is a power of two the matmul's d * (sum of x q) is the F32
+    weight's sum of x (d q) step for step: the model's logits have the bits of the same file with those
+    tensors stored as their exact F32 dequantization."""
+    from gguf import GGMLQuantizationType as QT
+    from gguf import quants
+
+    mx, f32 = tiny_gguf(), tiny_gguf()
+    for i in range(2):
+        for part in ("ffn_gate", "ffn_up", "ffn_down"):
+            a, b = mx.tensor(f"blk.{i}.{part}.weight"), f32.tensor(f"blk.{i}.{part}.weight")
+            blocks = quants.quantize(np.frombuffer(a.data, "<f4").reshape(tuple(reversed(a.dims))), QT.MXFP4)
+            a.qtype, a.data = QT.MXFP4, blocks.tobytes()
+            b.data = quants.dequantize(blocks, QT.MXFP4).astype("<f4").tobytes()
+    with caplog.at_level("WARNING", logger="ringshm.model.loader"):
+        logits = _run_tiny(mx.write(tmp_path / "mxfp4.gguf"))
+    assert not [r for r in caplog.records if "fp32 at load" in r.getMessage() or "NaN" in r.getMessage()]
+    assert torch.equal(logits, _run_tiny(f32.write(tmp_path / "f32.gguf")))

@@ -19,16 +19,16 @@ from ringshm.model import dequant, kernels
 from ringshm.model import qmatmul as qm
 
 U = 2.0 ** -24  # fp32 unit roundoff
-NEW_TYPES = [qm.Q5_0, qm.Q5_1, qm.Q4_K, qm.Q5_K, qm.Q6_K]
+NEW_TYPES = [qm.Q5_0, qm.Q5_1, qm.Q4_K, qm.Q5_K, qm.Q6_K, qm.MXFP4]
 GGUF_QUANT = {t: QT(t) for t in [qm.Q4_0, qm.Q4_1, qm.Q8_0, *NEW_TYPES]}
 FLOAT = {qm.F32: torch.float32, qm.F16: torch.float16, qm.BF16: torch.bfloat16}
 ALL_TYPES = [qm.Q4_0, qm.Q4_1, qm.Q8_0, qm.F16, qm.BF16, qm.F32, *NEW_TYPES]
 ISAS = [isa for isa in qm.ISA_NAMES if lib.ringshm_isa_supported(isa)]
 M_SWEEP = (1, 2, 3, 7, 8, 12, 16, 24, 25, 33, 64, 256)  # 8-24: the register decode in 2-4 tiles
 # Bytes of each quantized block (ggml's GGML_QUANT_SIZES) and where its fp16 scales sit: the rest of a block
-# built from random bytes is any integer the type can hold.
+# built from random bytes is any integer the type can hold. MXFP4's scale is its E8M0 byte 0 (random_blocks).
 BLOCK = {qm.Q5_0: (22, (0,)), qm.Q5_1: (24, (0, 2)), qm.Q4_K: (144, (0, 2)), qm.Q5_K: (176, (0, 2)),
-         qm.Q6_K: (210, (208,))}
+         qm.Q6_K: (210, (208,)), qm.MXFP4: (17, ())}
 # The bytes that hold q (zeroed, a block dequantizes to its min term alone: m, or -dmin * m).
 Q_BYTES = {qm.Q4_1: slice(4, 20), qm.Q5_1: slice(4, 24), qm.Q4_K: slice(16, 144), qm.Q5_K: slice(16, 176)}
 
@@ -40,10 +40,14 @@ def kfit(qtype: int, k: int) -> int:
 
 
 def random_blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
-    """GGUF bytes ``[n, row_bytes]`` of random blocks: random integers, finite fp16 scales of a sane size."""
+    """GGUF bytes ``[n, row_bytes]`` of random blocks: random integers, finite fp16 scales of a sane size; MXFP4's
+    E8M0 e near 2^-3 (d = 2^(e - 128), e in 118 .. 129), one block in 8 at e 0 .. 3 (d subnormal for e < 2)."""
     rng = np.random.default_rng(seed)
     size, scale_at = BLOCK[qtype]
     raw = rng.integers(0, 256, size=(n, k // qm.block_k(qtype), size), dtype=np.uint8)
+    if qtype == qm.MXFP4:
+        tiny = rng.random(raw.shape[:2]) < 0.125
+        raw[:, :, 0] = np.where(tiny, rng.integers(0, 4, raw.shape[:2]), rng.integers(118, 130, raw.shape[:2]))
     amp = {qm.Q5_0: 0.1, qm.Q5_1: 0.1}.get(qtype, 0.01)  # K-quant scales multiply a 6-bit sc
     for at in scale_at:
         half = rng.uniform(-amp, amp, size=raw.shape[:2]).astype(np.float16)
@@ -232,6 +236,110 @@ def test_new_types_dequantize_bitwise_as_gguf_from_random_blocks(qtype):
     assert torch.equal(qm.embed_rows(w, ids), ref[ids])
 
 
+# ---- MXFP4 (ggml type 39, gpt-oss's experts): E8M0 scale, e2m1 nibbles -----------------------------------
+
+
+def mxfp4_every_e_and_nibble() -> np.ndarray:
+    """256 MXFP4 blocks ``[256, 17]``: block e has scale byte e, and weight j < 16 nibble j, weight j + 16 nibble
+    15 - j, so every (E8M0 byte, nibble) pair appears once on each half."""
+    blocks = np.zeros((256, 17), dtype=np.uint8)
+    blocks[:, 0] = np.arange(256)
+    blocks[:, 1:] = np.arange(16, dtype=np.uint8) | (15 - np.arange(16, dtype=np.uint8)) << 4
+    return blocks
+
+
+def test_mxfp4_dequantizes_to_ggufs_bits_at_every_e8m0_byte_and_nibble():
+    """Bits, not ==: +0 and -0 compare equal, and nibble 8 must give +0. Every E8M0 byte is a finite power of two
+    (e < 2 the subnormals 2^-128, 2^-127; e = 255 is 2^127, not NaN); d * q overflows to inf for e >= 253 and a
+    large nibble, as gguf.quants' float32 product does."""
+    blocks = mxfp4_every_e_and_nibble()
+    with np.errstate(over="ignore"):  # the infs are wanted
+        ref = quants.dequantize(blocks, QT.MXFP4).reshape(256, 32).astype(np.float32)  # [e, weight]
+    ref_bits = torch.from_numpy(ref.view(np.int32))
+    w = qm.RawWeight.from_bytes(qm.MXFP4, 256, 32, blocks.reshape(-1))
+    for got in (dequant.dequantize(blocks.reshape(-1), QT.MXFP4, (256, 32)), w.dequantize(),
+                qm.embed_rows(w, torch.arange(256))):
+        assert torch.equal(got.view(torch.int32), ref_bits)
+    bits = ref_bits.numpy().view(np.uint32)
+    assert [hex(bits[e, 1]) for e in (0, 1, 2, 128, 254, 255)] == \
+        ["0x200000", "0x400000", "0x800000", "0x3f800000", "0x7e800000", "0x7f000000"]  # nibble 1: d itself
+    assert (bits[:, [0, 8]] == 0).all()  # nibbles 0 and 8: +0 at every e
+    assert np.isinf(ref[253:]).any() and np.isfinite(ref[:253]).all()
+
+
+def test_mxfp4_scale_is_exactly_two_to_the_e_minus_128_in_the_matmul_for_every_e8m0_byte():
+    """Row r of the weight has scale byte r in both its blocks; x holds small integers times 2^-20, so every
+    product and sum is exact and out[m, r] = 2^(r - 128) * (x . q): the subnormal d of e < 2 and the 2^127 of
+    e = 255 included, on every ISA path, in the register decode (M <= 24) and the slab (M = 30), 1 and 3 threads."""
+    rng = np.random.default_rng(7)
+    blocks = rng.integers(0, 256, size=(256, 2, 17), dtype=np.uint8)
+    blocks[:, :, 0] = np.arange(256)[:, None]
+    nibbles = np.stack([blocks[:, :, 1:] & 15, blocks[:, :, 1:] >> 4], axis=2).reshape(256, 64)  # weight order
+    d = torch.pow(2.0, torch.arange(256, dtype=torch.float64) - 128)  # [256]
+    w64 = torch.tensor(qm.MXFP4_KVALUES, dtype=torch.float64)[torch.from_numpy(nibbles.astype(np.int64))] * d[:, None]
+    x = torch.from_numpy(rng.integers(-2, 3, size=(30, 64)).astype(np.float32)) * 2.0 ** -20
+    want = x.double() @ w64.T  # exact in fp64, and representable in fp32
+    assert torch.equal(want.float().double(), want)
+    pw = qm.PackedWeight(qm.RawWeight.from_bytes(qm.MXFP4, 256, 64, blocks.reshape(-1)))
+    for isa in ISAS:
+        for m in (1, 2, 5, 24, 30):
+            for threads in (1, 3):
+                assert torch.equal(pw.matmul(x[:m], threads=threads, isa=isa).double(), want[:m]), \
+                    (qm.ISA_NAMES[isa], m, threads)
+
+
+def test_mxfp4_gives_the_bits_of_its_exact_f32_dequantization():
+    """d is a power of two, so the contract's d * (sum of x q) is the F32 weight's sum of x (d q) step for step
+    (scaling by 2^j commutes with each rounding while nothing is subnormal or overflows): an MXFP4 weight and
+    its exact dequantization give the same bits, at every M and on every ISA path."""
+    raw, exact, _ = make_weight(qm.MXFP4, 200, 512, seed=8)
+    mx, f32 = qm.PackedWeight(raw), qm.PackedWeight(qm.RawWeight.from_tensor(exact))
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(9))
+    for isa in ISAS:
+        for m in (1, 4, 13, 40):
+            assert torch.equal(mx.matmul(x[:m], isa=isa), f32.matmul(x[:m], isa=isa)), (qm.ISA_NAMES[isa], m)
+
+
+def test_mxfp4_packs_into_the_files_bytes_e_bytes_then_q4_0s_nibble_words():
+    """matmul.h's layout: a panel block is e u8[16] | the nibble words exactly as Q4_0 packs the same qs bytes
+    (272 = 16 x 17 bytes), rows past N zero; the sizes are the file's (17 B a block) and 16-row panels of it."""
+    n, k = 20, 64
+    mx = random_blocks(qm.MXFP4, n, k, seed=10).reshape(n, k // 32, 17)
+    q40 = np.zeros((n, k // 32, 18), dtype=np.uint8)
+    q40[:, :, 2:] = mx[:, :, 1:]  # the same nibbles, d = 0
+    assert lib.ringshm_qmat_src_bytes(qm.MXFP4, n, k) == n * 2 * 17 == qm.row_bytes(qm.MXFP4, k) * n
+    assert lib.ringshm_qmat_packed_bytes(qm.MXFP4, n, k) == 2 * 2 * 272  # 2 panels x 2 blocks
+    pm = qm.PackedWeight(qm.RawWeight.from_bytes(qm.MXFP4, n, k, mx.reshape(-1))).packed.numpy().reshape(2, 2, 272)
+    p4 = qm.PackedWeight(qm.RawWeight.from_bytes(qm.Q4_0, n, k, q40.reshape(-1))).packed.numpy().reshape(2, 2, 288)
+    assert (pm[:, :, 16:] == p4[:, :, 32:]).all()
+    e = np.zeros((32, 2), dtype=np.uint8)
+    e[:n] = mx[:, :, 0]
+    assert (pm[:, :, :16] == e.reshape(2, 16, 2).transpose(0, 2, 1)).all()  # [panel, block, row]
+
+
+def test_count_nonfinite_counts_the_mxfp4_blocks_whose_weights_overflow():
+    """An E8M0 scale is never NaN or Inf as ggml reads it; a block counts when a weight of it dequantizes to inf:
+    e >= 253 with |kvalue| >= 2^(256 - e) (e = 253: 8 and 12; 254: 4 and up; 255: 2 and up), checked against
+    gguf.quants over random nibbles at e 248 .. 255 and the edges written out."""
+    rng = np.random.default_rng(11)
+    blocks = rng.integers(0, 256, size=(4000, 17), dtype=np.uint8)
+    blocks[:, 1:] &= rng.choice(np.array([0x33, 0x77, 0xFF], dtype=np.uint8), size=(4000, 1))  # small nibbles too
+    blocks[:, 0] = rng.integers(248, 256, size=4000)
+    # one nonzero nibble each: 12 x 2^124, 6 x 2^125 finite; 8 x 2^125 inf; 3 x 2^126, -1 x 2^127 finite;
+    # -2 x 2^127 -inf
+    edges = np.zeros((6, 17), dtype=np.uint8)
+    edges[:, 0] = [252, 253, 253, 254, 255, 255]
+    edges[:, 1] = [0x07, 0x05, 0x60, 0x03, 0x09, 0xA0]
+    blocks = np.concatenate([blocks, edges])
+    with np.errstate(over="ignore"):
+        want = int((~np.isfinite(quants.dequantize(blocks, QT.MXFP4))).any(axis=-1).sum())
+    got = qm.count_nonfinite(qm.RawWeight.from_bytes(qm.MXFP4, len(blocks), 32, blocks.reshape(-1)))
+    assert got == (want, "blocks") and 0 < want < len(blocks)
+    assert qm.count_nonfinite(qm.RawWeight.from_bytes(qm.MXFP4, 6, 32, edges.reshape(-1))) == (2, "blocks")
+    fine = random_blocks(qm.MXFP4, 8, 64)  # realistic and subnormal scales: nothing counted
+    assert qm.count_nonfinite(qm.RawWeight.from_bytes(qm.MXFP4, 8, 64, fine.reshape(-1))) == (0, "blocks")
+
+
 def test_concatenated_rows_keep_their_encoding_and_mixed_ones_become_f32():
     a, _, _ = make_weight(qm.Q4_1, 16, 64)
     b, _, _ = make_weight(qm.Q4_1, 8, 64, seed=1)
@@ -257,7 +365,7 @@ def test_a_buffer_shorter_than_the_shape_needs_is_refused():
 
 
 def test_an_unknown_gguf_type_is_refused_with_the_supported_list():
-    with pytest.raises(ValueError, match="Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K"):
+    with pytest.raises(ValueError, match="Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16, MXFP4"):
         qm.row_bytes(int(QT.Q3_K), 256)
 
 
@@ -377,6 +485,26 @@ def test_every_thread_count_gives_the_same_bits_in_the_callers_flush_to_zero_mod
     finally:
         torch.set_flush_denormal(False)
     assert was and torch.equal(one, two) and torch.equal(one, torch.zeros(1, 64))
+
+
+def test_mxfp4_subnormal_scales_follow_the_callers_denormals_are_zero_mode_on_every_path():
+    """e < 2 gives a subnormal d (2^-128, 2^-127), assembled from bits, so no FP mode changes d itself; the fma
+    that reads it follows the caller's mode (torch's flush_denormal sets FTZ and DAZ: d reads as 0) alike on every
+    ISA path and thread count, and with the mode off the product is nonzero."""
+    rng = np.random.default_rng(12)
+    blocks = rng.integers(0, 256, size=(64, 2, 17), dtype=np.uint8)
+    blocks[:, :, 0] = rng.integers(0, 2, size=(64, 2))
+    pw = qm.PackedWeight(qm.RawWeight.from_bytes(qm.MXFP4, 64, 64, blocks.reshape(-1)))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(13)) * 2.0 ** 100  # x d q ~ 2^-25: normal
+    pw.matmul(x, threads=2)  # the pool exists before the mode changes
+    was = torch.set_flush_denormal(True)
+    try:
+        daz = [pw.matmul(x, isa=isa, threads=t) for isa in ISAS for t in (1, 2)]
+    finally:
+        torch.set_flush_denormal(False)
+    plain = [pw.matmul(x, isa=isa, threads=t) for isa in ISAS for t in (1, 2)]
+    assert was and all(torch.equal(o, torch.zeros(5, 64)) for o in daz)
+    assert all(torch.equal(o, plain[0]) for o in plain) and bool((plain[0] != 0).any())
 
 
 def test_an_output_overlapping_x_or_the_residual_is_refused_in_c():

@@ -207,7 +207,8 @@ def check_gguf(index: GGUFIndex) -> ModelConfig:
     return cfg
 
 
-NATIVE_GGUF_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+NATIVE_GGUF_TYPES = frozenset({"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
+                               "MXFP4"})
 
 
 @functools.cache

@@ -1,5 +1,5 @@
-"""GGUF tensor bytes → a float32 torch tensor: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and the K-quants
-Q4_K, Q5_K, Q6_K here, the rest by gguf.
+"""GGUF tensor bytes → a float32 torch tensor: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 and the
+K-quants Q4_K, Q5_K, Q6_K here, the rest by gguf.
 
 Block layouts (ggml ``ggml-common.h``, drawn bit by bit in csrc/gguf_blocks.h; blocks run along the innermost
 dim; q is the block's integer):
@@ -9,6 +9,7 @@ dim; q is the block's integer):
     Q4_1  20 B / 32 w: d f16 | m f16 | qs u8[16]                 w = d * q + m
     Q5_0  22 B / 32 w: d f16 | qh u8[4] | qs u8[16]              w = d * (q - 16)
     Q5_1  24 B / 32 w: d f16 | m f16 | qh u8[4] | qs u8[16]      w = d * q + m
+    MXFP4 17 B / 32 w: e u8 | qs u8[16]                          w = 2^(e - 128) * kvalues[q]  (E8M0 e, e2m1 x 2)
     Q4_K 144 B / 256 w: d | dmin | scales[12] | qs[128]          w = (d * sc) * q - dmin * m   (6-bit sc, m per 32)
     Q5_K 176 B / 256 w: Q4_K's fields | qh[32] | qs[128]         w = (d * sc) * q - dmin * m
     Q6_K 210 B / 256 w: ql[128] | qh[64] | scales i8[16] | d     w = (d * sc) * (q - 32)      (int8 sc per 16)
@@ -47,7 +48,8 @@ _C_QUANT = {  # type: (bytes per block, weights per block, C loop)
     QT.Q8_0: (34, QK, lib.ringshm_dequant_q8_0), QT.Q4_0: (18, QK, lib.ringshm_dequant_q4_0),
     QT.Q4_1: (20, QK, lib.ringshm_dequant_q4_1), QT.Q5_0: (22, QK, lib.ringshm_dequant_q5_0),
     QT.Q5_1: (24, QK, lib.ringshm_dequant_q5_1), QT.Q4_K: (144, QK_K, lib.ringshm_dequant_q4_k),
-    QT.Q5_K: (176, QK_K, lib.ringshm_dequant_q5_k), QT.Q6_K: (210, QK_K, lib.ringshm_dequant_q6_k)}
+    QT.Q5_K: (176, QK_K, lib.ringshm_dequant_q5_k), QT.Q6_K: (210, QK_K, lib.ringshm_dequant_q6_k),
+    QT.MXFP4: (17, QK, lib.ringshm_dequant_mxfp4)}
 _TORCH_FLOAT = {QT.F32: torch.float32, QT.F16: torch.float16, QT.BF16: torch.bfloat16}
 
 
@@ -72,6 +74,6 @@ def dequantize(data: np.ndarray, qtype: QT | int, shape: tuple[int, ...], name: 
         out = quants.dequantize(np.asarray(data), qtype)
     except NotImplementedError as exc:
         raise UnsupportedQuantType(f"tensor {name!r}: GGUF quantization type {qtype.name} is not supported "
-                                   f"(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, "
-                                   f"Q6_K and what gguf.quants dequantizes)") from exc
+                                   f"(supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, Q4_K, "
+                                   f"Q5_K, Q6_K and what gguf.quants dequantizes)") from exc
     return torch.from_numpy(np.ascontiguousarray(out, dtype=np.float32)).reshape(shape)

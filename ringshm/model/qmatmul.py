@@ -1,8 +1,8 @@
 """Weights in their checkpoint encoding and the batch-invariant matmul over them (csrc/matmul.h).
 
 ``RawWeight`` is a ``[N, K]`` weight as the checkpoint stores it: GGUF Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks,
-the K-quants Q4_K / Q5_K / Q6_K, F16, BF16 or F32, one row of bytes per output row (for a GGUF file, a view of its
-memory map: no copy). ``PackedWeight`` is
+the K-quants Q4_K / Q5_K / Q6_K, MXFP4 (gpt-oss's experts), F16, BF16 or F32, one row of bytes per output row (for
+a GGUF file, a view of its memory map: no copy). ``PackedWeight`` is
 the same weight rearranged once at load into 16-row panels for ``ringshm_qmat_matmul``, which computes
 ``out = x · Wᵀ (+ bias) (+ residual)`` in fp32 with every output element reduced in one fixed order, whatever
 the number of rows in ``x`` and the thread count (batch invariance; the order is drawn in csrc/matmul.h).
@@ -31,11 +31,12 @@ F32, F16, Q4_0, Q4_1, Q8_0, BF16 = (lib.RINGSHM_W_F32, lib.RINGSHM_W_F16, lib.RI
                                     lib.RINGSHM_W_Q8_0, lib.RINGSHM_W_BF16)
 Q5_0, Q5_1, Q4_K, Q5_K, Q6_K = (lib.RINGSHM_W_Q5_0, lib.RINGSHM_W_Q5_1, lib.RINGSHM_W_Q4_K, lib.RINGSHM_W_Q5_K,
                                 lib.RINGSHM_W_Q6_K)
+MXFP4 = lib.RINGSHM_W_MXFP4
 TYPE_NAMES = {F32: "F32", F16: "F16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
-              Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16"}
+              Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", BF16: "BF16", MXFP4: "MXFP4"}
 """The encodings the kernel reads natively, by ggml type code (``gguf.GGMLQuantizationType``)."""
 K_QUANTS = (Q4_K, Q5_K, Q6_K)
-QUANTIZED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, *K_QUANTS)
+QUANTIZED = (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, MXFP4, *K_QUANTS)
 WITH_MIN = (Q4_1, Q5_1, Q4_K, Q5_K)
 """Types whose reduction adds a min term per block of 32 (their block sums of x limit K to 65536)."""
 
@@ -56,7 +57,7 @@ def type_name(qtype: int) -> str:
 
 def row_bytes(qtype: int, k: int) -> int:
     """Bytes of one row of ``k`` weights in the checkpoint's encoding (ggml's block sizes: Q4_K 144 B per 256
-    weights, Q6_K 210 B, Q5_0 22 B per 32, ...).
+    weights, Q6_K 210 B, Q5_0 22 B per 32, MXFP4 17 B, ...).
 
     Raises:
         ValueError: unknown type, ``k <= 0``, ``k`` not a multiple of the type's block (32; 256 for the
@@ -148,19 +149,40 @@ class RawWeight:
 # Per quantized type: (bytes a block, byte offsets of its fp16 scale fields d / m / dmin): csrc/gguf_blocks.h.
 _SCALE_FIELDS = {Q4_0: (18, (0,)), Q4_1: (20, (0, 2)), Q5_0: (22, (0,)), Q5_1: (24, (0, 2)), Q8_0: (34, (0,)),
                  Q4_K: (144, (0, 2)), Q5_K: (176, (0, 2)), Q6_K: (210, (208,))}
+MXFP4_KVALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+"""MXFP4's weight of each nibble before its scale 2^(e - 128): e2m1 doubled (ggml's kvalues_mxfp4; 8 is +0)."""
+
+
+def _mxfp4_overflowing_blocks(data: np.ndarray) -> int:
+    """MXFP4 blocks (17 B: E8M0 byte e | 16 B of nibbles) holding a weight that dequantizes to +-inf. ggml reads
+    every e as a finite 2^(e - 128) (e = 255 is 2^127, not NaN), but w = 2^(e - 128) * kvalues[q] overflows fp32
+    where |kvalues[q]| >= 2^(256 - e): only for e >= 253 (8 x 2^125 = 2^128; at e = 252, 12 x 2^124 is finite),
+    so the nibbles of those blocks alone are read."""
+    blocks = data.reshape(-1, 17)  # [n_blocks, 17]
+    big = np.flatnonzero(blocks[:, 0] >= 253)  # [n_big]
+    if not big.size:
+        return 0
+    qs = blocks[big, 1:]  # [n_big, 16]
+    largest = np.maximum(qs & 7, (qs >> 4) & 7).max(axis=1)  # nibble bits 0-2: |kvalue|'s index (bit 3: sign)
+    magnitude = np.array(MXFP4_KVALUES[:8], dtype=np.int64)[largest]  # [n_big]
+    return int((magnitude >= 1 << (256 - blocks[big, 0].astype(np.int64))).sum())
 
 
 def count_nonfinite(w: RawWeight | torch.Tensor) -> tuple[int, str]:
     """How much of a weight is NaN or Inf, and in what unit: ``(values, "values")`` for a float tensor or a
     float-encoded RawWeight, ``(blocks, "blocks")`` for a quantized one, counting the blocks with a NaN / Inf
-    scale (the integers of a block are finite; a non-finite scale makes its every weight so). One pass over the
-    floats, or over the scale fields only (2 bytes of every 18-210)."""
+    scale (the integers of a block are finite; a non-finite scale makes its every weight so), and for MXFP4 (whose
+    E8M0 scale is always finite) the blocks with a weight that overflows (``_mxfp4_overflowing_blocks``). One pass
+    over the floats, or over the scale fields only (2 bytes of every 18-210; MXFP4: 1 of 17, and the nibbles of
+    the blocks with e >= 253)."""
     if isinstance(w, torch.Tensor):
         return int((~torch.isfinite(w)).sum()), "values"
     if w.qtype in _TYPE_TORCH:
         return int((~torch.isfinite(w.data.contiguous().view(_TYPE_TORCH[w.qtype]))).sum()), "values"
-    block_bytes, fields = _SCALE_FIELDS[w.qtype]
     data = w.data.contiguous().numpy()  # the file's bytes (a view of its map: nothing copied)
+    if w.qtype == MXFP4:
+        return _mxfp4_overflowing_blocks(data), "blocks"
+    block_bytes, fields = _SCALE_FIELDS[w.qtype]
     n_blocks = data.size // block_bytes
     bad = np.zeros(n_blocks, dtype=bool)
     for at in fields:  # each scale field of every block, as a strided fp16 view: [n_blocks]

@@ -5,7 +5,7 @@ it knows nothing about processes or rings. RoPE, KV-append and attention go thro
 
 Two paths, fixed at construction:
 - **CPU, fp32 activations (the default):** every matmul is ``ringshm.model.qmatmul`` over the checkpoint's own
-  encoding (Q4_0 / Q4_1 / Q5_x / Q8_0 / Q4_K / Q5_K / Q6_K / F16 / BF16 / F32, packed once at load), RMSNorm
+  encoding (Q4_0 / Q4_1 / Q5_x / Q8_0 / Q4_K / Q5_K / Q6_K / MXFP4 / F16 / BF16 / F32, packed once at load), RMSNorm
   and SwiGLU are C kernels, and the embedding dequantizes only the rows it looks up. Every one of these
   computes a row in an order that does not depend on the other rows of the op or on the thread count, so a
   sequence's bits are the same whatever the chunking, the batch it shares an op with, or the stage split
