@@ -144,7 +144,7 @@ def test_yarn_frequencies_and_attention_factor_are_transformers_bits(params):
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from ringshm.model.families import hf_config
+    from ringshm.model.families_hf import hf_config
     from ringshm.model.rope import rope_inv_freq, rope_scale
 
     config = LlamaConfig(hidden_size=1024, num_attention_heads=8, max_position_embeddings=131072,
@@ -160,7 +160,7 @@ def test_yarn_without_an_original_context_is_refused_and_the_top_level_one_wins_
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     from ringshm.errors import UnsupportedArchitecture
-    from ringshm.model.families import hf_config
+    from ringshm.model.families_hf import hf_config
     from ringshm.model.rope import rope_inv_freq
 
     base = {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_hidden_layers": 1,

@@ -35,7 +35,7 @@ import numpy as np
 
 from ringshm.config import ModelConfig
 from ringshm.errors import InvalidCheckpoint, MissingTensor, RingshmError, UnsupportedArchitecture
-from ringshm.model import families, families_gguf
+from ringshm.model import families, families_gguf, families_hf
 from ringshm.model.gguf_index import GGUFIndex
 from ringshm.model.hf_index import HFIndex
 from ringshm.model.metadata_rules import (
@@ -251,7 +251,7 @@ def check_hf(index: HFIndex) -> ModelConfig:
             raise InvalidCheckpoint(f"{where}: {key!r} is missing: a config must say it")
     HF_RULES["model_type"](f"{where}: 'model_type'", c["model_type"])
     if c["model_type"] not in families.HF_TYPES:
-        families.hf_config(c, where)  # raises UnsupportedArchitecture naming it
+        families_hf.hf_config(c, where)  # raises UnsupportedArchitecture naming it
     for key, rule in HF_RULES.items():
         if key in c:
             rule(f"{where}: {key!r}", c[key])
@@ -273,7 +273,7 @@ def check_hf(index: HFIndex) -> ModelConfig:
         raise bad_value(f"{where}: the head width ('head_dim', or hidden_size / num_attention_heads)", head_dim,
                    "an even number")
     _check_layer_count(where, "'num_hidden_layers'", c["num_hidden_layers"], index.tensors, "model.layers.")
-    cfg = _wrap_family_errors(families.hf_config, where, c, where)
+    cfg = _wrap_family_errors(families_hf.hf_config, where, c, where)
     embed = index.tensors.get(families.GLOBAL_TENSORS["embed"][1])
     if embed is not None and len(embed.shape) == 2 and embed.shape[0] != vocab:
         raise InvalidCheckpoint(f"{where}: 'vocab_size' = {vocab} but model.embed_tokens.weight has {embed.shape[0]} "

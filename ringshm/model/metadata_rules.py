@@ -154,7 +154,7 @@ def _layer_pattern(label, v):
     int_in(1, MAX_LAYERS)(label, v)
 
 
-# HF config.json: every field ringshm reads (families.hf_config); required ones are in HF_REQUIRED.
+# HF config.json: every field ringshm reads (families_hf.hf_config); required ones are in HF_REQUIRED.
 HF_RULES: dict[str, Check] = {
     "model_type": string(),
     "num_attention_heads": int_in(1, MAX_HEADS),
