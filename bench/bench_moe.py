@@ -1,5 +1,5 @@
 """Mixture-of-experts models at the sizes people run (issue 29), figures only: ringshm at 1 and 2 stages against
-llama.cpp (2 threads) on the same Q4_K_M files.
+llama.cpp (2 threads) on the same Q4_K_M (gpt-oss: MXFP4_MOE) files.
 
 Models (random weights, Q4_K_M, built once under ``~/.cache/ringshm-bench/``, SmolLM2's tokenizer and 49,152-token
 vocabulary in place of the models' own 151,936 / 50,304: the embedding is looked up, and only the LM head's size
@@ -11,12 +11,13 @@ changes the decode cost):
                     renormalised (~17 GB); only with ``RINGSHM_BENCH_30B=1`` (it needs the disk, ~10 min to write,
                     and most of a 23 GiB machine's memory)
     gptoss-20b      gpt-oss-20b's body: 24 layers, hidden 2880, 64 / 8 heads of 64 (sinks; every other layer a
-                    128-key window), 32 experts of 2880, top 4, biased router and experts, the clamped SwiGLU,
-                    experts MXFP4 as the released file holds them (~11 GB); only with ``RINGSHM_BENCH_GPTOSS=1``
+                    128-key window), 32 experts of 2880, top 4, biased router and experts, the clamped SwiGLU, as
+                    llama.cpp's MXFP4_MOE files: experts MXFP4, every other matrix Q8_0 (~11 GB; ggml-org's 12.1 GB
+                    gpt-oss-20b-mxfp4.gguf leaves about a byte a weight outside the experts); only with
+                    ``RINGSHM_BENCH_GPTOSS=1``
 
 Tensor types are llama-quantize's Q4_K_M (``tests/zoo_quant.tensor_type``: experts Q4_K, ``ffn_down_exps`` and
-``attn_v`` Q6_K on its more-bits layers, the head Q6_K, the router F32; gpt-oss's rows of 2880 take the fallbacks
-Q5_0 / Q8_0 and its experts MXFP4), blocks drawn from a pool of valid random blocks; the router weights are random
+``attn_v`` Q6_K on its more-bits layers, the head Q6_K, the router F32; gpt-oss as above), blocks drawn from a pool of valid random blocks; the router weights are random
 too, so tokens spread over the experts about evenly.
 
 Per model, one after another (never both resident: a 17 GB model cannot be held twice):
@@ -60,20 +61,19 @@ OPT_IN = {"qwen3moe-30b": "RINGSHM_BENCH_30B", "gptoss-20b": "RINGSHM_BENCH_GPTO
 
 
 def build(name: str, tokenizer_src: Path) -> Path:
-    """Write (once) a random-weight MoE of ``SHAPES[name]`` as a Q4_K_M GGUF, streaming one tensor at a time (the
-    writer holds only the tensor table: a 17 GB file is never in memory)."""
+    """Write (once) a random-weight MoE of ``SHAPES[name]`` as a Q4_K_M (gpt-oss: MXFP4_MOE) GGUF, streaming one
+    tensor at a time (the writer holds only the tensor table: a 17 GB file is never in memory)."""
     import gguf
 
-    path = CACHE / f"{name}-q4_k_m.gguf"
+    arch, n_layers, hidden, heads, kv_heads, head_dim, n_exp, used, width = SHAPES[name]
+    oss = arch == "gpt-oss"
+    path = CACHE / f"{name}-{'mxfp4_moe' if oss else 'q4_k_m'}.gguf"
     if path.is_file():
         return path
     CACHE.mkdir(parents=True, exist_ok=True)
-    arch, n_layers, hidden, heads, kv_heads, head_dim, n_exp, used, width = SHAPES[name]
     vocab = len(gguf.GGUFReader(str(tokenizer_src)).fields["tokenizer.ggml.tokens"].contents())
     rng = np.random.default_rng(0)
     pools: dict = {}
-
-    oss = arch == "gpt-oss"
 
     def tensors():
         """(name, role, layer, shape in torch order) in file order; role None: an F32 vector of ones, "bias": small
@@ -108,8 +108,9 @@ def build(name: str, tokenizer_src: Path) -> Path:
     def qtype_of(role, layer, shape):
         if role in (None, "bias", "sinks"):
             return gguf.GGMLQuantizationType.F32
-        if oss and role.endswith("_exps"):  # the released gpt-oss files' experts
-            return gguf.GGMLQuantizationType.MXFP4
+        if oss:  # llama.cpp's MXFP4_MOE: the released gpt-oss files' experts, Q8_0 elsewhere (the router F32)
+            return gguf.GGMLQuantizationType.MXFP4 if role.endswith("_exps") else gguf.GGMLQuantizationType.F32 \
+                if role == "ffn_gate_inp" else gguf.GGMLQuantizationType.Q8_0
         return tensor_type("q4_k_m", role, layer, n_layers, shape[-1], len(shape), False)
 
     def data(role, layer, shape):
@@ -151,7 +152,7 @@ def build(name: str, tokenizer_src: Path) -> Path:
         w.add_expert_feed_forward_length(width)
     w.add_expert_count(n_exp)
     w.add_expert_used_count(used)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if oss else gguf.LlamaFileType.MOSTLY_Q4_K_M)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, val, vtype, sub in _tokenizer_fields(tokenizer_src):
         w.add_key_value(key, val, vtype, sub)
