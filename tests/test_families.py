@@ -71,7 +71,7 @@ def test_a_stream_beside_four_batch_mates_gets_the_bytes_it_gets_alone(zoo, fami
     assert tokens[0] == alone.tolist()
 
 
-@pytest.mark.parametrize("family, source", [("gemma3", "gguf"), ("qwen3", "hf")])
+@pytest.mark.parametrize("family, source", [("gemma3", "gguf"), ("qwen3", "hf"), ("gptoss", "gguf")])
 def test_the_engine_serves_a_family_over_two_stage_processes_byte_identical_to_in_process(zoo, family, source):
     from ringshm.engine.engine import Engine
 
@@ -83,8 +83,8 @@ def test_the_engine_serves_a_family_over_two_stage_processes_byte_identical_to_i
     for p in prompts:
         stages[0].reset()
         want.append(greedy_generate(stages, torch.tensor(p), N_NEW).tolist())
-    with Engine(model=str(path), stages=2, max_rows=4, max_seq_len=MAX_SEQ, prefill_chunk=8,
-                progress=False) as engine:
+    with Engine(model=str(path), stages=2, max_rows=4, max_seq_len=MAX_SEQ, prefill_chunk=8, progress=False,
+                kv_cache_dtype="float32") as engine:  # the KV the in-process stages hold (fp16 rounds it)
         out = engine.generate_batch(prompts, max_new_tokens=N_NEW, ignore_eos=True)
     assert [r.token_ids for r in out.results] == want
 
