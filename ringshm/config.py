@@ -198,8 +198,9 @@ class ModelConfig:
                              f"min(n_experts, {MAX_EXPERTS_USED}), expert_intermediate > 0 and expert_gating in "
                              f"{EXPERT_GATINGS}; got {self.n_experts}, {self.n_experts_used}, "
                              f"{self.expert_intermediate}, {self.expert_gating!r}")
-        if self.activation == "swiglu_oai" and not (0 < self.swiglu_alpha < 1e30 and 0 < self.swiglu_limit < 1e30):
-            raise ValueError(f"ModelConfig: swiglu_oai needs a finite swiglu_alpha > 0 and swiglu_limit > 0, got "
+        if self.activation == "swiglu_oai" and not (0 < self.swiglu_alpha <= 1e6 and 0 < self.swiglu_limit <= 1e6):
+            # (the C layer takes any finite value below 1e30f; 1e6 leaves the fp32 rounding no way past it)
+            raise ValueError(f"ModelConfig: swiglu_oai needs 0 < swiglu_alpha, swiglu_limit <= 1e6, got "
                              f"{self.swiglu_alpha!r}, {self.swiglu_limit!r}")
         if self.moe_bias and not self.n_experts:
             raise ValueError("ModelConfig.moe_bias needs routed experts (n_experts > 0)")

@@ -113,6 +113,7 @@ COMPUTED = [
     ("qwen2moe", dict(norm_topk_prob=True)),  # Qwen2-MoE renormalised (HF only: llama.cpp's qwen2moe never does)
     ("gptoss", dict(intermediate_size=40)),  # sinks, biases and the clamped SwiGLU on the torch path
     ("gptoss", dict(swiglu_limit=0.5)),  # a clamp that bites (HF only: llama.cpp fixes gpt-oss's at 7)
+    ("gptoss", dict(experts_per_token=4, initial_context_length=4096)),  # OpenAI's config.json keys nothing reads
 ]
 HF_ONLY = {"sliding_window", "norm_topk_prob", "swiglu_limit"}  # settings llama.cpp's converter does not carry over
 
@@ -233,6 +234,23 @@ def test_a_setting_ringshm_does_not_compute_is_refused_naming_it(zoo, tmp_path, 
         Checkpoint.open(tmp_path / "hf")
 
 
+@pytest.mark.parametrize("field, value", [("swiglu_limit", "7"), ("swiglu_alpha", True), ("swiglu_limit", None),
+                                          ("swiglu_limit", 1e29), ("swiglu_alpha", 0)])
+def test_a_bad_swiglu_setting_is_refused_naming_it(zoo, tmp_path, field, value):
+    """gpt-oss's clamp and slope: a string, a bool, a null or a value past the C layer's range is refused by name
+    before anything loads (a hostile review found "7" read as 7.0 and 1e29... failing every step instead)."""
+    import json
+    import shutil
+
+    from ringshm.errors import InvalidCheckpoint
+
+    shutil.copytree(zoo("gptoss", "f32").hf_dir, tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**cfg, field: value}))
+    with pytest.raises(InvalidCheckpoint, match=field):
+        Checkpoint.open(tmp_path / "hf")
+
+
 def test_a_checkpoint_tensor_the_description_does_not_read_is_refused(zoo, tmp_path):
     """A bias the config does not announce (how an ignored mlp_bias once slipped through)."""
     import shutil
@@ -264,3 +282,41 @@ def test_a_type_the_matmul_does_not_read_is_dequantized_counted_at_fp32_and_said
     assert len(lines) == 1 and "Q3_K" in lines[0], lines
     prompt = prompt_ids(PROMPT_LEN, stages[0].config.vocab, 4)
     assert greedy_generate(stages, torch.tensor(prompt), 4).numel() == 4
+
+
+def test_a_field_a_config_leaves_out_means_what_transformers_config_class_takes():
+    """Each family's config class has its own defaults (rms_norm_eps 1e-5 for Phi-3, OLMoE, Mixtral and gpt-oss,
+    Mixtral's RoPE base 1e6, gpt-oss's YaRN and window, Mistral's window, Gemma 3's activation): a config.json that
+    leaves one out must read as transformers reads it, not as another family's default."""
+    import transformers
+
+    from ringshm.model.families import HF_TYPES
+    from ringshm.model.families_hf import hf_config
+
+    base = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4,
+            "intermediate_size": 256, "vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    moe = {"qwen3_moe": "num_experts", "olmoe": "num_experts", "qwen2_moe": "num_experts", "granitemoe": "",
+           "granitemoeshared": "", "mixtral": "", "gpt_oss": ""}
+    for model_type in HF_TYPES:
+        c = dict(base)
+        if model_type in moe:
+            c.update({moe[model_type] or "num_local_experts": 4, "num_experts_per_tok": 2})
+            if model_type in ("qwen3_moe", "qwen2_moe"):
+                c.update(moe_intermediate_size=256)
+            if model_type == "qwen2_moe":
+                c.update(shared_expert_intermediate_size=256)
+        theirs = transformers.AutoConfig.for_model(model_type, **c)
+        ours = hf_config({"model_type": model_type, **c}, model_type)
+        rope = theirs.rope_parameters
+        rope = rope.get("full_attention", rope)  # Gemma 3: per layer type
+        assert ours.rms_eps == theirs.rms_norm_eps, model_type
+        assert ours.rope_theta == rope["rope_theta"], model_type
+        assert (ours.rope_scaling.kind if ours.rope_scaling else "default") == rope["rope_type"], model_type
+        types = getattr(theirs, "layer_types", None)
+        window = getattr(theirs, "sliding_window", None) or 0
+        if types and "sliding_attention" in types:
+            assert [ours.window(i) for i in range(4)] == [window if t == "sliding_attention" else 0 for t in types]
+        elif ours.arch not in ("qwen2", "qwen3", "qwen3moe", "qwen2moe"):  # Qwen's window needs use_sliding_window
+            assert ours.sliding_window == window, model_type
+    assert hf_config({"model_type": "gpt_oss", **base, "num_local_experts": 4, "num_experts_per_tok": 2},
+                     "x").rope_scaling.truncate is False  # GptOssConfig's own YaRN, the ramp not truncated

@@ -14,6 +14,24 @@ from ringshm.model.families import (HARMLESS_HF_FIELDS, HF_TYPES, MOE_FAMILIES, 
 from ringshm.model.rope_settings import hf_rope
 
 
+# What transformers' config classes take for a field a config.json leaves out, where it differs from the default
+# hf_config reads otherwise (rms_norm_eps 1e-6, rope_theta 10000, no window): each family's class defaults (their
+# ``default_theta``, ``__init__`` / ``__post_init__``), checked against transformers by tests/test_families.py.
+HF_DEFAULTS = {
+    "phi3": {"rms_norm_eps": 1e-5},
+    "olmoe": {"rms_norm_eps": 1e-5},
+    "mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6},
+    "mistral": {"sliding_window": 4096},
+    "gemma3_text": {"hidden_activation": "gelu_pytorch_tanh", "sliding_window": 4096},
+    "gpt_oss": {"rms_norm_eps": 1e-5, "rope_theta": 150000.0, "sliding_window": 128},
+}
+# GptOssConfig.__post_init__'s RoPE when the config gives none (its rope_theta joins it, default 150000)
+GPTOSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+               "original_max_position_embeddings": 4096}
+# fields of OpenAI's gpt-oss config.json that transformers' GptOss modules never read
+GPTOSS_HARMLESS = frozenset({"experts_per_token", "initial_context_length"})
+
+
 def hf_config(c: dict, where: str) -> ModelConfig:
     """The ``ModelConfig`` an HF ``config.json`` (already parsed) describes; ``where`` names it in errors.
 
@@ -33,7 +51,10 @@ def hf_config(c: dict, where: str) -> ModelConfig:
             else c["quantization_config"]
         raise _refuse(where, "quantization_config", method, "a quantized HF checkpoint's tensors are not read: use a "
                       "GGUF of it (llama.cpp's convert_hf_to_gguf.py writes gpt-oss's MXFP4 experts as they are)")
-    used: set[str] = set()
+    c = {**HF_DEFAULTS.get(model_type, {}), **c}  # a field left out means the config class's default
+    if family == "gptoss" and c.get("rope_parameters") is None and c.get("rope_scaling") is None:
+        c["rope_parameters"] = {**GPTOSS_ROPE, "rope_theta": c["rope_theta"]}
+    used: set[str] = set(GPTOSS_HARMLESS) if family == "gptoss" else set()
 
     def get(key: str, default=None):
         used.add(key)
@@ -176,9 +197,9 @@ def _hf_windows(c: dict, family: str, n_layers: int, used: set, where: str) -> d
             raise _refuse(where, "layer_types", layer_types, "Qwen's per-layer sliding windows are not computed")
         return {}
     if family in ("gemma3", "gptoss"):
-        if layer_types is None:  # Gemma 3: every 6th layer full; gpt-oss: every 2nd (GptOssConfig.__post_init__)
-            pattern = int(c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or (
-                6 if family == "gemma3" else 2))
+        if layer_types is None:  # Gemma 3: every 6th layer full, or its pattern; gpt-oss: every 2nd whatever any
+            pattern = 2 if family == "gptoss" else int(  # pattern key says (GptOssConfig.__post_init__ reads none)
+                c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6)
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
         if len(layer_types) != n_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
             raise _refuse(where, "layer_types", layer_types)

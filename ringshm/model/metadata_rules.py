@@ -205,6 +205,8 @@ HF_RULES: dict[str, Check] = {
     "attention_multiplier": number_in(0, MAX_FACTOR, null=True),
     "residual_multiplier": number_in(0, MAX_FACTOR, null=True),
     "logits_scaling": number_in(0, MAX_FACTOR, null=True),
+    "swiglu_alpha": number_in(0, MAX_FACTOR),  # gpt-oss's clamped SwiGLU
+    "swiglu_limit": number_in(0, MAX_FACTOR),
 }
 HF_REQUIRED = ("model_type", "num_attention_heads", "hidden_size", "num_hidden_layers", "intermediate_size",
                "vocab_size")
