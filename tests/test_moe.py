@@ -134,22 +134,25 @@ def test_tokens_routed_to_disjoint_experts_get_the_bits_they_get_alone(zoo, fami
         assert got == _run(stage, [[t]], 4)[0]
 
 
-def test_a_gguf_with_gate_and_up_merged_gives_the_split_files_bits(zoo, tmp_path):
-    model = zoo("qwen3moe")
+@pytest.mark.parametrize("family, arch", [("qwen3moe", "qwen3moe"), ("gptoss", "gpt-oss")])
+def test_a_gguf_with_gate_and_up_merged_gives_the_split_files_bits(zoo, tmp_path, family, arch):
+    """llama.cpp's converter may merge each layer's gate and up experts into ffn_gate_up_exps (and gpt-oss's biases
+    into ffn_gate_up_exps.bias, [E, 2 I] rows [gate | up])."""
+    model = zoo(family)
     reader = gguf.GGUFReader(str(model.gguf_path))
     tensors = []
     for t in reader.tensors:
         data = np.array(t.data)
-        if t.name.endswith("ffn_up_exps.weight"):
+        if t.name.endswith(("ffn_up_exps.weight", "ffn_up_exps.bias")):
             continue
-        if t.name.endswith("ffn_gate_exps.weight"):  # [E, I, row bytes] and the up rows after each expert's gate
+        if t.name.endswith(("ffn_gate_exps.weight", "ffn_gate_exps.bias")):  # up's rows after each expert's gate
             up = np.array(next(u.data for u in reader.tensors if u.name == t.name.replace("gate", "up")))
             tensors.append((t.name.replace("ffn_gate_exps", "ffn_gate_up_exps"), np.concatenate([data, up], axis=1),
                             t.tensor_type))
         else:
             tensors.append((t.name, data, t.tensor_type))
     merged = tmp_path / "merged.gguf"
-    write_gguf(merged, "qwen3moe", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "merged", tensors)
+    write_gguf(merged, arch, model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "merged", tensors)
     prompts = [prompt_ids(PROMPT_LEN, model.config.vocab_size, s) for s in (10, 11)]
     assert _run(_stage(merged), prompts, 4) == _run(_stage(model.gguf_path), prompts, 4)
 

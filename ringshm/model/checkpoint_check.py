@@ -301,7 +301,8 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
     tensors are ``[q + 2 kv, hidden]`` and ``[2 I, hidden]``; the LM head only when not tied; GGUF's
     ``rope_freqs.weight`` ``[head_dim / 2]`` when ``rope_freqs``. Routed experts (``cfg.moe``): the router
     ``[E, hidden]``; in GGUF ``[E, I_e, hidden]`` gate and up (or, ``merged_gate_up_exps``, one
-    ``ffn_gate_up_exps`` ``[E, 2 I_e, hidden]``) and ``[E, hidden, I_e]`` down, or (``split_experts``: files from
+    ``ffn_gate_up_exps`` ``[E, 2 I_e, hidden]``, with gpt-oss's biases ``ffn_gate_up_exps.bias`` ``[E, 2 I_e]``) and
+    ``[E, hidden, I_e]`` down, or (``split_experts``: files from
     before llama.cpp stacked them) one 2-D tensor per expert, ``ffn_gate.{e}.weight`` ...; in HF one 2-D tensor per
     expert, or (Granite MoE) ``input_linear`` ``[E, 2 I_e, hidden]`` and ``output_linear`` ``[E, hidden, I_e]``. A
     shared expert (width S): gate and up ``[S, hidden]``, down ``[hidden, S]``, its gate's weights ``[hidden]``
@@ -351,6 +352,10 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
                 if field == "w_exp_gate":
                     out[prefix + families.GGUF_MERGED_GATE_UP_EXPS] = Expect((n_e, 2 * ie, h), True,
                                                                               f"layer {i} w_exp_gate_up")
+            elif field in ("b_exp_gate", "b_exp_up") and merged_gate_up_exps:
+                if field == "b_exp_gate":
+                    out[prefix + families.GGUF_MERGED_GATE_UP_EXPS_BIAS] = Expect((n_e, 2 * ie), False,
+                                                                                   f"layer {i} b_exp_gate_up")
             else:
                 out[prefix + pair[side]] = Expect(shapes[field], field.startswith("w"), what)
     roles = {role: pair[side] for role, pair in families.GLOBAL_TENSORS.items()}

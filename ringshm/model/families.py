@@ -183,6 +183,7 @@ _GPTOSS_LAYER = {
 MOE_BIAS_FIELDS = ("b_router", "b_exp_gate", "b_exp_up", "b_exp_down")
 SHARED_EXPERT_FIELDS = ("w_shexp_gate", "w_shexp_up", "w_shexp_down")
 GGUF_MERGED_GATE_UP_EXPS = "ffn_gate_up_exps.weight"  # newer converters: gate and up of every expert in one tensor
+GGUF_MERGED_GATE_UP_EXPS_BIAS = "ffn_gate_up_exps.bias"  # and (gpt-oss) their biases, [E, 2 I] rows [gate | up]
 EXPERT_FIELDS = ("w_exp_gate", "w_exp_up", "w_exp_down")
 # GGUF files written before llama.cpp stacked experts (its Mixtral files of early 2024): one 2-D tensor per expert
 GGUF_SPLIT_EXPERTS = {"w_exp_gate": "ffn_gate.{e}.weight", "w_exp_up": "ffn_up.{e}.weight",

@@ -232,6 +232,10 @@ class Checkpoint:
                     w[f] = self._experts(prefix, f, pair[side], loaded)
                 elif f in ("b_exp_gate", "b_exp_up") and names.hf_transposed_experts and not self.gguf:
                     w[f] = get(name)[:, 0 if f == "b_exp_gate" else 1::2].contiguous()  # [E, 2 I] interleaved
+                elif f in ("b_exp_gate", "b_exp_up") and self.source.has(merged_bias := prefix + families.
+                                                                          GGUF_MERGED_GATE_UP_EXPS_BIAS):
+                    both, ie = get(merged_bias), cfg.expert_intermediate  # [E, 2 I] rows [gate | up]
+                    w[f] = both[:, :ie].contiguous() if f == "b_exp_gate" else both[:, ie:].contiguous()
                 elif f == "shexp_gate_inp":  # [hidden]; HF holds it as a linear layer's [1, hidden] weight
                     w[f] = get(name).reshape(-1)
                 else:
