@@ -1,5 +1,5 @@
-/* ringshm kernels: argument checks and the run-time choice of ISA (see kernels.h); the attention loops,
- * RMSNorm and SwiGLU are in kernels_impl.inc, compiled once per ISA by csrc/simd_*.c. */
+/* ringshm kernels: argument checks and the run-time choice of ISA (see kernels.h); the attention loops are in
+ * kernels_impl.inc, RMSNorm, the MLP gates and argmax in kernels_rows.inc, compiled once per ISA by csrc/simd_*.c. */
 #include "kernels.h"
 
 #include <stddef.h>

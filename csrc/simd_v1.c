@@ -6,4 +6,5 @@
 #pragma GCC optimize("no-gcse", "no-gcse-after-reload")
 #endif
 #include "kernels_impl.inc"
+#include "kernels_rows.inc"
 #include "matmul_impl.inc"

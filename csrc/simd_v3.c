@@ -8,6 +8,7 @@
 #pragma GCC optimize("no-gcse", "no-gcse-after-reload")
 #endif
 #include "kernels_impl.inc"
+#include "kernels_rows.inc"
 #include "matmul_impl.inc"
 #else
 typedef int ringshm_simd_v3_empty; /* ISO C forbids an empty translation unit */

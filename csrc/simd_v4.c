@@ -3,6 +3,7 @@
 #define RINGSHM_ISA_SUFFIX v4
 #pragma GCC target("arch=x86-64-v4")
 #include "kernels_impl.inc"
+#include "kernels_rows.inc"
 #include "matmul_impl.inc"
 #else
 typedef int ringshm_simd_v4_empty; /* ISO C forbids an empty translation unit */
