@@ -213,7 +213,7 @@ REFUSED = [
     ("olmoe", "clip_qkv", 8.0, "clip_qkv"),
     ("qwen3moe", "model_type", "qwen3_next", "Gated DeltaNet"),  # MoE families not computed: by name, with why
     ("qwen3moe", "model_type", "deepseek_v3", "MLA"),
-    ("gptoss", "quantization_config", {"quant_method": "mxfp4"}, "GGUF"),  # openai/gpt-oss-20b as released
+    ("gptoss", "quantization_config", {"quant_method": "bitsandbytes"}, "GGUF"),  # (MXFP4 experts are read)
     ("qwen3moe", "model_type", "phimoe", "sparsemixer"),
 ]
 

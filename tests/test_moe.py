@@ -385,3 +385,40 @@ def test_a_gguf_missing_or_adding_what_its_arch_fixes_is_refused_by_name(zoo, tm
 
 
 ARCHS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen3": "qwen3"}
+
+
+def test_gpt_oss_as_openai_releases_it_reads_its_mxfp4_experts_natively_and_equals_the_oracle(zoo, tmp_path,
+                                                                                               assert_greedy_matches):
+    """openai/gpt-oss-* on the Hub: the experts as MXFP4 _blocks / _scales (quantization_config mxfp4). Their values
+    are exactly the fp32 checkpoint's (transformers' own decode of the blocks says so), ringshm packs them as the
+    GGUF's MXFP4 bytes (the packed experts equal the GGUF path's, byte for byte), and greedy equals the oracle."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from ringshm.model import qmatmul as qm
+    from ringshm.model.stage_model import StageModel
+    from safetensors.torch import load_file
+    from zoo import gptoss_mxfp4_hf
+
+    model = zoo("gptoss")
+    hf = gptoss_mxfp4_hf(model, tmp_path / "mxfp4")
+    packed, plain = load_file(str(hf / "model.safetensors")), load_file(str(model.hf_dir / "model.safetensors"))
+    for part in ("gate_up_proj", "down_proj"):
+        name = f"model.layers.1.mlp.experts.{part}"
+        decoded = convert_moe_packed_tensors(packed[name + "_blocks"], packed[name + "_scales"], dtype=torch.float32)
+        assert torch.equal(decoded, plain[name]), part
+    ckpt = Checkpoint.open(hf)
+    held, expanded = ckpt.stage_bytes((0, 4), True, True)  # the memory check counts the blocks as they are held
+    blocks = sum(t.numel() for n, t in packed.items() if n.endswith(("_blocks", "_scales")))  # 1 byte each
+    floats = sum(t.numel() for t in packed.values() if t.is_floating_point())  # F32: 4 bytes each
+    assert not expanded and held == blocks + 4 * floats
+    ours, gguf_side = StageModel.from_path(hf, max_rows=2, max_seq_len=64), _stage(model.gguf_path)
+    for a, b in zip(ours.layers, gguf_side.layers):
+        for role in ("exp_gate", "exp_up", "exp_down"):
+            pa, pb = getattr(a, role), getattr(b, role)
+            assert pa.qtype == pb.qtype == qm.MXFP4 and torch.equal(pa.packed, pb.packed), role
+    prompt = prompt_ids(PROMPT_LEN, model.config.vocab_size, 5)
+    from ringshm.model.reference import greedy_generate
+
+    compared = assert_greedy_matches(greedy_generate([ours], torch.tensor(prompt), 32), model.oracle_greedy(prompt, 32),
+                                     "gpt-oss mxfp4 HF")
+    assert compared >= 16

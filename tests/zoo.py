@@ -450,6 +450,45 @@ def _add_gptoss_experts(hf_name: str, shape: tuple[int, ...], spec: Family, rng:
     hf_tensors[hf_name] = torch.from_numpy(vals)
 
 
+def gptoss_mxfp4_hf(model: ZooModel, dest: Path) -> Path:
+    """``model`` (the ``gptoss`` family) as OpenAI releases gpt-oss on the Hugging Face Hub: the experts as MXFP4
+    ``gate_up_proj_blocks`` / ``_scales`` and ``down_proj_blocks`` / ``_scales`` (uint8 ``[E, rows, K / 32, 16]`` and
+    ``[E, rows, K / 32]``, rows not transposed, gate_up's rows interleaved gate / up; block byte j holds weights 2j
+    and 2j + 1; scale s means 2^(s - 127) on e2m1 values), ``quantization_config`` ``quant_method: mxfp4``, every
+    other tensor as in ``model.hf_dir``. Made from the GGUF's MXFP4 bytes (ggml's layout: byte j holds weights j and
+    j + 16, half-scale 2^(e - 128) on doubled values, so e = s): the same numbers, re-laid. Returns ``dest``."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+
+    shutil.copytree(model.hf_dir, dest)
+    tensors = load_file(str(dest / "model.safetensors"))
+    reader = gguf.GGUFReader(str(model.gguf_path))
+    raw = {t.name: np.array(t.data) for t in reader.tensors if "_exps.weight" in t.name}
+
+    def openai(ggml: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:  # [E, rows, G * 17] -> blocks, scales
+        e, rows, width = ggml.shape
+        b = ggml.reshape(e, rows, width // 17, 17)
+        nib = np.concatenate([b[..., 1:] & 0x0F, b[..., 1:] >> 4], axis=-1)  # [.., 32] weights in order
+        blocks = (nib[..., 0::2] | (nib[..., 1::2] << 4)).astype(np.uint8)
+        return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(np.ascontiguousarray(b[..., 0]))
+
+    for i in range(model.config.num_hidden_layers):
+        gate, up = (raw[f"blk.{i}.ffn_{r}_exps.weight"] for r in ("gate", "up"))
+        both = np.stack([gate, up], axis=2).reshape(gate.shape[0], 2 * gate.shape[1], gate.shape[2])  # interleaved
+        prefix = f"model.layers.{i}.mlp.experts."
+        for part, ggml in (("gate_up_proj", both), ("down_proj", raw[f"blk.{i}.ffn_down_exps.weight"])):
+            del tensors[prefix + part]
+            tensors[prefix + part + "_blocks"], tensors[prefix + part + "_scales"] = openai(ggml)
+    save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((dest / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dest / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dest
+
+
 def _add_granite_moe(hf_name: str, shape: tuple[int, ...], spec: Family, recipe: str, n_layers: int, tied: bool,
                      rng: np.random.Generator, gguf_tensors: list, hf_tensors: dict) -> None:
     """One Granite MoE layer's router or experts, under the names ``save_pretrained`` writes and released Granite

@@ -278,7 +278,12 @@ def check_hf(index: HFIndex) -> ModelConfig:
     if embed is not None and len(embed.shape) == 2 and embed.shape[0] != vocab:
         raise InvalidCheckpoint(f"{where}: 'vocab_size' = {vocab} but model.embed_tokens.weight has {embed.shape[0]} "
                                 f"rows: the embedding's rows are the vocabulary")
-    _check_tensors(str(index.path), cfg, False, {n: (t.dtype, t.shape) for n, t in index.tensors.items()})
+    mxfp4 = families_hf.hf_mxfp4(c)
+    if mxfp4 and (cfg.hidden % 32 or cfg.expert_intermediate % 32):
+        raise InvalidCheckpoint(f"{where}: quantization_config mxfp4 with hidden_size {cfg.hidden} and "
+                                f"intermediate_size {cfg.expert_intermediate}: MXFP4 blocks need multiples of 32")
+    _check_tensors(str(index.path), cfg, False, {n: (t.dtype, t.shape) for n, t in index.tensors.items()},
+                   hf_mxfp4=mxfp4)
     return cfg
 
 
@@ -291,10 +296,12 @@ class Expect:
     shape: tuple[int, ...]
     weight: bool
     what: str
+    types: tuple[str, ...] = ()  # the types it may have, where not the weight / vector rule (MXFP4 blocks: U8)
 
 
 def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
-                     merged_gate_up_exps: bool = False, split_experts: bool = False) -> dict[str, Expect]:
+                     merged_gate_up_exps: bool = False, split_experts: bool = False,
+                     hf_mxfp4: bool = False) -> dict[str, Expect]:
     """Every tensor the family description of ``cfg`` reads, by its GGUF (``gguf``) or HF name, with its shape.
 
     Layer ``i``'s fields are ``families.TENSOR_NAMES[cfg.arch]`` that ``families.wanted`` keeps; fused Phi-3
@@ -307,6 +314,9 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
     expert, or (Granite MoE) ``input_linear`` ``[E, 2 I_e, hidden]`` and ``output_linear`` ``[E, hidden, I_e]``. A
     shared expert (width S): gate and up ``[S, hidden]``, down ``[hidden, S]``, its gate's weights ``[hidden]``
     (``_check_tensors`` also takes the ``[1, hidden]`` of an HF linear layer or a converter that kept it 2-D).
+    gpt-oss's HF experts: ``gate_up_proj`` ``[E, hidden, 2 I_e]`` and ``down_proj`` ``[E, I_e, hidden]``, or
+    (``hf_mxfp4``) each as U8 ``_blocks`` ``[E, rows, cols / 32, 16]`` and ``_scales`` ``[E, rows, cols / 32]``
+    (``families.HF_MXFP4_SUFFIXES``), rows ``2 I_e`` and ``hidden``.
     """
     h, q, kv, inter, d = cfg.hidden, cfg.q_dim, cfg.kv_dim, cfg.intermediate, cfg.head_dim
     n_e, ie, si = cfg.n_experts, cfg.expert_intermediate, cfg.shared_expert_intermediate
@@ -334,9 +344,15 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
                     names.hf_transposed_experts:  # gpt-oss: [E, in, out], gate | up columns interleaved in one
                 fused = {"w_exp_gate": (n_e, h, 2 * ie), "w_exp_down": (n_e, ie, h), "b_exp_gate": (n_e, 2 * ie),
                          "b_exp_down": (n_e, h)}
-                if field in fused:
-                    out[prefix + pair[1]] = Expect(fused[field], field.startswith("w"), f"layer {i} " + field.replace(
-                        "_gate", "_gate_up") if field.endswith("_gate") else f"layer {i} {field}")
+                what = f"layer {i} " + (field.replace("_gate", "_gate_up") if field.endswith("_gate") else field)
+                if field in ("w_exp_gate", "w_exp_down") and hf_mxfp4:  # [E, rows, cols / 32, 16] and [.., cols / 32]
+                    rows, cols = (2 * ie, h) if field == "w_exp_gate" else (h, ie)
+                    out[prefix + pair[1] + "_blocks"] = Expect((n_e, rows, cols // 32, 16), True, what + " blocks",
+                                                               ("U8",))
+                    out[prefix + pair[1] + "_scales"] = Expect((n_e, rows, cols // 32), True, what + " scales",
+                                                               ("U8",))
+                elif field in fused:
+                    out[prefix + pair[1]] = Expect(fused[field], field.startswith("w"), what)
             elif field in families.EXPERT_FIELDS and not gguf and names.hf_fused_experts:  # 3-D, gate | up in one
                 if field != "w_exp_up":
                     out[prefix + pair[1]] = Expect((n_e, 2 * ie, h) if field == "w_exp_gate" else shapes[field], True,
@@ -397,12 +413,13 @@ def _check_one_type_per_role(where: str, want: dict[str, Expect], found: dict) -
                                     f"one type for every expert of a role")
 
 
-def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tuple[str, tuple[int, ...]]]) -> None:
+def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tuple[str, tuple[int, ...]]],
+                   hf_mxfp4: bool = False) -> None:
     """Every tensor of ``found`` (name -> (type name, torch-order shape)) against ``expected_tensors``."""
     merged = gguf and cfg.moe and f"blk.0.{families.GGUF_MERGED_GATE_UP_EXPS}" in found
     split = gguf and cfg.arch == "mixtral" and "blk.0." + families.GGUF_SPLIT_EXPERTS["w_exp_gate"].format(e=0) in found
     want = expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found, merged_gate_up_exps=merged,
-                            split_experts=split)
+                            split_experts=split, hf_mxfp4=hf_mxfp4)
     for name, e in want.items():
         if name not in found:
             raise MissingTensor(f"{where}: tensor {name!r} ({e.what}) not found")
@@ -410,10 +427,12 @@ def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tu
         if shape != e.shape and not (name.endswith(ONE_ROW_VECTORS) and shape == (1, *e.shape)):
             raise InvalidCheckpoint(f"{where}: tensor {name!r} ({e.what}) has shape {list(shape)}: expected "
                                     f"{list(e.shape)} (torch order) for this config")
-        ok = (readable_gguf_type(tname) if gguf else tname in FLOATS) if e.weight else tname in FLOATS
+        ok = tname in e.types if e.types else (readable_gguf_type(tname) if gguf else tname in FLOATS) if e.weight \
+            else tname in FLOATS
         if not ok:
             kind = "norm" if "norm" in e.what else "gate" if "gate_inp" in e.what else "bias"
-            expected = ("a type the loader dequantizes" if gguf else "F32, F16 or BF16") if e.weight else \
+            expected = " or ".join(e.types) if e.types else ("a type the loader dequantizes" if gguf else
+                                                              "F32, F16 or BF16") if e.weight else \
                 f"{', '.join(FLOATS)} ({kind} values are read as floats)"
             raise InvalidCheckpoint(f"{where}: tensor {name!r} ({e.what}) is {tname}: expected {expected}")
     _check_one_type_per_role(where, want, found)

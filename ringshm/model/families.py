@@ -181,6 +181,10 @@ _GPTOSS_LAYER = {
     "b_exp_down": ("ffn_down_exps.bias", "mlp.experts.down_proj_bias"),
 }
 MOE_BIAS_FIELDS = ("b_router", "b_exp_gate", "b_exp_up", "b_exp_down")
+# gpt-oss as OpenAI releases it (HF quantization_config quant_method "mxfp4"): each expert role as MXFP4 blocks,
+# "<name>_blocks" uint8 [E, rows, K / 32, 16] (byte j: weight 2j in its low nibble, 2j + 1 in its high one) and
+# "<name>_scales" uint8 [E, rows, K / 32] (E8M0), rows [out] not transposed, gate_up's rows gate 0, up 0, gate 1, ...
+HF_MXFP4_SUFFIXES = ("_blocks", "_scales")
 SHARED_EXPERT_FIELDS = ("w_shexp_gate", "w_shexp_up", "w_shexp_down")
 GGUF_MERGED_GATE_UP_EXPS = "ffn_gate_up_exps.weight"  # newer converters: gate and up of every expert in one tensor
 GGUF_MERGED_GATE_UP_EXPS_BIAS = "ffn_gate_up_exps.bias"  # and (gpt-oss) their biases, [E, 2 I] rows [gate | up]

@@ -32,6 +32,14 @@ GPTOSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slo
 GPTOSS_HARMLESS = frozenset({"experts_per_token", "initial_context_length"})
 
 
+def hf_mxfp4(c: dict) -> bool:
+    """Whether an HF ``config.json`` (``c``) says its experts are MXFP4 blocks (``quantization_config`` of
+    ``quant_method`` "mxfp4", as OpenAI releases gpt-oss: the experts' ``_blocks`` / ``_scales``, every other tensor
+    in its float type, which the tensor check holds it to)."""
+    quant = c.get("quantization_config")
+    return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
+
+
 def hf_config(c: dict, where: str) -> ModelConfig:
     """The ``ModelConfig`` an HF ``config.json`` (already parsed) describes; ``where`` names it in errors.
 
@@ -46,15 +54,15 @@ def hf_config(c: dict, where: str) -> ModelConfig:
     family = HF_TYPES.get(model_type)
     if family is None or model_type in UNSUPPORTED_MOE:
         raise unsupported_family(where, "model_type", model_type, ", ".join(HF_TYPES))
-    if c.get("quantization_config") is not None:  # e.g. openai/gpt-oss-20b's MXFP4 experts as _blocks / _scales
-        method = (c["quantization_config"] or {}).get("quant_method") if isinstance(c["quantization_config"], dict) \
-            else c["quantization_config"]
-        raise _refuse(where, "quantization_config", method, "a quantized HF checkpoint's tensors are not read: use a "
-                      "GGUF of it (llama.cpp's convert_hf_to_gguf.py writes gpt-oss's MXFP4 experts as they are)")
+    quant = c.get("quantization_config")
+    if quant is not None and not (family == "gptoss" and hf_mxfp4(c)):  # other HF quantizations: not read
+        method = quant.get("quant_method") if isinstance(quant, dict) else quant
+        raise _refuse(where, "quantization_config", method, "a quantized HF checkpoint's tensors are not read (but "
+                      "gpt-oss's MXFP4 experts): use a GGUF of it")
     c = {**HF_DEFAULTS.get(model_type, {}), **c}  # a field left out means the config class's default
     if family == "gptoss" and c.get("rope_parameters") is None and c.get("rope_scaling") is None:
         c["rope_parameters"] = {**GPTOSS_ROPE, "rope_theta": c["rope_theta"]}
-    used: set[str] = set(GPTOSS_HARMLESS) if family == "gptoss" else set()
+    used: set[str] = set(GPTOSS_HARMLESS) | {"quantization_config"} if family == "gptoss" else set()
 
     def get(key: str, default=None):
         used.add(key)

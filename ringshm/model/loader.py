@@ -32,7 +32,7 @@ from ringshm.config import ModelConfig
 from ringshm.errors import LayerRangeError
 from ringshm.model import families
 from ringshm.model.checkpoint_check import check_checkpoint
-from ringshm.model.qmatmul import RawWeight, count_nonfinite
+from ringshm.model.qmatmul import MXFP4, RawWeight, count_nonfinite
 from ringshm.model.sources import GGUFSource, HFSource, Source
 
 log = logging.getLogger("ringshm.model.loader")
@@ -275,6 +275,12 @@ class Checkpoint:
         or the per-expert tensors of HF and of GGUF files older than the 3-D ones (``families.GGUF_SPLIT_EXPERTS``)."""
         cfg = self.config
         ie = cfg.expert_intermediate
+        if not self.gguf and self.source.has(prefix + name + "_blocks"):  # gpt-oss as released: MXFP4 blocks
+            rows = {"w_exp_gate": slice(0, None, 2), "w_exp_up": slice(1, None, 2)}.get(field, slice(None))
+            out = _mxfp4_experts(self.source.get(prefix + name + "_blocks"), self.source.get(prefix + name + "_scales"),
+                                 rows)
+            loaded.extend((f"{prefix}{name}_blocks expert {e}", w) for e, w in enumerate(out))
+            return out
         if not self.gguf and families.TENSOR_NAMES[cfg.arch].hf_transposed_experts:  # gpt-oss: [E, in, out]
             full = self.source.get(prefix + name)  # [E, hidden, 2 I_e] columns gate, up interleaved; [E, I_e, hidden]
             if full.dtype not in (torch.float32, torch.float16, torch.bfloat16):
@@ -338,6 +344,21 @@ def _say_nonfinite(r: range, loaded: list[tuple[str, RawWeight | torch.Tensor]])
         log.warning("layers %d-%d: %d tensor(s) hold NaN / Inf, which the model's outputs will carry: %s", r.start,
                     r.stop - 1, len(bad), ", ".join(f"{name} ({n} {unit})" for name, n, unit in bad[:6])
                     + (", ..." if len(bad) > 6 else ""))
+
+
+def _mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor, rows: slice) -> list[RawWeight]:
+    """OpenAI's MXFP4 experts (``families.HF_MXFP4_SUFFIXES``: ``blocks`` uint8 ``[E, R, G, 16]``, ``scales`` uint8
+    ``[E, R, G]``, K = 32 G) as ggml's MXFP4 bytes, one ``RawWeight [len(rows), K]`` per expert, ``rows`` picked
+    (gpt-oss's gate rows are the even ones, up the odd). The same numbers, re-laid: an OpenAI byte j holds weights 2j
+    (low nibble) and 2j + 1, a ggml byte j weights j and j + 16; the nibble codes are the same e2m1 indices (ggml's
+    kvalues are their values doubled) and ggml's half-scale 2^(e - 128) on doubled values is OpenAI's 2^(s - 127)
+    on the values, so e = s. The one difference is e2m1's -0 (nibble 8), which ggml reads as +0: a zero either way."""
+    blocks, scales = blocks[:, rows], scales[:, rows]
+    n_exp, n_rows, groups, _ = blocks.shape
+    nib = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(n_exp, n_rows, groups, 32)  # weight order
+    qs = nib[..., :16] | (nib[..., 16:] << 4)  # ggml: byte j = weight j | weight j + 16 << 4
+    raw = torch.cat([scales.unsqueeze(-1), qs], dim=-1).reshape(n_exp, n_rows, groups * 17).contiguous()
+    return [RawWeight.from_bytes(MXFP4, n_rows, 32 * groups, raw[e]) for e in range(n_exp)]
 
 
 def _splits(widths: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType
 from safetensors import safe_open
 
 from ringshm.model.dequant import dequantize
+from ringshm.model.families import HF_MXFP4_SUFFIXES
 from ringshm.model.gguf_index import GGUFIndex
 from ringshm.model.hf_index import HFIndex
 from ringshm.model.qmatmul import RawWeight, native_ok
@@ -137,6 +138,9 @@ class HFSource:
         stored = {"F32": 4, "F16": 2, "BF16": 2}.get(dtype)
         if native and stored is not None:
             return n_el * stored, False
+        if dtype == "U8" and name.endswith(HF_MXFP4_SUFFIXES):  # gpt-oss's MXFP4 experts: packed as stored, or
+            expanded = 0 if name.endswith("_scales") else int(2 * n_el * width)  # 2 weights a block byte
+            return (n_el, False) if native else (expanded, True)
         return int(n_el * (width if native or len(shape) == 2 else 4)), native and len(shape) == 2
 
     def get(self, name: str) -> torch.Tensor:
