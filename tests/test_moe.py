@@ -397,7 +397,7 @@ def test_gpt_oss_as_openai_releases_it_reads_its_mxfp4_experts_natively_and_equa
     from ringshm.model import qmatmul as qm
     from ringshm.model.stage_model import StageModel
     from safetensors.torch import load_file
-    from zoo import gptoss_mxfp4_hf
+    from zoo_experts import gptoss_mxfp4_hf
 
     model = zoo("gptoss")
     hf = gptoss_mxfp4_hf(model, tmp_path / "mxfp4")
