@@ -422,3 +422,23 @@ def test_gpt_oss_as_openai_releases_it_reads_its_mxfp4_experts_natively_and_equa
     compared = assert_greedy_matches(greedy_generate([ours], torch.tensor(prompt), 32), model.oracle_greedy(prompt, 32),
                                      "gpt-oss mxfp4 HF")
     assert compared >= 16
+
+
+@pytest.mark.parametrize("edit, named", [
+    (dict(swiglu_alpha=2.5), "swiglu_alpha"),  # transformers' MXFP4 experts fix 1.702; its dequantized ones read it
+    (dict(quantization_config={"quant_method": "mxfp4", "bits": 8}), "quantization_config.bits"),
+    (dict(quantization_config={"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.mlp.experts"]}),
+     "modules_to_not_convert"),  # transformers would ignore the blocks
+    (dict(quantization_config={"quant_method": "bitsandbytes"}), "quantization_config.quant_method"),
+])
+def test_an_mxfp4_setting_ringshm_does_not_read_as_transformers_does_is_refused_naming_it(zoo, tmp_path, edit, named):
+    """Findings of a hostile review of the MXFP4 directory path: each of these loaded before."""
+    import json
+
+    from zoo_experts import gptoss_mxfp4_hf
+
+    hf = gptoss_mxfp4_hf(zoo("gptoss"), tmp_path / "mxfp4")
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, **edit}))
+    with pytest.raises(UnsupportedArchitecture, match=named):
+        Checkpoint.open(hf)

@@ -40,6 +40,30 @@ def hf_mxfp4(c: dict) -> bool:
     return isinstance(quant, dict) and quant.get("quant_method") == "mxfp4"
 
 
+# what transformers' Mxfp4Config carries besides quant_method, none of which changes what ringshm computes from the
+# tensors: modules left in floats (checked: never the experts) and whether transformers dequantizes at load
+MXFP4_CONFIG_KEYS = frozenset({"quant_method", "modules_to_not_convert", "dequantize"})
+
+
+def _check_mxfp4(c: dict, where: str) -> None:
+    """An MXFP4 ``quantization_config`` ringshm reads as transformers does, or a refusal naming what it cannot:
+    another key, experts among ``modules_to_not_convert`` (transformers would then ignore their blocks), and a
+    ``swiglu_alpha`` other than 1.702 (transformers' MXFP4 experts fix alpha at 1.702 and ignore the field, its
+    dequantized path reads it: the two disagree)."""
+    quant = c["quantization_config"]
+    extra = sorted(set(quant) - MXFP4_CONFIG_KEYS)
+    if extra:
+        raise _refuse(where, f"quantization_config.{extra[0]}", quant[extra[0]], "an MXFP4 setting ringshm does not "
+                      "read")
+    keep = quant.get("modules_to_not_convert") or []
+    if not isinstance(keep, list) or any(not isinstance(m, str) or "experts" in m for m in keep):
+        raise _refuse(where, "quantization_config.modules_to_not_convert", keep,
+                      "the experts are read from their MXFP4 blocks")
+    if c.get("swiglu_alpha", 1.702) != 1.702:
+        raise _refuse(where, "swiglu_alpha", c["swiglu_alpha"], "transformers' MXFP4 experts use 1.702 whatever it "
+                      "says, its dequantized ones the field: the two disagree")
+
+
 def hf_config(c: dict, where: str) -> ModelConfig:
     """The ``ModelConfig`` an HF ``config.json`` (already parsed) describes; ``where`` names it in errors.
 
@@ -56,9 +80,12 @@ def hf_config(c: dict, where: str) -> ModelConfig:
         raise unsupported_family(where, "model_type", model_type, ", ".join(HF_TYPES))
     quant = c.get("quantization_config")
     if quant is not None and not (family == "gptoss" and hf_mxfp4(c)):  # other HF quantizations: not read
-        method = quant.get("quant_method") if isinstance(quant, dict) else quant
-        raise _refuse(where, "quantization_config", method, "a quantized HF checkpoint's tensors are not read (but "
-                      "gpt-oss's MXFP4 experts): use a GGUF of it")
+        field, value = ("quantization_config.quant_method", quant.get("quant_method")) if isinstance(quant, dict) \
+            else ("quantization_config", quant)
+        raise _refuse(where, field, value, "a quantized HF checkpoint's tensors are not read (but gpt-oss's MXFP4 "
+                      "experts): use a GGUF of it")
+    if quant is not None:
+        _check_mxfp4(c, where)
     c = {**HF_DEFAULTS.get(model_type, {}), **c}  # a field left out means the config class's default
     if family == "gptoss" and c.get("rope_parameters") is None and c.get("rope_scaling") is None:
         c["rope_parameters"] = {**GPTOSS_ROPE, "rope_theta": c["rope_theta"]}

@@ -156,6 +156,7 @@ class Checkpoint:
 
     def __init__(self, path: Path, source: Source, config: ModelConfig, gguf: bool) -> None:
         self.path, self.source, self.config, self.gguf = path, source, config, gguf
+        self._up_rows: dict[str, list[RawWeight]] = {}  # HF MXFP4: a layer's up experts, cut with its gate ones
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
@@ -276,10 +277,19 @@ class Checkpoint:
         cfg = self.config
         ie = cfg.expert_intermediate
         if not self.gguf and self.source.has(prefix + name + "_blocks"):  # gpt-oss as released: MXFP4 blocks
-            rows = {"w_exp_gate": slice(0, None, 2), "w_exp_up": slice(1, None, 2)}.get(field, slice(None))
-            out = _mxfp4_experts(self.source.get(prefix + name + "_blocks"), self.source.get(prefix + name + "_scales"),
-                                 rows)
-            loaded.extend((f"{prefix}{name}_blocks expert {e}", w) for e, w in enumerate(out))
+            if field == "w_exp_up":  # cut with the gate rows: the layer's blocks are read once
+                out = self._up_rows.pop(prefix)
+            else:
+                blocks, scales = self.source.get(prefix + name + "_blocks"), self.source.get(prefix + name + "_scales")
+                if field == "w_exp_gate":  # rows gate 0, up 0, gate 1, ...
+                    out = _mxfp4_experts(blocks, scales, slice(0, None, 2))
+                    self._up_rows[prefix] = _mxfp4_experts(blocks, scales, slice(1, None, 2))
+                else:
+                    out = _mxfp4_experts(blocks, scales, slice(None))
+                del blocks, scales
+            what = {"w_exp_gate": "gate rows", "w_exp_up": "up rows"}.get(field, "")
+            loaded.extend((f"{prefix}{name}_blocks expert {e}" + (f" ({what})" if what else ""), w)
+                          for e, w in enumerate(out))
             return out
         if not self.gguf and families.TENSOR_NAMES[cfg.arch].hf_transposed_experts:  # gpt-oss: [E, in, out]
             full = self.source.get(prefix + name)  # [E, hidden, 2 I_e] columns gate, up interleaved; [E, I_e, hidden]
@@ -353,12 +363,15 @@ def _mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor, rows: slice) -> l
     (low nibble) and 2j + 1, a ggml byte j weights j and j + 16; the nibble codes are the same e2m1 indices (ggml's
     kvalues are their values doubled) and ggml's half-scale 2^(e - 128) on doubled values is OpenAI's 2^(s - 127)
     on the values, so e = s. The one difference is e2m1's -0 (nibble 8), which ggml reads as +0: a zero either way."""
-    blocks, scales = blocks[:, rows], scales[:, rows]
-    n_exp, n_rows, groups, _ = blocks.shape
-    nib = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(n_exp, n_rows, groups, 32)  # weight order
-    qs = nib[..., :16] | (nib[..., 16:] << 4)  # ggml: byte j = weight j | weight j + 16 << 4
-    raw = torch.cat([scales.unsqueeze(-1), qs], dim=-1).reshape(n_exp, n_rows, groups * 17).contiguous()
-    return [RawWeight.from_bytes(MXFP4, n_rows, 32 * groups, raw[e]) for e in range(n_exp)]
+    out = []
+    for e in range(blocks.shape[0]):  # an expert at a time: the transient copies stay one expert's size
+        b, s = blocks[e, rows], scales[e, rows]
+        n_rows, groups, _ = b.shape
+        nib = torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(n_rows, groups, 32)  # the weights in order
+        qs = nib[..., :16] | (nib[..., 16:] << 4)  # ggml: byte j = weight j | weight j + 16 << 4
+        raw = torch.cat([s.unsqueeze(-1), qs], dim=-1).reshape(n_rows, groups * 17)
+        out.append(RawWeight.from_bytes(MXFP4, n_rows, 32 * groups, raw))
+    return out
 
 
 def _splits(widths: tuple[int, ...]) -> list[tuple[int, int]]:
