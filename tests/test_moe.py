@@ -442,3 +442,22 @@ def test_an_mxfp4_setting_ringshm_does_not_read_as_transformers_does_is_refused_
     (hf / "config.json").write_text(json.dumps({**cfg, **edit}))
     with pytest.raises(UnsupportedArchitecture, match=named):
         Checkpoint.open(hf)
+
+
+def test_a_stage_lets_each_layers_tensors_as_read_go_once_that_layer_is_packed(zoo, tmp_path, monkeypatch):
+    """An HF checkpoint's tensors are read into memory: held all at once beside the packed copy, a load of
+    gpt-oss-20b's MXFP4 directory would take twice its 13 GB (the memory check counts it once). from_path lets
+    each layer's go as it packs it; weights shared by several stages (StageModel(weights=...)) stay."""
+    from ringshm.model.stage_model import StageModel
+    from zoo_experts import gptoss_mxfp4_hf
+
+    hf = gptoss_mxfp4_hf(zoo("gptoss"), tmp_path / "mxfp4")
+    seen = []
+    load = Checkpoint.load_stage
+    monkeypatch.setattr(Checkpoint, "load_stage", lambda self, *a: seen.append(load(self, *a)) or seen[-1])
+    StageModel.from_path(hf, max_rows=1, max_seq_len=32)
+    assert seen and all(layer is None for layer in seen[0].layers)
+    ckpt = Checkpoint.open(hf)
+    shared = ckpt.load_stage((0, 4), True, True)
+    StageModel(ckpt.config, (0, 4), True, True, 1, 32, weights=shared)
+    assert all(layer is not None for layer in shared.layers)

@@ -120,6 +120,9 @@ class StageModel:
         block_size: positions per KV block (a multiple of ``attention.KEY_TILE``, at most ``attention.MAX_BLOCK``).
         n_blocks: blocks in this stage's pools; default: enough for every row to reach ``max_seq_len``
             (``row_table``'s fixed layout).
+        release_weights: set each ``weights.layers[j]`` to None once that layer is packed (``from_path``, which
+            owns them: a load then never holds every layer's tensors as read beside the packed copy); False keeps
+            them, for weights shared by several stages (``StageWeights.select``).
 
     Raises:
         LayerRangeError: the range is empty or outside the model.
@@ -131,7 +134,7 @@ class StageModel:
                  is_last: bool, max_rows: int, max_seq_len: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", weights: StageWeights | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, n_blocks: int | None = None,
-                 kv_dtype: torch.dtype = torch.float32) -> None:
+                 kv_dtype: torch.dtype = torch.float32, release_weights: bool = False) -> None:
         self.config = config
         self.layer_range = check_layer_range(layer_range, config.n_layers)
         if max_rows <= 0 or max_seq_len <= 0:
@@ -158,7 +161,11 @@ class StageModel:
             self.norm = weights.norm.to(self.device, torch.float32 if self.native else dtype)
             self.lm_head = (PackedWeight(weights.lm_head) if self.native
                             else weights.lm_head.dequantize().to(self.device, dtype))
-        self.layers = [Layer(w, self.native, dtype, self.device) for w in weights.layers]
+        self.layers = []
+        for j in range(len(weights.layers)):  # a layer's checkpoint tensors may go once it is packed (from_path):
+            self.layers.append(Layer(weights.layers[j], self.native, dtype, self.device))  # an HF load then holds
+            if release_weights:  # them beside the packed copy one layer at a time, not all at once
+                weights.layers[j] = None
         n_kv, d = config.n_kv_heads, config.head_dim
         self.kv = [KVPool(self.n_blocks, n_kv, block_size, d, self.device, kv_dtype) for _ in self.layers]
         self.fill = torch.zeros(self.n_blocks, dtype=torch.int32)  # positions each block holds
@@ -190,7 +197,9 @@ class StageModel:
         ``layer_range`` defaults to all layers; ``is_first``/``is_last`` default to whether the range
         touches layer 0 / the last layer. ``max_seq_len`` is capped at the model's context length.
         Pass an already opened ``checkpoint`` to skip re-parsing the file. A GGUF's pages are dropped from this
-        process once the weights are packed (``GGUFIndex.drop_pages``): the embedding faults its rows back in.
+        process once the weights are packed (``GGUFIndex.drop_pages``): the embedding faults its rows back in. Each
+        layer's tensors as read (an HF checkpoint's are in memory, a GGUF's are views of its map) are let go once
+        that layer is packed, so the packed copy never sits beside all of them.
 
         Raises:
             the errors of ``Checkpoint.open`` and ``Checkpoint.load_stage``.
@@ -202,7 +211,7 @@ class StageModel:
         last = r.stop == cfg.n_layers if is_last is None else is_last
         weights = ckpt.load_stage(r, first, last)
         stage = cls(cfg, r, first, last, max_rows, min(max_seq_len, cfg.max_seq_len), dtype, device, weights,
-                    block_size, n_blocks, kv_dtype)
+                    block_size, n_blocks, kv_dtype, release_weights=True)
         if ckpt.gguf:  # every weight is packed (or dequantized) now: the file's pages need not stay in this process
             ckpt.source.index.drop_pages()
         return stage
