@@ -66,7 +66,7 @@ setup(
         "cffi>=1.16",
         "posix_ipc>=1.1",
         "tqdm>=4.60",
-        "gguf>=0.10",
+        "gguf>=0.18",  # MXFP4 (GGMLQuantizationType 39: gpt-oss's experts), read at import by ringshm.model.dequant
         "safetensors>=0.4",
         "tokenizers>=0.19",
         "transformers>=4.45",

@@ -17,8 +17,8 @@ changes the decode cost):
                     ``RINGSHM_BENCH_GPTOSS=1``
 
 Tensor types are llama-quantize's Q4_K_M (``tests/zoo_quant.tensor_type``: experts Q4_K, ``ffn_down_exps`` and
-``attn_v`` Q6_K on its more-bits layers, the head Q6_K, the router F32; gpt-oss as above), blocks drawn from a pool of valid random blocks; the router weights are random
-too, so tokens spread over the experts about evenly.
+``attn_v`` Q6_K on its more-bits layers, the head Q6_K, the router F32; gpt-oss as above), blocks drawn from a pool
+of valid random blocks; the router weights are random too, so tokens spread over the experts about evenly.
 
 Per model, one after another (never both resident: a 17 GB model cannot be held twice):
 - ringshm at 1 stage, then 2 stages: load (``Engine(...)`` to ready), each stage's anonymous RSS (its private
@@ -152,7 +152,8 @@ def build(name: str, tokenizer_src: Path) -> Path:
         w.add_expert_feed_forward_length(width)
     w.add_expert_count(n_exp)
     w.add_expert_used_count(used)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_MXFP4_MOE if oss else gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    mxfp4_moe = getattr(gguf.LlamaFileType, "MOSTLY_MXFP4_MOE", 38)  # (gguf-py 0.18 lacks the name)
+    w.add_file_type(mxfp4_moe if oss else gguf.LlamaFileType.MOSTLY_Q4_K_M)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, val, vtype, sub in _tokenizer_fields(tokenizer_src):
         w.add_key_value(key, val, vtype, sub)
