@@ -148,6 +148,10 @@ def type_weight(qtype: int, n: int, k: int) -> qm.RawWeight:
     if qtype == qm.F16:  # gguf.quants has no F16 codec: the file's bytes are numpy's float16
         w = rng.standard_normal((n, k), dtype=np.float32)
         return qm.RawWeight.from_bytes(qtype, n, k, w.astype(np.float16).view(np.uint8).reshape(-1))
+    if qtype == qm.MXFP4:  # random nibbles under one scale (gguf.quants' MXFP4 search would take gigabytes here)
+        raw = rng.integers(0, 256, size=(n, k // 32, 17), dtype=np.uint8)
+        raw[:, :, 0] = 121  # d = 2^-7: weights up to 12 / 128
+        return qm.RawWeight.from_bytes(qtype, n, k, raw.reshape(-1))
     if qtype not in qm.K_QUANTS:
         w = rng.standard_normal((n, k), dtype=np.float32)
         return qm.RawWeight.from_bytes(qtype, n, k, quants.quantize(w, QT(qtype)).reshape(-1))

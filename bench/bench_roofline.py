@@ -38,7 +38,7 @@ from ringshm.model import qmatmul as qm
 STREAM_BYTES = RING_BYTES // (128 * 4) * (128 * 4)
 SHAPE = "gate_up 2048->16384"
 N, K = 16384, 2048
-TYPES = (qm.Q4_0, qm.Q4_1, qm.Q5_0, qm.Q5_1, qm.Q8_0, qm.Q4_K, qm.Q5_K, qm.Q6_K, qm.F16, qm.BF16)
+TYPES = (qm.Q4_0, qm.Q4_1, qm.Q5_0, qm.Q5_1, qm.Q8_0, qm.Q4_K, qm.Q5_K, qm.Q6_K, qm.MXFP4, qm.F16, qm.BF16)
 MS = (1, 16, 256)
 THREADS = sorted({1, torch.get_num_threads()})
 BOUNDS: dict[int, tuple[float, float]] = {}  # threads: (bytes/s, flop/s)
