@@ -32,7 +32,8 @@ from ringshm.config import ModelConfig
 from ringshm.errors import LayerRangeError
 from ringshm.model import families
 from ringshm.model.checkpoint_check import check_checkpoint
-from ringshm.model.qmatmul import MXFP4, RawWeight, count_nonfinite
+from ringshm.model.expert_readers import ExpertReader
+from ringshm.model.qmatmul import RawWeight, count_nonfinite
 from ringshm.model.sources import GGUFSource, HFSource, Source
 
 log = logging.getLogger("ringshm.model.loader")
@@ -156,7 +157,7 @@ class Checkpoint:
 
     def __init__(self, path: Path, source: Source, config: ModelConfig, gguf: bool) -> None:
         self.path, self.source, self.config, self.gguf = path, source, config, gguf
-        self._up_rows: dict[str, list[RawWeight]] = {}  # HF MXFP4: a layer's up experts, cut with its gate ones
+        self._experts = ExpertReader(source, config, gguf)
 
     @classmethod
     def open(cls, path: str | Path) -> Checkpoint:
@@ -230,7 +231,7 @@ class Checkpoint:
                     continue  # (Granite's HF shared expert: up is read with gate, one tensor)
                 name = prefix + pair[side]
                 if f in families.EXPERT_FIELDS:
-                    w[f] = self._experts(prefix, f, pair[side], loaded)
+                    w[f] = self._experts.read(prefix, f, pair[side], loaded)
                 elif f in ("b_exp_gate", "b_exp_up") and names.hf_transposed_experts and not self.gguf:
                     w[f] = get(name)[:, 0 if f == "b_exp_gate" else 1::2].contiguous()  # [E, 2 I] interleaved
                 elif f in ("b_exp_gate", "b_exp_up") and self.source.has(merged_bias := prefix + families.
@@ -270,60 +271,6 @@ class Checkpoint:
         _say_nonfinite(r, loaded)
         return out
 
-    def _experts(self, prefix: str, field: str, name: str, loaded: list) -> list[RawWeight]:
-        """One layer's routed experts of one role (``families.EXPERT_FIELDS``) as a ``RawWeight`` per expert: GGUF's
-        3-D tensor cut by expert (views of its map; a merged ``ffn_gate_up_exps`` cut into its gate and up rows),
-        or the per-expert tensors of HF and of GGUF files older than the 3-D ones (``families.GGUF_SPLIT_EXPERTS``)."""
-        cfg = self.config
-        ie = cfg.expert_intermediate
-        if not self.gguf and self.source.has(prefix + name + "_blocks"):  # gpt-oss as released: MXFP4 blocks
-            if field == "w_exp_up":  # cut with the gate rows: the layer's blocks are read once
-                out = self._up_rows.pop(prefix)
-            else:
-                blocks, scales = self.source.get(prefix + name + "_blocks"), self.source.get(prefix + name + "_scales")
-                if field == "w_exp_gate":  # rows gate 0, up 0, gate 1, ...
-                    out = _mxfp4_experts(blocks, scales, slice(0, None, 2))
-                    self._up_rows[prefix] = _mxfp4_experts(blocks, scales, slice(1, None, 2))
-                else:
-                    out = _mxfp4_experts(blocks, scales, slice(None))
-                del blocks, scales
-            what = {"w_exp_gate": "gate rows", "w_exp_up": "up rows"}.get(field, "")
-            loaded.extend((f"{prefix}{name}_blocks expert {e}" + (f" ({what})" if what else ""), w)
-                          for e, w in enumerate(out))
-            return out
-        if not self.gguf and families.TENSOR_NAMES[cfg.arch].hf_transposed_experts:  # gpt-oss: [E, in, out]
-            full = self.source.get(prefix + name)  # [E, hidden, 2 I_e] columns gate, up interleaved; [E, I_e, hidden]
-            if full.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                full = full.float()
-            cols = {"w_exp_gate": slice(0, None, 2), "w_exp_up": slice(1, None, 2)}.get(field, slice(None))
-            out = [RawWeight.from_tensor(full[e][:, cols].t().contiguous()) for e in range(cfg.n_experts)]
-            loaded.extend((f"{prefix}{name} expert {e}", w) for e, w in enumerate(out))
-            return out
-        if not self.gguf and families.TENSOR_NAMES[cfg.arch].hf_fused_experts:  # one 3-D tensor, gate | up rows
-            full = self.source.get(prefix + name)  # [E, 2 I_e, hidden] or [E, hidden, I_e] as stored
-            if full.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-                full = full.float()
-            rows = {"w_exp_gate": slice(0, ie), "w_exp_up": slice(ie, 2 * ie)}.get(field, slice(None))
-            out = [RawWeight.from_tensor(full[e, rows]) for e in range(cfg.n_experts)]
-            loaded.extend((f"{prefix}{name} expert {e}", w) for e, w in enumerate(out))
-            return out
-        split = self.gguf and cfg.arch == "mixtral" and self.source.has(
-            prefix + families.GGUF_SPLIT_EXPERTS[field].format(e=0))
-        if not self.gguf or split:
-            name = families.GGUF_SPLIT_EXPERTS[field] if split else name
-            out = [self.source.get_raw(prefix + name.format(e=e)) for e in range(cfg.n_experts)]
-            loaded.extend((prefix + name.format(e=e), w) for e, w in enumerate(out))
-            return out
-        merged = prefix + families.GGUF_MERGED_GATE_UP_EXPS
-        if field != "w_exp_down" and self.source.has(merged):
-            rows = torch.arange(0, ie) if field == "w_exp_gate" else torch.arange(ie, 2 * ie)
-            out = [w.rows(rows) for w in self.source.get_raw_experts(merged)]
-            name = families.GGUF_MERGED_GATE_UP_EXPS
-        else:
-            out = self.source.get_raw_experts(prefix + name)
-        loaded.extend((f"{prefix}{name} expert {e}", w) for e, w in enumerate(out))
-        return out
-
     def _say_expanded(self, r: range, is_first: bool, is_last: bool) -> None:
         """One line on stderr naming the weights of this stage that the matmul does not read in their encoding
         (GGUF Q2_K / Q3_K / IQ*), which are dequantized to fp32 at load, and the memory that costs."""
@@ -354,24 +301,6 @@ def _say_nonfinite(r: range, loaded: list[tuple[str, RawWeight | torch.Tensor]])
         log.warning("layers %d-%d: %d tensor(s) hold NaN / Inf, which the model's outputs will carry: %s", r.start,
                     r.stop - 1, len(bad), ", ".join(f"{name} ({n} {unit})" for name, n, unit in bad[:6])
                     + (", ..." if len(bad) > 6 else ""))
-
-
-def _mxfp4_experts(blocks: torch.Tensor, scales: torch.Tensor, rows: slice) -> list[RawWeight]:
-    """OpenAI's MXFP4 experts (``families.HF_MXFP4_SUFFIXES``: ``blocks`` uint8 ``[E, R, G, 16]``, ``scales`` uint8
-    ``[E, R, G]``, K = 32 G) as ggml's MXFP4 bytes, one ``RawWeight [len(rows), K]`` per expert, ``rows`` picked
-    (gpt-oss's gate rows are the even ones, up the odd). The same numbers, re-laid: an OpenAI byte j holds weights 2j
-    (low nibble) and 2j + 1, a ggml byte j weights j and j + 16; the nibble codes are the same e2m1 indices (ggml's
-    kvalues are their values doubled) and ggml's half-scale 2^(e - 128) on doubled values is OpenAI's 2^(s - 127)
-    on the values, so e = s. The one difference is e2m1's -0 (nibble 8), which ggml reads as +0: a zero either way."""
-    out = []
-    for e in range(blocks.shape[0]):  # an expert at a time: the transient copies stay one expert's size
-        b, s = blocks[e, rows], scales[e, rows]
-        n_rows, groups, _ = b.shape
-        nib = torch.stack([b & 0x0F, b >> 4], dim=-1).reshape(n_rows, groups, 32)  # the weights in order
-        qs = nib[..., :16] | (nib[..., 16:] << 4)  # ggml: byte j = weight j | weight j + 16 << 4
-        raw = torch.cat([s.unsqueeze(-1), qs], dim=-1).reshape(n_rows, groups * 17)
-        out.append(RawWeight.from_bytes(MXFP4, n_rows, 32 * groups, raw))
-    return out
 
 
 def _splits(widths: tuple[int, ...]) -> list[tuple[int, int]]:

@@ -11,7 +11,8 @@ Two paths, fixed at construction:
   sequence's bits are the same whatever the chunking, the batch it shares an op with, or the stage split
   (batch invariance).
 - **CUDA, or a bf16 compute dtype:** weights are dequantized at load to ``dtype`` on the device and the
-  matmuls are ``torch.nn.functional.linear``. Batch invariance is not promised there.
+  matmuls are ``torch.nn.functional.linear`` (the layer loop of ``ringshm.model.stage_torch``). Batch invariance is
+  not promised there.
 
 KV cache: per layer a ``KVPool`` (``ringshm.model.attention``) of ``n_blocks`` blocks of ``block_size`` positions,
 ``[n_blocks, n_kv_heads, block_size, head_dim]`` fp32 keys and values. A segment of a step op names its stream's
@@ -53,8 +54,6 @@ from ringshm.model.attention import (
     MAX_HEAD_DIM,
     MAX_SEGMENTS,
     KVPool,
-    attention,
-    kv_append,
     kv_check,
     kv_mark,
     table_len,
@@ -64,6 +63,7 @@ from ringshm.model.layer import Layer, layer_shape
 from ringshm.model.loader import Checkpoint, StageWeights, check_layer_range
 from ringshm.model.qmatmul import BEST_ISA, PackedWeight, embed_rows
 from ringshm.model.rope import rope_inv_freq, rope_scale
+from ringshm.model.stage_torch import TorchPath
 from ringshm.transport.messages import (
     MAX_TOP_LOGPROBS,
     WANT_ALL,
@@ -104,7 +104,7 @@ def runs_native(config: ModelConfig, device: str, dtype: torch.dtype) -> bool:
             and config.expert_intermediate % 16 == 0 and config.shared_expert_intermediate % 16 == 0)
 
 
-class StageModel:
+class StageModel(TorchPath):
     """Layers ``layer_range`` of a model, with the embedding when first and norm + LM head when last.
 
     Args:
@@ -432,80 +432,6 @@ class StageModel:
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_eps)
         return weight * xf.to(self.dtype)
-
-    def _layer(self, layer: Layer, li: int, x: torch.Tensor, attend) -> torch.Tensor:
-        """One decoder layer on ``x [T, hidden]`` (torch path), as ``ModelConfig`` describes it; ``attend(q, k, v)``
-        maps ``[T, H*, D]`` to ``[T, Hq, D]``. The native path does the same in C (``_native_layers``,
-        csrc/layer.h)."""
-        cfg = self.config
-        t = x.shape[0]
-        qkv = F.linear(self._rms_norm(x, layer.attn_norm), layer.wqkv, layer.bqkv).float()
-        q, k, v = qkv.split([cfg.q_dim, cfg.kv_dim, cfg.kv_dim], dim=-1)
-        q = q.reshape(t, cfg.n_heads, cfg.head_dim)  # [T, Hq, D]
-        k = k.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        v = v.reshape(t, cfg.n_kv_heads, cfg.head_dim)  # [T, Hkv, D]
-        if layer.q_norm is not None and cfg.qk_norm_full:  # over the whole projection (OLMoE)
-            q = self._rms_norm(q.reshape(t, -1), layer.q_norm).float().reshape(q.shape)
-            k = self._rms_norm(k.reshape(t, -1), layer.k_norm).float().reshape(k.shape)
-        elif layer.q_norm is not None:  # per head: each head's D values normalised on their own
-            q, k = self._rms_norm(q, layer.q_norm).float(), self._rms_norm(k, layer.k_norm).float()
-        a = attend(q, k, v).reshape(t, cfg.q_dim)  # [T, Hq*D]
-        o = F.linear(a.to(self.dtype), layer.wo, layer.bo)  # [T, hidden]
-        rs = cfg.residual_scale  # Granite's; 1 elsewhere (x 1.0 is exact: the other families' bits are unchanged)
-        x = x + (self._rms_norm(o, layer.post_attn_norm) if layer.post_attn_norm is not None else o * rs)
-        if layer.moe:
-            return x + self._experts(layer, self._rms_norm(x, layer.ffn_norm)) * rs
-        gate_up = F.linear(self._rms_norm(x, layer.ffn_norm), layer.w_gate_up, layer.b_gate_up)  # [T, 2I]
-        m = F.linear(self._act(gate_up), layer.w_down, layer.b_down)
-        return x + (self._rms_norm(m, layer.post_ffn_norm) if layer.post_ffn_norm is not None else m * rs)
-
-    def _experts(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        """The routed experts' FFN on ``h [T, hidden]`` (torch path; ``ModelConfig``'s formula, transformers' eager
-        order: experts ascending, each term added into zeros; a shared expert's (gated) output added last).
-        Returns ``[T, hidden]``."""
-        cfg = self.config
-        logits = F.linear(h, layer.w_router, layer.b_router).float()  # [T, E]
-        if cfg.expert_gating == "topk_softmax":  # Granite: the softmax over the k largest logits
-            top, experts = torch.topk(logits, cfg.n_experts_used, dim=-1)
-            weights = torch.softmax(top, dim=-1)
-        else:
-            weights, experts = torch.topk(torch.softmax(logits, dim=-1), cfg.n_experts_used, dim=-1)  # [T, k]
-        if cfg.expert_gating == "softmax_norm":
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(h)
-        for e in range(cfg.n_experts):
-            tok, rank = torch.where(experts == e)
-            if tok.numel():
-                xs = h[tok]
-                bg, bu, bd = (None if b is None else b[e] for b in (layer.b_exp_gate, layer.b_exp_up, layer.b_exp_down))
-                y = F.linear(self._act(torch.cat([F.linear(xs, layer.exp_gate[e], bg), F.linear(
-                    xs, layer.exp_up[e], bu)], dim=-1)), layer.exp_down[e], bd)
-                out.index_add_(0, tok, y * weights[tok, rank, None].to(y.dtype))
-        if layer.shared:  # Qwen2MoeSparseMoeBlock: sigmoid(h . w) * shared(h), added after the routed sum
-            shared = F.linear(self._act(F.linear(h, layer.sh_gate_up)), layer.sh_down)
-            if layer.sh_gate_inp is not None:
-                shared = torch.sigmoid(h @ layer.sh_gate_inp)[:, None] * shared
-            out = out + shared
-        return out
-
-    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """The config's gate on ``gate_up [T, 2 I]`` rows ``[gate | up]`` (torch path) → ``[T, I]``."""
-        cfg = self.config
-        return kernels.act_mul_reference(gate_up, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit)
-
-    def _attend_segments(self, li: int, q, k, v, op: StepPlan) -> torch.Tensor:
-        """RoPE, KV-append and attention of every segment through its table (torch path): ``q [T, Hq, D]``,
-        ``k, v [T, Hkv, D]`` → ``[T, Hq, D]``."""
-        cos, sin = self.rope[li]
-        out, o = [], 0
-        for i, (_, start, n, _) in enumerate(op.table):
-            blocks = op.tables[int(op.table_offs[i]):int(op.table_offs[i + 1])]
-            kv_append(self.kv[li], blocks, k[o:o + n].contiguous(), v[o:o + n].contiguous(), start, cos, sin)
-            qi = kernels.apply_rope(q[o:o + n].contiguous(), start, cos, sin)
-            out.append(attention(qi, self.kv[li], blocks, start, self.windows[li], self.config.attention_scale,
-                                 self.layers[li].sinks))
-            o += n
-        return torch.cat(out) if len(out) > 1 else out[0]
 
     def _head(self, h: torch.Tensor, plan) -> StageOutput:
         """Final norm + LM head on ``h [T, hidden]``, only at the positions ``plan`` (``ringshm.model.head``) needs."""
