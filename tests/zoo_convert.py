@@ -76,10 +76,10 @@ transforms it applies to HF tensors (read at ggml-org/llama.cpp: ``convert_hf_to
   one they differ (ringshm refuses the GGUF's ``yarn_attn_factor``, and the converter drops the mscales).
 - gptoss → ``gpt-oss`` (``GptOssModel``): no reorder; TextModel's keys (its YaRN ones among them), ``expert_count``,
   ``expert_used_count``, ``sliding_window``, ``expert_feed_forward_length`` (``intermediate_size``); q/k/v/o biases,
-  ``attn_sinks.weight`` (``self_attn.sinks`` named as a weight), ``post_attention_layernorm`` → ``post_attention_norm``
-  (the FFN's norm), ``mlp.router`` → ``ffn_gate_inp`` weight and bias; the experts split and transposed as
-  ``zoo_experts.add_gptoss_experts`` draws (MXFP4). No key for the gating, the sliding pattern (every even layer slides),
-  the SwiGLU's alpha / limit (1.702, 7) or the attention scale: llama.cpp fixes them for the arch.
+  ``attn_sinks.weight`` (``self_attn.sinks`` named as a weight), ``post_attention_layernorm`` →
+  ``post_attention_norm`` (the FFN's norm), ``mlp.router`` → ``ffn_gate_inp`` weight and bias; the experts split
+  and transposed as ``zoo_experts.add_gptoss_experts`` draws (MXFP4). No key for the gating, the sliding pattern
+  (every even layer slides), the SwiGLU's alpha / limit (1.702, 7) or the attention scale: llama.cpp fixes them.
 - phi3 → ``phi3``, no reorder; fused ``attn_qkv`` (q rows, then k, then v) and fused ``ffn_up`` (gate rows,
   then up: ``[2 * intermediate, hidden]``), no ``ffn_gate``. Keys: ``rope.scaling.original_context_length``,
   ``rope.dimension_count``, ``attention.sliding_window`` (0 when the config has none).
