@@ -439,6 +439,11 @@ GGUF_CASES: dict[str, Case] = {
                                                                                       "missing")),
     "yarn_base_1": Case(_g(lambda f: (_yarn()(f), _set("llama.rope.freq_base", VT.FLOAT32, 1.0)(f))),
                         UnsupportedArchitecture, ("llama.rope.freq_base", "above 1")),
+    # read for Gemma 3 and gpt-oss only (llama.cpp's set_swa_pattern, its SWA layers' base); elsewhere by name
+    "swa_pattern_on_llama": Case(_g(_set("llama.attention.sliding_window_pattern", VT.UINT32, 2)),
+                                 UnsupportedArchitecture, ("llama.attention.sliding_window_pattern", "pattern")),
+    "swa_rope_base_on_llama": Case(_g(_set("llama.rope.freq_base_swa", VT.FLOAT32, 10.0)), UnsupportedArchitecture,
+                                   ("llama.rope.freq_base_swa", "Gemma 3 only")),
     "yarn_beside_rope_freqs": Case(_g(lambda f: (_yarn()(f), f.tensors.append(Tensor(
         "rope_freqs.weight", (HEAD_DIM // 2,), QT.F32, _f32(np.ones(HEAD_DIM // 2)))))), UnsupportedArchitecture,
                                    ("llama.rope.scaling.type", "rope_freqs.weight")),

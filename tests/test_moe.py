@@ -461,3 +461,27 @@ def test_a_stage_lets_each_layers_tensors_as_read_go_once_that_layer_is_packed(z
     shared = ckpt.load_stage((0, 4), True, True)
     StageModel(ckpt.config, (0, 4), True, True, 1, 32, weights=shared)
     assert all(layer is not None for layer in shared.layers)
+
+
+def test_a_gpt_oss_gguf_s_sliding_pattern_is_read_and_another_base_for_its_sliding_layers_refused(zoo):
+    """llama.cpp's gpt-oss slides layers 0, 2, 4, ... (set_swa_pattern(2)) unless the file's
+    ``attention.sliding_window_pattern`` says otherwise (a period: 1 slides none; or one flag per layer), and reads
+    ``rope.freq_base_swa`` as the sliding layers' RoPE base: ringshm takes the pattern and refuses a base other than
+    ``rope.freq_base`` by name (both were accepted and ignored)."""
+    from ringshm.model.checkpoint_check import check_gguf
+    from ringshm.model.gguf_index import GGUFIndex
+
+    index = GGUFIndex.open(zoo("gptoss").gguf_path)
+    n, meta = index.meta["gpt-oss.block_count"], dict(index.meta)
+
+    def config(**keys):
+        index.meta = {**meta, **{f"gpt-oss.{k}": v for k, v in keys.items()}}
+        return check_gguf(index)
+
+    assert config().sliding_layers == tuple(i % 2 == 0 for i in range(n))
+    assert config(**{"attention.sliding_window_pattern": 1}).sliding_layers == (False,) * n
+    flags = [i == 1 for i in range(n)]
+    assert config(**{"attention.sliding_window_pattern": flags}).sliding_layers == tuple(flags)
+    assert config(**{"rope.freq_base_swa": meta["gpt-oss.rope.freq_base"]}).rope_local_theta == 0.0
+    with pytest.raises(UnsupportedArchitecture, match=r"gpt-oss\.rope\.freq_base_swa = 10\.0"):
+        config(**{"rope.freq_base_swa": 10.0})

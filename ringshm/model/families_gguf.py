@@ -18,8 +18,7 @@ HARMLESS_GGUF_KEYS = frozenset({
     "attention.head_count_kv", "attention.key_length", "attention.value_length", "attention.layer_norm_rms_epsilon",
     "rope.freq_base", "rope.dimension_count", "vocab_size", "rope.scaling.type", "rope.scaling.factor",
     "rope.scaling.original_context_length", "attention.sliding_window", "final_logit_softcapping",
-    "rope.scaling.finetuned", "attention.sliding_window_pattern", "rope.freq_base_swa",
-    "expert_count", "expert_used_count", "expert_feed_forward_length",
+    "rope.scaling.finetuned", "expert_count", "expert_used_count", "expert_feed_forward_length",
 })
 
 
@@ -104,33 +103,43 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
         # floors / ceils every arch's ramp ends: the model's own definition is taken here
         kw["rope_scaling"] = dataclasses.replace(kw["rope_scaling"], truncate=False)
     window = meta.get(f"{arch}.attention.sliding_window")
-    if family == "gemma3":
-        pattern = meta.get(f"{arch}.attention.sliding_window_pattern")
-        if pattern is None:  # llama.cpp's Gemma 3: every 6th layer global, the others sliding
-            sliding = tuple(bool((i + 1) % 6) for i in range(n_layers))
-        elif isinstance(pattern, (list, tuple)):
+    pattern_key, swa_base_key = f"{arch}.attention.sliding_window_pattern", f"{arch}.rope.freq_base_swa"
+    swa_base = meta.get(swa_base_key)
+    if family in ("gemma3", "gptoss"):
+        # llama.cpp's set_swa_pattern: every n-th layer global (Gemma 3 6, gpt-oss 2: layers 0, 2, 4, ... slide),
+        # unless the file's pattern key says otherwise (a period, or one flag per layer)
+        pattern = meta.get(pattern_key, 6 if family == "gemma3" else 2)
+        if isinstance(pattern, (list, tuple)):
             sliding = tuple(bool(x) for x in pattern)
         else:
             sliding = tuple(bool((i + 1) % int(pattern)) for i in range(n_layers))
+    elif pattern_key in meta:
+        raise _refuse(where, pattern_key, meta[pattern_key], f"{arch} layers have no sliding-window pattern")
+    if swa_base is not None and family != "gemma3" and float(swa_base) != float(meta.get(f"{arch}.rope.freq_base",
+                                                                                         10_000.0)):
+        raise _refuse(where, swa_base_key, swa_base,
+                      "a RoPE base of the sliding layers other than rope.freq_base is computed for Gemma 3 only")
+    if family == "gemma3":
         kw.update(post_norms=True, activation="gelu_tanh", embed_scale=float(_f32(math.sqrt(hidden))),
                   sliding_window=int(window or 0), sliding_layers=sliding if window else (),
                   # the local layers' base: today's converter writes it; older files (the 270M one) do not, and
                   # llama.cpp then takes 10000
-                  rope_local_theta=float(meta.get(f"{arch}.rope.freq_base_swa") or 10_000.0),
+                  rope_local_theta=float(swa_base or 10_000.0),
                   attn_scale=1.0 / math.sqrt(head_dim),  # llama.cpp: 1/sqrt(key_length) below 27B
                   logit_softcap=float(meta.get(f"{arch}.final_logit_softcapping") or 0.0))
         if kw["attention_bias"] or kw["o_bias"] or kw["mlp_bias"]:
             raise _refuse(where, "biases", "present", "Gemma 3 has none")
-    elif family == "gptoss":  # llama.cpp: set_swa_pattern(2), layers 0, 2, 4, ... slide (transformers' layer_types)
+    elif family == "gptoss":  # transformers' layer_types alike: sliding, full, sliding, ...
         if not window:
             raise InvalidCheckpoint(f"{where}: GGUF metadata key '{arch}.attention.sliding_window' is missing: "
                                     f"gpt-oss's even layers slide over it")
-        kw.update(sliding_window=int(window), sliding_layers=tuple(i % 2 == 0 for i in range(n_layers)))
+        kw.update(sliding_window=int(window), sliding_layers=sliding)
     elif window:
         if family not in ("phi3", "llama", "mixtral"):
             raise _refuse(where, f"{arch}.attention.sliding_window", window)
         kw["sliding_window"] = int(window)
-    read = HARMLESS_GGUF_KEYS | (GRANITE_GGUF_KEYS if family == "granitemoe" else frozenset()) | (
+    read = HARMLESS_GGUF_KEYS | {"attention.sliding_window_pattern", "rope.freq_base_swa"} | (
+        GRANITE_GGUF_KEYS if family == "granitemoe" else frozenset()) | (
         YARN_GGUF_KEYS if meta.get(f"{arch}.rope.scaling.type") == "yarn" else frozenset()) | (
         {"expert_shared_feed_forward_length"} if family in ("qwen2moe", "granitemoe") else frozenset())
     unknown = sorted(k[len(arch) + 1:] for k in meta.keys() if k.startswith(f"{arch}.")
