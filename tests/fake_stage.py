@@ -25,7 +25,7 @@ from ringshm.engine.coordinator import Link, Stream
 from ringshm.engine.kv_blocks import KVBlocks
 from ringshm.engine.sampling import Sampler, TextStream
 from ringshm.errors import KVRangeError, PeerDied
-from ringshm.model.head import head_outputs, plan_head
+from ringshm.model.head import NON_FINITE, head_outputs, plan_head
 from ringshm.runtime.stage import N_SLOTS, StageSpec, serve
 from ringshm.transport import messages as m
 from ringshm.transport.ring import Ring
@@ -121,6 +121,9 @@ class OracleModel:
         for i, p in enumerate(plan.positions):
             table, pos = where[p]
             answer = self._answer(table, pos)
+            if answer == NON_FINITE:  # a script's NON_FINITE: the logits of broken weights there
+                logits[i] = float("nan")
+                continue
             logits[i, answer], logits[i, (answer + 1) % self.vocab] = 10.0, 9.0
         return head_outputs(logits, plan)
 

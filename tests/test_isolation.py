@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from fake_stage import EOS, OracleModel
+from fake_stage import EOS, OracleModel, fake_kv
 from ringshm.engine.async_engine import AsyncEngine
 from ringshm.engine.engine import new_stream
 from ringshm.engine.sampling import Sampler, StopMatcher, TextStream
@@ -84,7 +84,7 @@ def test_a_stream_whose_sampling_raises_fails_alone_and_its_batch_mates_get_thei
 
 
 def test_generate_batch_ends_a_failing_stream_with_error_and_finishes_the_others(monkeypatch):
-    from fake_stage import fake_kv, start_fake_ring
+    from fake_stage import start_fake_ring
     from ringshm.engine.scheduler import Scheduler
 
     ts = scripts(3, length=80)
@@ -104,6 +104,55 @@ def test_generate_batch_ends_a_failing_stream_with_error_and_finishes_the_others
     assert streams[1].finish_reason == "error" and streams[1].tokens == []
     for i in (0, 2):
         assert streams[i].tokens == ts[i][5:45] and streams[i].finish_reason == "length"
+
+
+def test_a_greedy_choice_on_nan_logits_fails_its_stream_alone():
+    """The last stage answers NON_FINITE (-1) where a greedy choice's logit is NaN or inf (``head_outputs``): the
+    coordinator fails that stream with FloatingPointError, as a sampled stream fails on such logits, and never
+    commits -1 as a token (a hostile review saw greedy return token 0 with a NaN logprob); the others finish."""
+    from fake_stage import start_fake_ring
+    from ringshm.engine.scheduler import Scheduler
+    from ringshm.model.head import NON_FINITE
+
+    ts = scripts(3, length=80)
+    ts[1][12] = NON_FINITE  # the stage's answer after position 11 of stream 1
+    model = OracleModel(ts, max_rows=3)
+    ring = start_fake_ring(model)
+    try:
+        streams = [new_stream(i, -1, t[:5], GenerationParams(max_new_tokens=40), None, frozenset({EOS}), 1024)
+                   for i, t in enumerate(ts)]
+        events = list(Scheduler(ring.link, streams, 3, 4, 8, 1, 8, kv=fake_kv(model)))
+    finally:
+        ring.close()
+    errors = [e for e in events if e.error is not None]
+    assert [e.stream for e in errors] == [1] and isinstance(errors[0].error, FloatingPointError), errors
+    assert "greedy choice is NaN or inf" in str(errors[0].error)
+    assert streams[1].finish_reason == "error" and streams[1].tokens == ts[1][5:12]
+    for i in (0, 2):
+        assert streams[i].tokens == ts[i][5:45] and streams[i].finish_reason == "length"
+
+
+def test_a_nan_embedding_row_makes_only_its_own_row_non_finite_at_the_last_stage(tmp_path):
+    """One token's NaN embedding (a broken file, or one a prompt reaches on purpose): the row whose prompt holds
+    it gets NON_FINITE from the stage, its batch-mate the id it gets alone."""
+    import numpy as np
+
+    from checkpoint_corpus import Tensor, tiny_gguf
+    from ringshm.model.head import NON_FINITE
+    from ringshm.model.stage_model import StageModel
+    from ringshm.transport.messages import WANT_LAST
+
+    f = tiny_gguf()
+    emb = f.tensor("token_embd.weight")
+    f.tensors.append(Tensor("output.weight", emb.dims, emb.qtype, emb.data))  # untied: the head stays finite
+    values = np.frombuffer(emb.data, "<f4").copy().reshape(-1, emb.dims[0])
+    values[9] = np.nan
+    emb.data = values.tobytes()
+    stage = StageModel.from_path(f.write(tmp_path / "nan_row.gguf"), max_rows=2, max_seq_len=16)
+    alone = stage.step(torch.tensor([1, 5, 7]), [(1, 0, 3, WANT_LAST)]).token_ids.tolist()
+    stage.reset()
+    both = stage.step(torch.tensor([1, 5, 9, 1, 5, 7]), [(0, 0, 3, WANT_LAST), (1, 0, 3, WANT_LAST)])
+    assert both.token_ids.tolist() == [NON_FINITE] + alone and alone[0] >= 0
 
 
 # --------------------------------------------------------------------- values fp32 cannot carry, up front

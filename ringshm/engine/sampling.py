@@ -11,6 +11,19 @@ import torch
 NUCLEUS_CANDIDATES = 1024  # top-p looks for the nucleus among the most likely this many first (no full sort)
 
 
+def greedy_id(argmax_id: int) -> int:
+    """The stage's greedy choice as a token id.
+
+    Raises:
+        FloatingPointError: the last stage said its logit was NaN or inf (``ringshm.model.head.NON_FINITE``): the
+            weights are likely broken; the stream fails alone, as a sampled one does on such logits.
+    """
+    if argmax_id < 0:
+        raise FloatingPointError("the model's logit at its greedy choice is NaN or inf at this position: its "
+                                 "weights are likely broken (NaN or inf)")
+    return int(argmax_id)
+
+
 class Sampler:
     """Next-token rule of one request.
 
@@ -120,10 +133,11 @@ class Sampler:
 
         Raises:
             ValueError: logits are needed (``needs_logits``) and ``logits`` is None.
-            FloatingPointError: the logits hold NaN or inf (weights with NaN: the checkpoint is broken).
+            FloatingPointError: the logits hold NaN or inf (weights with NaN: the checkpoint is broken); greedy:
+                the argmax's logit is NaN or inf (``greedy_id``).
         """
         if not self.needs_logits:
-            return int(argmax_id)
+            return greedy_id(argmax_id)
         if logits is None:
             raise ValueError("sampling, logit_bias, penalties and min_tokens need the last position's logits "
                              "(WANT_LOGITS)")

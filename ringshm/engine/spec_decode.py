@@ -29,6 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ringshm.engine.coordinator import Stream, TokenEvent
+from ringshm.engine.sampling import greedy_id
 from ringshm.engine.spec import NGramDrafter, SpecStats, accept
 
 PROBE_EVERY = 8  # plain decode steps before a stream whose drafts kept failing tries one draft token again
@@ -123,7 +124,7 @@ class SpecDecoder:
         if tag.epoch != self.epoch or s.done:
             return []  # built on a rejected tail (or the stream ended): never committed
         drafts = list(tag.inputs[1:])
-        committed = accept(drafts, argmax_ids)
+        committed = [greedy_id(t) for t in accept(drafts, argmax_ids)]
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += len(committed) - 1
         self.stats.verify_steps += 1

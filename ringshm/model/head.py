@@ -19,12 +19,15 @@ import torch
 
 from ringshm.transport.messages import WANT_ALL, WANT_ALLOWED, WANT_LAST, WANT_LOGITS, WANT_LOGPROBS, Segment
 
+NON_FINITE = -1  # a token id that says: the greedy choice's logit is NaN or inf (``head_outputs``)
+
 
 @dataclass
 class StageOutput:
     """What the last stage returns for one op (``ringshm.transport.messages``' reply layout).
 
-    ``token_ids``: int64 argmax ids ``[Σ outputs]`` (``step``; ``[n]`` or ``[1]`` from ``forward``).
+    ``token_ids``: int64 argmax ids ``[Σ outputs]`` (``step``; ``[n]`` or ``[1]`` from ``forward``);
+    ``NON_FINITE`` (-1) where the greedy choice's logit is NaN or inf (broken weights: no token to choose).
     ``logits``: fp32 last-position logits ``[n_logit_segments, vocab]`` (``forward``: ``[vocab]``), only when
     asked for. ``lp_chosen`` fp32 ``[P]``, ``lp_top_ids`` int64 ``[Σ k]``, ``lp_top`` fp32 ``[Σ k]``: the
     logprobs of the positions that asked for them (None when none did).
@@ -192,7 +195,10 @@ def head_outputs(logits: torch.Tensor, plan: HeadPlan) -> StageOutput:
             words = torch.full((logits.shape[0], allowed.shape[1]), -1, dtype=torch.int32)
             words[plan.allowed_rows] = allowed.cpu()
     argmax = argmax_rows(logits, words)  # [n_pos]
-    out = StageOutput(argmax[plan.out_rows] if plan.out_rows else torch.zeros(0, dtype=torch.int64),
+    # argmax takes a NaN first, then +inf: a choice whose logit is not finite is no token (the coordinator fails
+    # that stream alone, as sampling fails on such logits), never an id the model did not choose
+    ids = torch.where(torch.isfinite(logits.gather(1, argmax[:, None])[:, 0]), argmax, NON_FINITE)
+    out = StageOutput(ids[plan.out_rows] if plan.out_rows else torch.zeros(0, dtype=torch.int64),
                       logits[plan.logit_rows].float() if plan.logit_rows else None)
     if plan.lp_rows:
         rows = torch.tensor(plan.lp_rows, dtype=torch.int64, device=logits.device)
