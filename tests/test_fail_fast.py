@@ -66,6 +66,10 @@ def test_serve_on_a_port_out_of_range_exits_2_at_once(port):
     (["serve", "--header-timeout", "0"], ["--header-timeout"]),
     (["serve", "--body-timeout", "-1"], ["--body-timeout"]),
     (["serve", "--prefill-stall-ratio", "1"], ["prefill_stall_ratio", "> 1"]),
+    (["generate", "--temperature", "abc", "Hi"], ["ringshm generate", "--temperature", "'abc'", "--help"]),
+    (["generate", "--no-such-option", "Hi"], ["unrecognized", "--no-such-option"]),
+    (["serve", "--port"], ["--port", "expected one argument"]),
+    (["no-such-command"], ["invalid choice", "'no-such-command'"]),
 ])
 def test_an_argument_error_exits_2_before_torch_loads(args, words):
     out, took_s = _ringshm(*args)
