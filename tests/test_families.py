@@ -210,6 +210,7 @@ REFUSED = [
     ("qwen3moe", "mlp_only_layers", [1], "mlp_only_layers"),  # a dense layer among routed ones
     ("qwen2moe", "layer_types", ["sliding_attention"] * 4, "layer_types"),  # windows without use_sliding_window
     ("qwen3moe", "decoder_sparse_step", 2, "decoder_sparse_step"),
+    ("gptoss", "layer_types", ["sliding_attention", "full_attention"], r"layer_types .* per layer: \d+ layers"),
     ("olmoe", "clip_qkv", 8.0, "clip_qkv"),
     ("qwen3moe", "model_type", "qwen3_next", "Gated DeltaNet"),  # MoE families not computed: by name, with why
     ("qwen3moe", "model_type", "deepseek_v3", "MLA"),

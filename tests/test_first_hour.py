@@ -141,6 +141,8 @@ def test_the_memory_check_counts_each_stage_s_layer_scratch_for_the_op_budget(mo
     with pytest.raises(ResourceShortage) as info:
         check_memory(cfg, mc, cfg.layer_ranges(mc.n_layers), 2048, model_path)
     assert asked == [cfg.max_op_tokens] * 2 and "weights and layer scratch 80." in str(info.value), info.value
+    # the knob that shrinks it is named (a review saw only the KV cache's named, at 0.00 GiB of KV)
+    assert "layer scratch, 40.00 GiB" in str(info.value) and "--prefill-chunk (now 2048)" in str(info.value)
 
 
 def test_the_default_engine_fits_this_machine(model_path):

@@ -236,8 +236,10 @@ def _hf_windows(c: dict, family: str, n_layers: int, used: set, where: str) -> d
             pattern = 2 if family == "gptoss" else int(  # pattern key says (GptOssConfig.__post_init__ reads none)
                 c.get("sliding_window_pattern") or c.get("_sliding_window_pattern") or 6)
             layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layers)]
-        if len(layer_types) != n_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
-            raise _refuse(where, "layer_types", layer_types)
+        if not isinstance(layer_types, list) or len(layer_types) != n_layers or \
+                set(layer_types) - {"sliding_attention", "full_attention"}:
+            raise _refuse(where, "layer_types", layer_types, f"one of 'sliding_attention' / 'full_attention' per "
+                                                             f"layer: {n_layers} layers")
         sliding = tuple(t == "sliding_attention" for t in layer_types)
         if any(sliding) and not window:
             raise _refuse(where, "sliding_window", window, "sliding layers need a window")

@@ -129,7 +129,7 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
     width = 2.0 if cfg.dtype == "bfloat16" else 4.0
     ckpt = Checkpoint.open(model_path)
     local = range(len(layer_ranges)) if local is None else local
-    parts, expanded = [], []
+    parts, expanded, scratch = [], [], 0
     for i in local:
         first, last = i == 0, i == len(layer_ranges) - 1
         held, grown = ckpt.stage_bytes(layer_ranges[i], first, last, native, width)
@@ -137,7 +137,8 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
             held += max(ckpt.source.held_bytes(n, native, width)[0] for n in grown)  # the packing's second copy
         expanded += grown
         if native:
-            held += layer_scratch_bytes(mc, cfg.max_op_tokens)
+            scratch = layer_scratch_bytes(mc, cfg.max_op_tokens)
+            held += scratch
         parts.append((held, stage_kv_bytes(cfg, mc, layer_ranges[i], n_blocks)))
     weights, kv = sum(w for w, _ in parts), sum(k for _, k in parts)
     base = STAGE_BASE_BYTES * len(parts)
@@ -148,6 +149,9 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
         grown = (f"; {len(expanded)} weight tensors are of types the matmul does not read and are expanded to fp32 "
                  f"at load (e.g. {expanded[0]})" if expanded and native else "")
         halve = "; --kv-cache-dtype float16 halves it" if cfg.kv_cache_dtype == "float32" else ""
+        ops = "" if scratch * 4 <= need else (
+            f"; each stage's layer scratch, {scratch / gib:.2f} GiB, grows with the tokens an op carries: a smaller "
+            f"--prefill-chunk (now {cfg.prefill_chunk}) or --max-rows shrinks it")
         raise ResourceShortage(
             f"the engine needs ~{need / gib:.1f} GiB of memory (weights and layer scratch {weights / gib:.2f} GiB "
             f"+ KV cache "
@@ -155,4 +159,4 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
             f"{sized_by} + "
             f"{base / gib:.2f} GiB for {len(parts)} stage processes; per stage: {per_stage} GiB{grown}) but "
             f"{avail / gib:.1f} GiB is available: lower --kv-cache-memory (or --max-rows / --max-seq-len, which "
-            f"size it when it is not given{halve}), or run more stages on more hosts")
+            f"size it when it is not given{halve}){ops}, or run more stages on more hosts")
