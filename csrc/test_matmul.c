@@ -279,7 +279,8 @@ int main(void) {
         const int quant = kquant || (type >= RINGSHM_W_Q4_0 && type <= RINGSHM_W_Q8_0) || type == RINGSHM_W_MXFP4;
         const int64_t n = 1 + next() % 70;
         const int64_t k = kquant ? 256 * (1 + next() % 3) : quant ? 32 * (1 + next() % 5) : 1 + next() % 150;
-        const int64_t m = it % 10 == 0 ? 200 + next() % 20 : 1 + next() % 20; /* to 20: 1-4 tiles of the register decode */
+        /* to 34 rows: 1-4 tiles of the register decode (AVX2: 1-8), then the slab */
+        const int64_t m = it % 10 == 0 ? 200 + next() % 20 : 1 + next() % 34;
         const int64_t sbytes = ringshm_qmat_src_bytes(type, n, k), pbytes = ringshm_qmat_packed_bytes(type, n, k);
         if (sbytes <= 0 || pbytes <= 0)
             FAIL("sizes refused: type %d n %lld k %lld\n", type, (long long)n, (long long)k);
