@@ -168,8 +168,8 @@ def build_parser() -> argparse.ArgumentParser:
     default."""
     from ringshm.version import __version__
 
-    parser = _Parser(prog="ringshm", description="Pipeline-parallel LLM inference over "
-                                     "shared-memory rings.", formatter_class=_HelpFormatter)
+    parser = _Parser(prog="ringshm", description="Pipeline-parallel LLM inference over shared-memory rings.",
+                     formatter_class=_HelpFormatter)
     parser.add_argument("--version", action="version", version=f"ringshm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a continuation of PROMPT", formatter_class=_HelpFormatter,
