@@ -132,6 +132,44 @@ def test_a_greedy_choice_on_nan_logits_fails_its_stream_alone():
         assert streams[i].tokens == ts[i][5:45] and streams[i].finish_reason == "length"
 
 
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_a_stream_meeting_nan_logits_keeps_and_streams_plain_greedy_s_tokens_before_them(spec):
+    """Speculation commits plain greedy's bytes up to the failure too: a verify whose accepted drafts precede the
+    NaN choice commits and streams them, then the stream fails (a review saw spec keep 6 of greedy's 10)."""
+    import random
+
+    from fake_stage import start_fake_ring
+    from ringshm.engine.scheduler import Scheduler
+    from ringshm.model.head import NON_FINITE
+
+    rng = random.Random(1)
+    script = [100] + [rng.randrange(10, 1000) for _ in range(7)] * 20  # repeats: the n-gram drafter hits
+    script[30] = NON_FINITE  # the stage's answer after position 29
+    model = OracleModel([script], max_rows=1)
+    ring = start_fake_ring(model)
+    try:
+        s = new_stream(0, -1, script[:20], GenerationParams(max_new_tokens=60, spec=spec, spec_k=4), None,
+                       frozenset({EOS}), 1024)
+        events = list(Scheduler(ring.link, [s], 1, 4, 8, 1, 8, kv=fake_kv(model)))
+    finally:
+        ring.close()
+    assert s.tokens == script[20:30] and isinstance(s.error, FloatingPointError), (s.tokens, s.error)
+    assert [e.token_id for e in events if e.error is None] == script[20:30]
+    assert [type(e.error) for e in events if e.error is not None] == [FloatingPointError]
+
+
+def test_a_row_whose_mask_allows_no_token_answers_non_finite_without_failing_its_batch_mates():
+    from ringshm.model.head import NON_FINITE, argmax_rows, head_outputs, plan_head
+    from ringshm.transport.messages import WANT_ALLOWED, WANT_LAST
+
+    logits = torch.randn(2, 100, generator=torch.Generator().manual_seed(0))
+    words = torch.full((2, 4), -1, dtype=torch.int32)
+    words[1] = 0  # row 1 allows nothing (the grammar refuses such a mask before; the head must not fail the op)
+    plan = plan_head([(0, 0, 1, WANT_LAST | WANT_ALLOWED), (1, 0, 1, WANT_LAST | WANT_ALLOWED)], [], words, 100)
+    assert head_outputs(logits, plan).token_ids.tolist() == [int(logits[0].argmax()), NON_FINITE]
+    assert argmax_rows(logits, words).tolist()[1] == -1
+
+
 def test_a_nan_embedding_row_makes_only_its_own_row_non_finite_at_the_last_stage(tmp_path):
     """One token's NaN embedding (a broken file, or one a prompt reaches on purpose): the row whose prompt holds
     it gets NON_FINITE from the stage, its batch-mate the id it gets alone."""

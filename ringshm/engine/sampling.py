@@ -11,16 +11,21 @@ import torch
 NUCLEUS_CANDIDATES = 1024  # top-p looks for the nucleus among the most likely this many first (no full sort)
 
 
+def non_finite() -> FloatingPointError:
+    """The error that ends a stream whose greedy choice came back ``ringshm.model.head.NON_FINITE`` (its logit NaN
+    or inf: the weights are likely broken); the stream fails alone, as a sampled one does on such logits."""
+    return FloatingPointError("the model's logit at its greedy choice is NaN or inf at this position: its weights "
+                              "are likely broken (NaN or inf)")
+
+
 def greedy_id(argmax_id: int) -> int:
     """The stage's greedy choice as a token id.
 
     Raises:
-        FloatingPointError: the last stage said its logit was NaN or inf (``ringshm.model.head.NON_FINITE``): the
-            weights are likely broken; the stream fails alone, as a sampled one does on such logits.
+        FloatingPointError: the last stage said its logit was NaN or inf (``non_finite``).
     """
     if argmax_id < 0:
-        raise FloatingPointError("the model's logit at its greedy choice is NaN or inf at this position: its "
-                                 "weights are likely broken (NaN or inf)")
+        raise non_finite()
     return int(argmax_id)
 
 

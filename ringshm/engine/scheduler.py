@@ -422,11 +422,13 @@ class Scheduler:
             if s.error is None:
                 n_events = len(events)
                 try:
-                    commit_segment(s, seg, kind, v, part, events, self.kv if self.prefix_cache else None)
+                    failure = commit_segment(s, seg, kind, v, part, events, self.kv if self.prefix_cache else None)
                 except Exception as exc:  # noqa: BLE001 - whatever this stream's own work raised ends it alone
                     del events[n_events:]
-                    s.fail(exc)
-                    events.append(TokenEvent(s.index, -1, "", error=exc))
+                    failure = exc
+                if failure is not None:
+                    s.fail(failure)
+                    events.append(TokenEvent(s.index, -1, "", error=failure))
             if s.done:
                 self._maybe_free(s)
         return events

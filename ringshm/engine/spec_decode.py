@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ringshm.engine.coordinator import Stream, TokenEvent
-from ringshm.engine.sampling import greedy_id
+from ringshm.engine.sampling import non_finite
 from ringshm.engine.spec import NGramDrafter, SpecStats, accept
 
 PROBE_EVERY = 8  # plain decode steps before a stream whose drafts kept failing tries one draft token again
@@ -116,19 +116,26 @@ class SpecDecoder:
         self.in_flight.append(tag)
         return tag
 
-    def on_reply(self, argmax_ids: list[int], tag: VerifyTag) -> list[TokenEvent]:
-        """Commit what a current-epoch segment's argmax ids (one per fed token) accept; drop a stale one."""
+    def on_reply(self, argmax_ids: list[int], tag: VerifyTag) -> tuple[list[TokenEvent], Exception | None]:
+        """Commit what a current-epoch segment's argmax ids (one per fed token) accept; drop a stale one.
+
+        Returns the events of the committed tokens and, where the stage's choice after them was ``NON_FINITE``
+        (NaN / inf logits), the error that ends the stream (``sampling.non_finite``): the tokens before it are
+        plain greedy's, so they are committed first, as plain decoding would have."""
         oldest = self.in_flight.popleft()
         assert oldest is tag, "verify replies of one stream come back in send order"
         s = self.stream
         if tag.epoch != self.epoch or s.done:
-            return []  # built on a rejected tail (or the stream ended): never committed
+            return [], None  # built on a rejected tail (or the stream ended): never committed
         drafts = list(tag.inputs[1:])
-        committed = [greedy_id(t) for t in accept(drafts, argmax_ids)]
+        committed = accept(drafts, argmax_ids)
         self.stats.draft_tokens += len(drafts)
         self.stats.accepted_tokens += len(committed) - 1
         self.stats.verify_steps += 1
         self._adapt(len(drafts), len(committed) - 1)
+        failure = non_finite() if committed[-1] < 0 else None  # a draft is never < 0: only the last can be
+        if failure is not None:
+            committed = committed[:-1]
         events = []
         for t in committed:
             if s.done:
@@ -138,7 +145,7 @@ class SpecDecoder:
         nxt = next((t for t in self.in_flight if t.epoch == self.epoch), None)
         if nxt is not None and (s.done or nxt.start != s.position or nxt.inputs[0] != s.tokens[-1]):
             self.epoch += 1  # the chain was built on a tail the model rejected
-        return events
+        return events, failure
 
     def _adapt(self, n_drafts: int, n_accepted: int) -> None:
         """Next draft length from this verify's outcome (see the module docstring)."""

@@ -46,20 +46,24 @@ class StepTag:
 
 
 def commit_segment(s: Stream, seg: m.Segment, kind: int, v: VerifyTag | None, part, events: list[TokenEvent],
-                   cache: KVBlocks | None) -> None:
+                   cache: KVBlocks | None) -> Exception | None:
     """Commit one answered segment of ``s``: its prompt logprobs, its next token(s) and their text (appended to
     ``events``), its KV (``commit_kv``; ``cache`` None: the prefix cache is off).
 
     ``part``: the segment's slice of the reply (``ringshm.engine.logprobs.split_reply``). Raises whatever the
     stream's own work raises (its sampler, grammar, detokeniser, stop strings); the scheduler ends that stream
-    alone."""
+    alone, its events of this segment dropped. Returns the error that ends it after the events appended (a verify
+    whose accepted tokens came before a NaN / inf choice: ``SpecDecoder.on_reply``), else None."""
     lps = part.logprobs
     if seg.n_targets():  # a prompt chunk's scores of the prompt's next ids
         s.prompt_token_logprobs += [cut(lp, s.prompt[seg.start + i + 1], s.prompt_logprobs)
                                     for i, lp in enumerate(lps[:seg.n_targets()])]
         lps = lps[seg.n_targets():]
     if kind == VERIFY:
-        events.extend(s.spec.on_reply(part.ids, v))
+        new, failure = s.spec.on_reply(part.ids, v)
+        events.extend(new)
+        if failure is not None:
+            return failure
     elif part.ids and not s.done:  # a decode, or a prompt's last chunk: the next token
         allowed = s.grammar.allowed() if s.grammar is not None and s.sampler.needs_logits else None
         token = s.sampler(part.ids[-1], part.logits, s.prompt, s.tokens, allowed)
@@ -70,6 +74,7 @@ def commit_segment(s: Stream, seg: m.Segment, kind: int, v: VerifyTag | None, pa
         events.append(TokenEvent(s.index, token, s.commit(token), lp))
     if cache is not None:
         commit_kv(s, seg, cache)
+    return None
 
 
 def commit_kv(s: Stream, seg: m.Segment, cache: KVBlocks) -> None:

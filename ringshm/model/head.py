@@ -197,7 +197,9 @@ def head_outputs(logits: torch.Tensor, plan: HeadPlan) -> StageOutput:
     argmax = argmax_rows(logits, words)  # [n_pos]
     # argmax takes a NaN first, then +inf: a choice whose logit is not finite is no token (the coordinator fails
     # that stream alone, as sampling fails on such logits), never an id the model did not choose
-    ids = torch.where(torch.isfinite(logits.gather(1, argmax[:, None])[:, 0]), argmax, NON_FINITE)
+    # (a row whose mask allows no token has no argmax, -1 already: the grammar refuses such a mask before it)
+    chosen = logits.gather(1, argmax.clamp(min=0)[:, None])[:, 0]
+    ids = torch.where(torch.isfinite(chosen) & (argmax >= 0), argmax, NON_FINITE)
     out = StageOutput(ids[plan.out_rows] if plan.out_rows else torch.zeros(0, dtype=torch.int64),
                       logits[plan.logit_rows].float() if plan.logit_rows else None)
     if plan.lp_rows:
