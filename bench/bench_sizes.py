@@ -27,8 +27,9 @@ Per model, one stage of ringshm and llama.cpp with 2 threads (its own process, `
   the load (both map the file: its pages count once touched);
 - decode tok/s: 32 new tokens after a 16-token prompt (decode only, as ``bench_peers``);
 - TTFT of a 256-token prompt (token ids; one step op for ringshm: ``prefill_chunk`` 256; the prefix cache off,
-  so the second round prefills cold as the first).
-Rounds interleave the two (2 rounds; 1 for the 8B). Ratios are ringshm / llama.cpp in this run.
+  so every round prefills cold as the first).
+Rounds interleave the two (5 rounds, medians: this VM's speed drifts by ±15 % within minutes; 1 for the 8B).
+Ratios are ringshm / llama.cpp in this run.
 
     python -m pytest bench/bench_sizes.py --benchmark-only -s -p no:cacheprovider
 """
@@ -53,6 +54,7 @@ from zoo_quant import make_weight, tensor_type  # noqa: E402  (the tests' llama-
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 CACHE = Path.home() / ".cache" / "ringshm-bench"
 N_NEW, N_PROMPT, N_LONG = 32, 16, 256
+ROUNDS = 5  # of each measurement, interleaved; the ratios are of the medians
 SHAPES = {  # name: (layers, hidden, heads, kv heads, ffn, tied)
     "llama-1b": (16, 2048, 32, 8, 8192, True),
     "llama-8b": (32, 4096, 32, 8, 14336, False),
@@ -183,7 +185,7 @@ def measure(name: str, path: Path) -> dict:
         out["llama_load_s"] = time.perf_counter() - t0
         out["llama_rss_mb"] = (peer.info["rss_load"] - peer.info["rss_base"]) / 1e6
         try:
-            for _ in range(1 if name == "llama-8b" else 2):
+            for _ in range(1 if name == "llama-8b" else ROUNDS):
                 r = engine.generate(prompt, max_new_tokens=N_NEW, stop=None, ignore_eos=True)
                 out["decode_tpot_s"]["ringshm"].append(r.tpot_s)
                 out["decode_tpot_s"]["llama.cpp"].append(peer.call("decode", prompt, N_NEW)["tpot_s"])
