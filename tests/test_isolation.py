@@ -158,6 +158,36 @@ def test_a_stream_meeting_nan_logits_keeps_and_streams_plain_greedy_s_tokens_bef
     assert [type(e.error) for e in events if e.error is not None] == [FloatingPointError]
 
 
+@pytest.mark.parametrize("spec", [None, "ngram"])
+@pytest.mark.parametrize("eos_slot", range(7))
+def test_a_stream_that_ends_before_the_nan_choice_ends_as_plain_greedy_does(spec, eos_slot):
+    """EOS, then NaN logits at the next position: plain greedy never asks for that choice, so the stream ends by
+    EOS, with or without speculation (whose verify may draft through the EOS and compute it: the slots move the
+    EOS across the verify's drafts)."""
+    import random
+
+    from fake_stage import start_fake_ring
+    from ringshm.engine.scheduler import Scheduler
+    from ringshm.model.head import NON_FINITE
+
+    rng = random.Random(1)
+    pattern = [rng.randrange(10, 1000) for _ in range(7)]
+    pattern[eos_slot] = EOS  # in the prompt too, so the n-gram drafter drafts it
+    script = [100] + pattern * 20
+    end = next(p for p in range(20, len(script)) if script[p] == EOS)
+    script[end + 1] = NON_FINITE
+    model = OracleModel([script], max_rows=1)
+    ring = start_fake_ring(model)
+    try:
+        s = new_stream(0, -1, script[:20], GenerationParams(max_new_tokens=40, spec=spec, spec_k=4), None,
+                       frozenset({EOS}), 1024)
+        events = list(Scheduler(ring.link, [s], 1, 4, 8, 1, 8, kv=fake_kv(model)))
+    finally:
+        ring.close()
+    assert s.tokens == script[20:end + 1] and s.error is None and s.finish_reason == "stop", (s.tokens, s.error)
+    assert not [e for e in events if e.error is not None]
+
+
 def test_a_row_whose_mask_allows_no_token_answers_non_finite_without_failing_its_batch_mates():
     from ringshm.model.head import NON_FINITE, argmax_rows, head_outputs, plan_head
     from ringshm.transport.messages import WANT_ALLOWED, WANT_LAST

@@ -145,7 +145,7 @@ class SpecDecoder:
         nxt = next((t for t in self.in_flight if t.epoch == self.epoch), None)
         if nxt is not None and (s.done or nxt.start != s.position or nxt.inputs[0] != s.tokens[-1]):
             self.epoch += 1  # the chain was built on a tail the model rejected
-        return events, failure
+        return events, None if s.done else failure  # ended (EOS, length) before the NaN choice: plain greedy's end
 
     def _adapt(self, n_drafts: int, n_accepted: int) -> None:
         """Next draft length from this verify's outcome (see the module docstring)."""
