@@ -132,27 +132,35 @@ def test_a_greedy_choice_on_nan_logits_fails_its_stream_alone():
         assert streams[i].tokens == ts[i][5:45] and streams[i].finish_reason == "length"
 
 
+def _one_drafted_stream(pattern: list[int], nan_after, spec, max_new: int):
+    """One stream over the fake stage's script ``[100] + pattern * 20`` (the n-gram drafter hits its repeats),
+    prompted with its first 20 tokens, whose answer at position ``nan_after(script)`` is NaN logits (NON_FINITE).
+    Returns (the script, the stream, its events)."""
+    from fake_stage import start_fake_ring
+    from ringshm.engine.scheduler import Scheduler
+    from ringshm.model.head import NON_FINITE
+
+    script = [100] + pattern * 20
+    script[nan_after(script)] = NON_FINITE
+    model = OracleModel([script], max_rows=1)
+    ring = start_fake_ring(model)
+    try:
+        s = new_stream(0, -1, script[:20], GenerationParams(max_new_tokens=max_new, spec=spec, spec_k=4), None,
+                       frozenset({EOS}), 1024)
+        events = list(Scheduler(ring.link, [s], 1, 4, 8, 1, 8, kv=fake_kv(model)))
+    finally:
+        ring.close()
+    return script, s, events
+
+
 @pytest.mark.parametrize("spec", [None, "ngram"])
 def test_a_stream_meeting_nan_logits_keeps_and_streams_plain_greedy_s_tokens_before_them(spec):
     """Speculation commits plain greedy's bytes up to the failure too: a verify whose accepted drafts precede the
     NaN choice commits and streams them, then the stream fails (a review saw spec keep 6 of greedy's 10)."""
     import random
 
-    from fake_stage import start_fake_ring
-    from ringshm.engine.scheduler import Scheduler
-    from ringshm.model.head import NON_FINITE
-
     rng = random.Random(1)
-    script = [100] + [rng.randrange(10, 1000) for _ in range(7)] * 20  # repeats: the n-gram drafter hits
-    script[30] = NON_FINITE  # the stage's answer after position 29
-    model = OracleModel([script], max_rows=1)
-    ring = start_fake_ring(model)
-    try:
-        s = new_stream(0, -1, script[:20], GenerationParams(max_new_tokens=60, spec=spec, spec_k=4), None,
-                       frozenset({EOS}), 1024)
-        events = list(Scheduler(ring.link, [s], 1, 4, 8, 1, 8, kv=fake_kv(model)))
-    finally:
-        ring.close()
+    script, s, events = _one_drafted_stream([rng.randrange(10, 1000) for _ in range(7)], lambda t: 30, spec, 60)
     assert s.tokens == script[20:30] and isinstance(s.error, FloatingPointError), (s.tokens, s.error)
     assert [e.token_id for e in events if e.error is None] == script[20:30]
     assert [type(e.error) for e in events if e.error is not None] == [FloatingPointError]
@@ -166,25 +174,16 @@ def test_a_stream_that_ends_before_the_nan_choice_ends_as_plain_greedy_does(spec
     EOS across the verify's drafts)."""
     import random
 
-    from fake_stage import start_fake_ring
-    from ringshm.engine.scheduler import Scheduler
-    from ringshm.model.head import NON_FINITE
-
     rng = random.Random(1)
     pattern = [rng.randrange(10, 1000) for _ in range(7)]
     pattern[eos_slot] = EOS  # in the prompt too, so the n-gram drafter drafts it
-    script = [100] + pattern * 20
-    end = next(p for p in range(20, len(script)) if script[p] == EOS)
-    script[end + 1] = NON_FINITE
-    model = OracleModel([script], max_rows=1)
-    ring = start_fake_ring(model)
-    try:
-        s = new_stream(0, -1, script[:20], GenerationParams(max_new_tokens=40, spec=spec, spec_k=4), None,
-                       frozenset({EOS}), 1024)
-        events = list(Scheduler(ring.link, [s], 1, 4, 8, 1, 8, kv=fake_kv(model)))
-    finally:
-        ring.close()
-    assert s.tokens == script[20:end + 1] and s.error is None and s.finish_reason == "stop", (s.tokens, s.error)
+
+    def after_eos(script):
+        return next(p for p in range(20, len(script)) if script[p] == EOS) + 1
+
+    script, s, events = _one_drafted_stream(pattern, after_eos, spec, 40)
+    end = after_eos([100] + pattern * 20)
+    assert s.tokens == script[20:end] and s.error is None and s.finish_reason == "stop", (s.tokens, s.error)
     assert not [e for e in events if e.error is not None]
 
 
