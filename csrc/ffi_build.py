@@ -12,7 +12,7 @@ HERE = Path(__file__).resolve().parent
 MODULES = ["ring", "kernels", "dequant", "matmul", "layer"]  # csrc/<name>.h + csrc/<name>.c each
 # Sources without a header of their own: the matmul's packing (declared in matmul.h), the layer's MoE FFN
 # (layer_internal.h) and the SIMD loops, one translation unit per ISA level (isa.h).
-EXTRA_SOURCES = ["matmul_pack.c", "layer_moe.c", "simd_v1.c", "simd_v3.c", "simd_v4.c"]
+EXTRA_SOURCES = ["matmul_pack.c", "layer_moe.c", "simd_v1.c", "simd_v3.c", "simd_v4.c", "simd_v4n.c"]
 
 
 def _cdef_of(header: Path) -> str:

@@ -41,10 +41,13 @@ struct ringshm_kv_pool; /* kernels.h */
     void ringshm_argmax_rows_impl_##S(int64_t *out, const float *logits, const uint32_t *words, int64_t m,     \
                                       int64_t vocab, int64_t width);                                          \
     void ringshm_mm_panels_##S(const struct ringshm_mm_args *a, int64_t p_begin, int64_t p_end);           \
+    void ringshm_q8_panels_##S(const struct ringshm_mm_args *a, int64_t p_begin, int64_t p_end);           \
     int ringshm_fma_chains_##S(int64_t iters, float *sink);                                                  \
     void ringshm_read_chains_##S(const float *p, int64_t n, float *sink);
 RINGSHM_ISA_DECLS(v1)
 RINGSHM_ISA_DECLS(v3)
 RINGSHM_ISA_DECLS(v4)
+/* The AVX-512 copy of the 8-bit-activation loops with VNNI (csrc/simd_v4n.c: matmul_q8.inc alone). */
+void ringshm_q8_panels_v4n(const struct ringshm_mm_args *a, int64_t p_begin, int64_t p_end);
 
 #endif /* RINGSHM_ISA_H */

@@ -7,6 +7,7 @@
 
 #include "kernels.h"
 #include "matmul.h"
+#include "matmul_internal.h"
 
 static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 
@@ -30,7 +31,7 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
         s->shared_inter < 0 || s->shared_inter % 16 || s->shared_inter > (1 << 24) ||
         (s->shared_inter && !s->n_experts) ||
         (s->shared_gate != 0 && s->shared_gate != 1) || (s->shared_gate && !s->shared_inter) ||
-        !(s->residual_scale > 0.0f) || !(s->residual_scale < 1e30f))
+        !(s->residual_scale > 0.0f) || !(s->residual_scale < 1e30f) || (s->act_q8 != 0 && s->act_q8 != 1))
         return 0;
     const int64_t qd = (int64_t)s->n_heads * s->head_dim, kvd = (int64_t)s->n_kv_heads * s->head_dim;
     const int64_t inter = s->n_experts ? s->expert_inter : s->inter, k = s->n_experts_used;
@@ -67,8 +68,33 @@ static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layo
         l->sy = at, at += t * s->hidden;
         if (s->shared_gate) l->sg = at, at += t;
     }
+    l->xq = at, l->xq_row_bytes = 0;
+    if (s->act_q8) { /* the widest K of any matmul: hidden, q_dim, inter / expert_inter, shared_inter */
+        int64_t kmax = s->hidden > qd ? s->hidden : qd;
+        kmax = inter > kmax ? inter : kmax;
+        kmax = s->shared_inter > kmax ? s->shared_inter : kmax;
+        kmax = (kmax + 31) / 32 * 32;
+        l->xq_row_bytes = kmax / 32 * (int64_t)sizeof(struct ringshm_q8_block);
+        at += (rows > t ? rows : t) * l->xq_row_bytes / 4;
+    }
     l->total = at;
     return 1;
+}
+
+int ringshm_layer_mm(const struct ringshm_layer_shape *s, const struct layout *l, float *work, int64_t row0, int type,
+                     const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k, const float *x, int64_t m,
+                     float *out, int64_t ldo, const float *bias, int64_t bias_len, const float *residual,
+                     int64_t ldr, int n_threads, int isa) {
+    if (!s->act_q8 || !ringshm_q8_supported(type))
+        return ringshm_qmat_matmul(type, packed, packed_bytes, n, k, x, m, out, ldo, bias, bias_len, residual, ldr,
+                                   n_threads, isa);
+    uint8_t *xq = (uint8_t *)(work + l->xq) + row0 * l->xq_row_bytes;
+    const int64_t bytes = ringshm_q8_act_bytes(m, k);
+    int st;
+    if (bytes < 0 || bytes > m * l->xq_row_bytes) return RINGSHM_MATMUL_ERR_SHAPE;
+    if ((st = ringshm_q8_quantize(x, m, k, xq, bytes, n_threads))) return st;
+    return ringshm_qmat_matmul_q8(type, packed, packed_bytes, n, k, xq, bytes, m, out, ldo, bias, bias_len, residual,
+                                  ldr, n_threads, ringshm_q8_isa(isa));
 }
 
 /* Every vector of w holds what the shape reads from it: 1, else 0. A NULL optional vector has length 0. */
@@ -147,17 +173,17 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
 
     if ((st = ringshm_rms_norm(h, x, w->attn_norm, w->attn_norm_len, t, hid, s->rms_eps))) return st;
     if (!w->qkv_split) {
-        if ((st = ringshm_qmat_matmul(w->type_qkv, w->qkv, w->qkv_bytes, qd + 2 * kvd, hid, h, t, qkv, l.qkv_w,
-                                      w->bqkv, w->bqkv_len, NULL, 0, n_threads, isa)))
+        if ((st = ringshm_layer_mm(s, &l, work, 0, w->type_qkv, w->qkv, w->qkv_bytes, qd + 2 * kvd, hid, h, t, qkv,
+                                   l.qkv_w, w->bqkv, w->bqkv_len, NULL, 0, n_threads, isa)))
             return st;
     } else { /* Q, K, V in order into their columns (q_dim, kv_dim are multiples of 16: no padding overlaps) */
         const int types[3] = {w->type_qkv, w->type_wk, w->type_wv};
         const uint8_t *parts[3] = {w->qkv, w->wk, w->wv};
         const int64_t bytes[3] = {w->qkv_bytes, w->wk_bytes, w->wv_bytes}, rows[3] = {qd, kvd, kvd};
         for (int i = 0, col = 0; i < 3; col += (int)rows[i], i++)
-            if ((st = ringshm_qmat_matmul(types[i], parts[i], bytes[i], rows[i], hid, h, t, qkv + col, l.qkv_w,
-                                          w->bqkv ? w->bqkv + col : NULL, w->bqkv ? rows[i] : 0, NULL, 0,
-                                          n_threads, isa)))
+            if ((st = ringshm_layer_mm(s, &l, work, 0, types[i], parts[i], bytes[i], rows[i], hid, h, t, qkv + col,
+                                       l.qkv_w, w->bqkv ? w->bqkv + col : NULL, w->bqkv ? rows[i] : 0, NULL, 0,
+                                       n_threads, isa)))
                 return st;
     }
     for (int64_t i = 0; i < t; i++) { /* split the fused rows: q, k, v contiguous [t, H, D] */
@@ -188,18 +214,18 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
                                             s->attn_scale, w->sinks, n_threads)))
         return st;
     if (post) { /* x2 = x + norm(attn . Wo^T + bo) */
-        if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, w->bo_len, NULL,
-                                      0, n_threads, isa)) ||
+        if ((st = ringshm_layer_mm(s, &l, work, 0, w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo,
+                                   w->bo_len, NULL, 0, n_threads, isa)) ||
             (st = ringshm_rms_norm(x2, x2, w->post_attn_norm, w->post_attn_norm_len, t, hid, s->rms_eps)))
             return st;
         add_rows(x2, x, x2, t * hid);
     } else if (s->residual_scale != 1.0f) { /* x2 = x + (attn . Wo^T + bo) * residual_scale */
-        if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, w->bo_len, NULL,
-                                      0, n_threads, isa)))
+        if ((st = ringshm_layer_mm(s, &l, work, 0, w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo,
+                                   w->bo_len, NULL, 0, n_threads, isa)))
             return st;
         ringshm_add_scaled_rows(x2, x, x2, s->residual_scale, t * hid);
-    } else if ((st = ringshm_qmat_matmul(w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo, w->bo_len, x,
-                                         hid, n_threads, isa))) {
+    } else if ((st = ringshm_layer_mm(s, &l, work, 0, w->type_o, w->o, w->o_bytes, hid, qd, attn, t, x2, hid, w->bo,
+                                      w->bo_len, x, hid, n_threads, isa))) {
         return st;
     }
     if ((st = ringshm_rms_norm(h, x2, w->ffn_norm, w->ffn_norm_len, t, hid, s->rms_eps))) return st;
@@ -207,25 +233,25 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         if (post) return RINGSHM_KERNEL_ERR_SHAPE; /* no MoE family has post norms */
         return ringshm_moe_ffn(s, w, &l, work, h, x2, x, t, n_threads, isa);
     }
-    if ((st = ringshm_qmat_matmul(w->type_gate_up, w->gate_up, w->gate_up_bytes, 2 * (int64_t)s->inter, hid, h, t,
-                                  gu, l.gu_w, w->bgate_up, w->bgate_up_len, NULL, 0, n_threads, isa)))
+    if ((st = ringshm_layer_mm(s, &l, work, 0, w->type_gate_up, w->gate_up, w->gate_up_bytes, 2 * (int64_t)s->inter,
+                               hid, h, t, gu, l.gu_w, w->bgate_up, w->bgate_up_len, NULL, 0, n_threads, isa)))
         return st;
     if ((st = ringshm_layer_act(s, act, gu, t, s->inter))) return st;
     if (post) { /* x = x2 + norm(act . Wdown^T + bdown) */
-        if ((st = ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, h, hid, w->bdown,
-                                      w->bdown_len, NULL, 0, n_threads, isa)) ||
+        if ((st = ringshm_layer_mm(s, &l, work, 0, w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, h, hid,
+                                   w->bdown, w->bdown_len, NULL, 0, n_threads, isa)) ||
             (st = ringshm_rms_norm(h, h, w->post_ffn_norm, w->post_ffn_norm_len, t, hid, s->rms_eps)))
             return st;
         add_rows(x, x2, h, t * hid);
         return RINGSHM_KERNEL_OK;
     }
     if (s->residual_scale != 1.0f) { /* x = x2 + (act . Wdown^T + bdown) * residual_scale */
-        if ((st = ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, h, hid, w->bdown,
-                                      w->bdown_len, NULL, 0, n_threads, isa)))
+        if ((st = ringshm_layer_mm(s, &l, work, 0, w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, h, hid,
+                                   w->bdown, w->bdown_len, NULL, 0, n_threads, isa)))
             return st;
         ringshm_add_scaled_rows(x, x2, h, s->residual_scale, t * hid);
         return RINGSHM_KERNEL_OK;
     }
-    return ringshm_qmat_matmul(w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, x, hid, w->bdown,
-                               w->bdown_len, x2, hid, n_threads, isa);
+    return ringshm_layer_mm(s, &l, work, 0, w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, x, hid,
+                            w->bdown, w->bdown_len, x2, hid, n_threads, isa);
 }

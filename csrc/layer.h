@@ -59,6 +59,10 @@
  * 0 and <= 2^24. Scratch grows with t k rows of hidden + 3 expert_inter + hidden floats (a 512-token chunk of
  * Qwen3-30B-A3B: ~105 MB), and with a shared expert t rows of 3 shared_inter + hidden (+ 1 with its gate).
  *
+ * act_q8 = 1 (opt-in): each matmul whose weight is quantized quantizes its x rows first (ringshm_q8_quantize, per
+ * row: the invariances above hold) and runs matmul.h's 8-bit contract; float weights (the router, F16 / BF16 / F32
+ * tensors) stay fp32. The scratch then holds the quantized rows too.
+ *
  * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: starts, lens [n_seg] int64, at
  * most RINGSHM_ATTN_MAX_SEGMENTS; segment i's block table is tables[table_offs[i] .. table_offs[i + 1]) (int32,
  * kernels.h). The caller guarantees that no block is written by two segments of an op (every segment's KV is
@@ -98,6 +102,8 @@ struct ringshm_layer_shape {
     int shared_inter;     /* with experts: a shared expert of this width beside the routed ones (0: none) */
     int shared_gate;      /* 1: the shared expert's output times sigmoid(h . sh_gate_inp) (Qwen2-MoE; Granite: 0) */
     float swiglu_alpha, swiglu_limit; /* act RINGSHM_ACT_SWIGLU_OAI: its alpha and limit (gpt-oss: 1.702, 7) */
+    int act_q8; /* 1: every matmul of a quantized weight takes its x quantized to 8 bits (matmul.h's 8-bit contract,
+                 * ringshm_qmat_matmul_q8; EngineConfig.matmul_activations "int8"); 0: fp32 x (the default) */
 };
 
 /* One layer's weights (packed, matmul.h), RoPE tables and KV cache; pointers stay owned by the caller. */

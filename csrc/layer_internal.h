@@ -14,12 +14,22 @@
  *   logits [t, round16(E)] | wsel [t k] | isel [t k] (int32) | xs [t k, hidden] | ys [t k, hidden] | m [t, hidden]
  *   | order [t k] (int32) | where [t k] (int32) | offs [E + 1] (int32) | active [E] (int32) | p [E]
  *   and with a shared expert | sgu [t, 2 shared_inter] | sact [t, shared_inter] | sy [t, hidden] (| sg [t]: gated)
- * (p: one token's softmax; the int32 arrays take a float's room each). */
+ * (p: one token's softmax; the int32 arrays take a float's room each), and with act_q8 last
+ *   xq [max(t, t k) rows of the widest K / 32 blocks of 48 bytes] (the quantized rows of a matmul's x). */
 struct layout {
     int64_t h, qkv, q, k, v, attn, x2, gu, act, logits, wsel, isel, xs, ys, m, order, where, offs, active, p;
     int64_t sgu, sact, sy, sg, total;
     int64_t qkv_w, gu_w, logits_w;
+    int64_t xq, xq_row_bytes; /* act_q8: the quantized rows of a matmul's x, xq_row_bytes apart (the widest K) */
 };
+
+/* One matmul of the layer, x [m, k] . W^T (ringshm_qmat_matmul's arguments): with the shape's act_q8 and a quantized
+ * weight, x's rows are quantized into the scratch's xq from row `row0` on (an expert's rows: experts on different
+ * threads use disjoint rows) and the 8-bit matmul runs; otherwise the fp32 one. A status. */
+int ringshm_layer_mm(const struct ringshm_layer_shape *s, const struct layout *l, float *work, int64_t row0, int type,
+                     const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k, const float *x, int64_t m,
+                     float *out, int64_t ldo, const float *bias, int64_t bias_len, const float *residual,
+                     int64_t ldr, int n_threads, int isa);
 
 /* The shape's gate (act) on gu [m, 2 inter] rows [gate | up] into out [m, inter] (layer.c); a status. */
 int ringshm_layer_act(const struct ringshm_layer_shape *s, float *out, const float *gu, int64_t m, int64_t inter);

@@ -56,14 +56,15 @@ static int run_expert(const struct ringshm_layer_shape *s, const struct ringshm_
     const float *bg = w->exp_gate_bias ? w->exp_gate_bias + (int64_t)e * ie : NULL;
     const float *bu = w->exp_up_bias ? w->exp_up_bias + (int64_t)e * ie : NULL;
     const float *bd = w->exp_down_bias ? w->exp_down_bias + (int64_t)e * hid : NULL;
-    if ((st = ringshm_qmat_matmul(w->type_exp_gate, w->exp_gate + e * w->exp_gate_bytes, w->exp_gate_bytes, ie, hid,
-                                  xs, n, gu, 2 * ie, bg, bg ? ie : 0, NULL, 0, n_threads, isa)) ||
-        (st = ringshm_qmat_matmul(w->type_exp_up, w->exp_up + e * w->exp_up_bytes, w->exp_up_bytes, ie, hid, xs, n,
-                                  gu + ie, 2 * ie, bu, bu ? ie : 0, NULL, 0, n_threads, isa)) ||
+    if ((st = ringshm_layer_mm(s, l, work, lo, w->type_exp_gate, w->exp_gate + e * w->exp_gate_bytes,
+                               w->exp_gate_bytes, ie, hid, xs, n, gu, 2 * ie, bg, bg ? ie : 0, NULL, 0, n_threads,
+                               isa)) ||
+        (st = ringshm_layer_mm(s, l, work, lo, w->type_exp_up, w->exp_up + e * w->exp_up_bytes, w->exp_up_bytes, ie,
+                               hid, xs, n, gu + ie, 2 * ie, bu, bu ? ie : 0, NULL, 0, n_threads, isa)) ||
         (st = ringshm_layer_act(s, act, gu, n, ie)))
         return st;
-    return ringshm_qmat_matmul(w->type_exp_down, w->exp_down + e * w->exp_down_bytes, w->exp_down_bytes, hid, ie, act,
-                               n, ys, hid, bd, bd ? hid : 0, NULL, 0, n_threads, isa);
+    return ringshm_layer_mm(s, l, work, lo, w->type_exp_down, w->exp_down + e * w->exp_down_bytes, w->exp_down_bytes,
+                            hid, ie, act, n, ys, hid, bd, bd ? hid : 0, NULL, 0, n_threads, isa);
 }
 
 /* The shared expert on h [t, hidden] (layer.h): sy [t, hidden] and, with its gate, sg [t] = sigmoid(h . w) with
@@ -76,11 +77,11 @@ static int shared_expert(const struct ringshm_layer_shape *s, const struct rings
     float *sgu = work + l->sgu, *sact = work + l->sact, *sg = work + l->sg;
     int st;
     if (!w->sh_gate_up || !w->sh_down) return RINGSHM_KERNEL_ERR_SHAPE;
-    if ((st = ringshm_qmat_matmul(w->type_sh_gate_up, w->sh_gate_up, w->sh_gate_up_bytes, 2 * si, hid, h, t, sgu,
-                                  2 * si, NULL, 0, NULL, 0, n_threads, isa)) ||
+    if ((st = ringshm_layer_mm(s, l, work, 0, w->type_sh_gate_up, w->sh_gate_up, w->sh_gate_up_bytes, 2 * si, hid, h,
+                               t, sgu, 2 * si, NULL, 0, NULL, 0, n_threads, isa)) ||
         (st = ringshm_layer_act(s, sact, sgu, t, si)) ||
-        (st = ringshm_qmat_matmul(w->type_sh_down, w->sh_down, w->sh_down_bytes, hid, si, sact, t, work + l->sy, hid,
-                                  NULL, 0, NULL, 0, n_threads, isa)))
+        (st = ringshm_layer_mm(s, l, work, 0, w->type_sh_down, w->sh_down, w->sh_down_bytes, hid, si, sact, t,
+                               work + l->sy, hid, NULL, 0, NULL, 0, n_threads, isa)))
         return st;
     if (s->shared_gate)
         for (int64_t i = 0; i < t; i++) {
@@ -108,8 +109,8 @@ int ringshm_moe_ffn(const struct ringshm_layer_shape *s, const struct ringshm_la
     int st;
     if (!w->router || !w->exp_gate || !w->exp_up || !w->exp_down) return RINGSHM_KERNEL_ERR_SHAPE;
     if (s->shared_inter && (st = shared_expert(s, w, l, work, h, t, n_threads, isa))) return st;
-    if ((st = ringshm_qmat_matmul(w->type_router, w->router, w->router_bytes, n_e, hid, h, t, logits, l->logits_w,
-                                  w->router_bias, w->router_bias_len, NULL, 0, n_threads, isa)))
+    if ((st = ringshm_layer_mm(s, l, work, 0, w->type_router, w->router, w->router_bytes, n_e, hid, h, t, logits,
+                               l->logits_w, w->router_bias, w->router_bias_len, NULL, 0, n_threads, isa)))
         return st;
     for (int64_t i = 0; i < t; i++)
         route_token(logits + i * l->logits_w, n_e, k, s->gating, work + l->p, wsel + i * k, isel + i * k);

@@ -2,6 +2,7 @@
  * Packing is in matmul_pack.c; the panel loops are in matmul_impl.inc, compiled once per ISA. */
 #include "matmul.h"
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -28,6 +29,8 @@ int ringshm_isa_supported(int isa) {
     case RINGSHM_ISA_AVX2: return __builtin_cpu_supports("x86-64-v3");
     case RINGSHM_ISA_AVX512: return __builtin_cpu_supports("x86-64-v4");
 #endif
+    case RINGSHM_ISA_AVX512_VNNI:
+        return ringshm_isa_supported(RINGSHM_ISA_AVX512) && __builtin_cpu_supports("avx512vnni");
 #endif
     default: return 0;
     }
@@ -94,6 +97,95 @@ static mm_panels_fn panels_for(int isa) {
     }
 }
 
+static mm_panels_fn q8_panels_for(int isa) {
+    switch (isa) {
+#if RINGSHM_HAVE_X86_ISAS
+    case RINGSHM_ISA_AVX512_VNNI: return ringshm_q8_panels_v4n;
+    case RINGSHM_ISA_AVX512: return ringshm_q8_panels_v4;
+    case RINGSHM_ISA_AVX2: return ringshm_q8_panels_v3;
+#endif
+    case RINGSHM_ISA_PORTABLE: return ringshm_q8_panels_v1;
+    default: return NULL;
+    }
+}
+
+int ringshm_q8_isa(int isa) {
+    return isa == RINGSHM_ISA_AVX512 && ringshm_isa_supported(RINGSHM_ISA_AVX512_VNNI) ? RINGSHM_ISA_AVX512_VNNI : isa;
+}
+
+int ringshm_q8_supported(int type) {
+    const struct ringshm_wtype_info *t = ringshm_wtype_info(type);
+    return t && t->quantized;
+}
+
+int64_t ringshm_q8_act_bytes(int64_t m, int64_t k) {
+    if (m <= 0 || k <= 0 || k % 32 || m >= INT32_MAX || k >= INT32_MAX) return RINGSHM_MATMUL_ERR_SHAPE;
+    return m * (k / 32) * (int64_t)sizeof(struct ringshm_q8_block);
+}
+
+/* One block of 32 of x quantized (matmul.h's rules). Plain C on every ISA: one division, one multiply and one
+ * nearbyintf per weight, the same bits wherever it runs. */
+static void q8_block(const float *x, struct ringshm_q8_block *o) {
+    uint32_t amax = 0;
+    for (int i = 0; i < 32; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, 4);
+        bits &= 0x7FFFFFFFu;
+        amax = bits > amax ? bits : amax;
+    }
+    float v[16];
+    for (int l = 0; l < 16; l++) v[l] = x[l] + x[l + 16]; /* the block sum: matmul.h's tree */
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++) v[l] = v[l] + v[l + w];
+    o->s = v[0];
+    int8_t q[32] = {0};
+    if (amax >= 0x7F800000u) {
+        o->d = NAN;
+    } else if (amax < 0x03800000u) { /* 2^-120 */
+        o->d = 0.0f;
+    } else {
+        float a;
+        memcpy(&a, &amax, 4);
+        const float id = 127.0f / a;
+        for (int i = 0; i < 32; i++) {
+            const float r = nearbyintf(x[i] * id);
+            q[i] = (int8_t)(r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r);
+        }
+        o->d = a / 127.0f;
+    }
+    o->xs[0] = o->xs[1] = 0;
+    for (int i = 0; i < 32; i++) o->xs[i / 16] += q[i];
+    for (int g = 0; g < 4; g++)
+        for (int c = 0; c < 4; c++) o->q[8 * g + c] = q[8 * g + 2 * c], o->q[8 * g + 4 + c] = q[8 * g + 2 * c + 1];
+}
+
+int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64_t xq_bytes, int n_threads) {
+    const int64_t want = ringshm_q8_act_bytes(m, k);
+    if (want < 0) return (int)want;
+    if (xq_bytes != want) return RINGSHM_MATMUL_ERR_SIZE;
+    if (overlap(xq, xq_bytes, x, m * k * 4)) return RINGSHM_MATMUL_ERR_ALIAS;
+    struct ringshm_q8_block *o = (struct ringshm_q8_block *)xq;
+    const int64_t nb = k / 32;
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (nt > m) nt = (int)m;
+#ifdef _OPENMP
+    if (nt > 1) {
+        fpenv_t caller;
+        FPENV_GET(caller);
+#pragma omp parallel num_threads(nt)
+        {
+            FPENV_WORKER_BEGIN(caller);
+            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+            for (int64_t i = m * nb * t / T; i < m * nb * (t + 1) / T; i++) q8_block(x + i * 32, o + i);
+            FPENV_WORKER_END();
+        }
+        return RINGSHM_MATMUL_OK;
+    }
+#endif
+    for (int64_t i = 0; i < m * nb; i++) q8_block(x + i * 32, o + i);
+    return RINGSHM_MATMUL_OK;
+}
+
 typedef int (*fma_chains_fn)(int64_t, float *);
 
 int64_t ringshm_fma_probe(int isa, int n_threads, int64_t iters, float *sink) {
@@ -146,26 +238,29 @@ int64_t ringshm_read_probe(int isa, int n_threads, const float *buf, int64_t n, 
     return n * (int64_t)sizeof(float);
 }
 
-int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
-                        const float *x, int64_t m, float *out, int64_t ldo, const float *bias, int64_t bias_len,
-                        const float *residual, int64_t ldr, int n_threads, int isa) {
+/* The checks and the thread split shared by ringshm_qmat_matmul and ringshm_qmat_matmul_q8: x (fp32) or xq. */
+static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k, const float *x,
+                      const uint8_t *xq, int64_t xq_bytes, int64_t m, float *out, int64_t ldo, const float *bias,
+                      int64_t bias_len, const float *residual, int64_t ldr, int n_threads, mm_panels_fn fn,
+                      int isa) {
     const struct ringshm_wtype_info *ti = ringshm_wtype_info(type);
-    if (!ti || !ringshm_isa_supported(isa) || !panels_for(isa)) return RINGSHM_MATMUL_ERR_TYPE;
+    if (!ti || !ringshm_isa_supported(isa) || !fn || (xq && !ti->quantized)) return RINGSHM_MATMUL_ERR_TYPE;
     const int64_t n_panels = (n + 15) / 16;
     if (!shape_ok(ti, n, k) || m <= 0 || m >= INT32_MAX || ldo < n_panels * 16 || (residual && ldr < n))
         return RINGSHM_MATMUL_ERR_SHAPE;
-    if (packed_bytes != ringshm_qmat_packed_bytes(type, n, k) || (bias ? bias_len != n : bias_len != 0))
+    if (packed_bytes != ringshm_qmat_packed_bytes(type, n, k) || (bias ? bias_len != n : bias_len != 0) ||
+        (xq && xq_bytes != ringshm_q8_act_bytes(m, k)))
         return RINGSHM_MATMUL_ERR_SIZE;
     const int64_t out_bytes = ((m - 1) * ldo + n_panels * 16) * 4; /* out holds the running sums */
-    if (overlap(out, out_bytes, x, m * k * 4) || (residual && overlap(out, out_bytes, residual, ((m - 1) * ldr + n) * 4)))
+    if ((x && overlap(out, out_bytes, x, m * k * 4)) || (xq && overlap(out, out_bytes, xq, xq_bytes)) ||
+        (residual && overlap(out, out_bytes, residual, ((m - 1) * ldr + n) * 4)))
         return RINGSHM_MATMUL_ERR_ALIAS;
     const int64_t bk = ti->block_k;
     const struct ringshm_mm_args a = {
         .type = type, .packed = packed, .n = n, .k = k, .m = m, .nb = (k + 31) / 32, .block_k = bk,
         .block_bytes = ti->panel_block_bytes, .panel_bytes = (k + bk - 1) / bk * ti->panel_block_bytes, .x = x,
         .out = out, .ldo = ldo, .bias = bias, .residual = residual, .ldr = ldr,
-        .slab_blocks = ringshm_mm_slab_blocks()};
-    const mm_panels_fn fn = panels_for(isa);
+        .slab_blocks = ringshm_mm_slab_blocks(), .xq = (const struct ringshm_q8_block *)xq};
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > n_panels) nt = (int)n_panels;
 #ifdef _OPENMP
@@ -186,4 +281,19 @@ int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, i
 #endif
     fn(&a, 0, n_panels);
     return RINGSHM_MATMUL_OK;
+}
+
+int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
+                        const float *x, int64_t m, float *out, int64_t ldo, const float *bias, int64_t bias_len,
+                        const float *residual, int64_t ldr, int n_threads, int isa) {
+    return run_matmul(type, packed, packed_bytes, n, k, x, NULL, 0, m, out, ldo, bias, bias_len, residual, ldr,
+                      n_threads, panels_for(isa), isa);
+}
+
+int ringshm_qmat_matmul_q8(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
+                           const uint8_t *xq, int64_t xq_bytes, int64_t m, float *out, int64_t ldo, const float *bias,
+                           int64_t bias_len, const float *residual, int64_t ldr, int n_threads, int isa) {
+    if (!xq) return RINGSHM_MATMUL_ERR_SIZE;
+    return run_matmul(type, packed, packed_bytes, n, k, NULL, xq, xq_bytes, m, out, ldo, bias, bias_len, residual,
+                      ldr, n_threads, q8_panels_for(isa), isa);
 }

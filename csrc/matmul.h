@@ -116,7 +116,8 @@ enum ringshm_wtype {
 enum ringshm_isa {
     RINGSHM_ISA_PORTABLE = 0, /* plain C (fmaf); any CPU */
     RINGSHM_ISA_AVX2 = 1,     /* x86-64-v3: AVX2 + FMA + F16C */
-    RINGSHM_ISA_AVX512 = 2    /* x86-64-v4: AVX-512 F/BW/DQ/VL */
+    RINGSHM_ISA_AVX512 = 2,   /* x86-64-v4: AVX-512 F/BW/DQ/VL */
+    RINGSHM_ISA_AVX512_VNNI = 3 /* ringshm_qmat_matmul_q8 only: AVX-512 with VNNI's 4-byte dot products */
 };
 
 /* Status codes; distinct from the ring's (-1 .. -7) and the attention kernels' (-16, -17). */
@@ -162,6 +163,44 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
 int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
                         const float *x, int64_t m, float *out, int64_t ldo, const float *bias, int64_t bias_len,
                         const float *residual, int64_t ldr, int n_threads, int isa);
+
+/* 8-bit activations (opt-in: EngineConfig.matmul_activations = "int8"; never the default). For users who prefer speed
+ * to equality with the fp32 oracle, as llama.cpp runs its CPU matmuls: each row of x is quantized on its own,
+ * per block of 32 k, and the products of a block are summed as exact integers. A row's result still depends
+ * only on that row (batch invariance) and is the same bits on every ISA path and thread count; it is not the
+ * fp32 contract's result (relative error ~4e-3 of the output on random data: tests/test_matmul_q8.py).
+ *
+ * Quantizing row r, block b (x[r, 32 b .. 32 b + 31], K % 32 == 0):
+ *     a = max |x| (as the bits of |x|: NaN and inf compare above every finite value)
+ *     a is inf or NaN:          d = NaN, q = 0 (the row's outputs turn NaN: non-finite stays visible)
+ *     a < 2^-120 (zero too):    d = 0, q = 0 (127 / a would overflow)
+ *     else:                     q[k] = nearbyintf(x[k] * (127 / a)) (|q| <= 127), d = a / 127
+ *     s = the fp32 block sum of x (matmul.h's tree), xs[h] = sum of q over weights 16 h .. 16 h + 15
+ * (each a rounded fp32 op; nearbyintf rounds in the caller's mode, to nearest even by default).
+ *
+ * The reduction, per (r, n), blocks b in order; u[n, k] the weight's q of matmul.h plus the type's offset o
+ * (Q4_0 8, MXFP4 12: kvalues + 12, Q5_0 16, Q6_K 32, the others 0), an exact integer sum per chain of 32 k (Q6_K:
+ * two chains of 16, its scales' halves):
+ *     i = sum over k of u[n, k] * q[r, k]  -  o * (sum of q over the chain)        (exact, int32)
+ *     acc = fma(d[n, b], d_x[r, b] * (float)i, acc);  types with a min:  acc = fma(m[n, b], s[r, b], acc)
+ *     out[r, n] = acc; then + bias[n]; then + residual[r, n]
+ * with d and m of matmul.h's table. Types: every quantized one (ringshm_q8_supported); F32 / F16 / BF16 have no
+ * integer path (their callers use ringshm_qmat_matmul). */
+int ringshm_q8_supported(int type);
+/* Bytes of the quantized rows of x [M, K] (48 a block of 32), or RINGSHM_MATMUL_ERR_SHAPE (K % 32, M or K <= 0). */
+int64_t ringshm_q8_act_bytes(int64_t m, int64_t k);
+/* x [M, K] fp32 -> xq (xq_bytes == ringshm_q8_act_bytes(m, k)), rows split over n_threads (each in the caller's
+ * FP mode). Returns RINGSHM_MATMUL_ERR_SHAPE / _SIZE / _ALIAS (xq overlapping x) before writing anything. */
+int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64_t xq_bytes, int n_threads);
+/* ringshm_qmat_matmul_q8: ringshm_qmat_matmul's product with x given quantized (ringshm_q8_quantize), arguments
+ * and checks as there; isa RINGSHM_ISA_AVX512_VNNI where ringshm_isa_supported says so (ringshm_q8_isa picks),
+ * else any ringshm_isa. RINGSHM_MATMUL_ERR_TYPE also for a type without the path. out must not overlap xq. */
+int ringshm_qmat_matmul_q8(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
+                           const uint8_t *xq, int64_t xq_bytes, int64_t m, float *out, int64_t ldo, const float *bias,
+                           int64_t bias_len, const float *residual, int64_t ldr, int n_threads, int isa);
+/* The 8-bit path for the fp32 path `isa`: RINGSHM_ISA_AVX512_VNNI for RINGSHM_ISA_AVX512 where the CPU has VNNI,
+ * else isa. */
+int ringshm_q8_isa(int isa);
 
 /* ringshm_fma_probe: the fp32 FMA peak of one ISA path (the roofline of bench/bench_roofline.py). Each of
  * `n_threads` OpenMP threads runs `iters` rounds of independent 16-lane fma chains (enough chains to cover the

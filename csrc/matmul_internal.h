@@ -46,7 +46,16 @@ static inline const struct ringshm_wtype_info *ringshm_wtype_info(int type) {
     }
 }
 
-/* One checked call of ringshm_qmat_matmul. */
+/* One block of 32 k of a row of x quantized for ringshm_qmat_matmul_q8 (matmul.h's 8-bit contract): x ~ d * q,
+ * s the fp32 block sum of x (the fixed tree), xs the sums of q over weights 0 .. 15 and 16 .. 31. q in the order of
+ * the nibble words: q[8 g + c] is weight 8 g + 2 c, q[8 g + 4 + c] weight 8 g + 2 c + 1 (g, c < 4). */
+struct ringshm_q8_block {
+    float d, s;
+    int32_t xs[2];
+    int8_t q[32];
+};
+
+/* One checked call of ringshm_qmat_matmul or ringshm_qmat_matmul_q8. */
 struct ringshm_mm_args {
     int type;
     const uint8_t *packed;
@@ -62,6 +71,7 @@ struct ringshm_mm_args {
     const float *residual;  /* [m, ldr] or NULL */
     int64_t ldr;
     int slab_blocks;        /* blocks of 32 k the scratch dequantizes at a time (1 .. 4): ringshm_mm_slab_blocks */
+    const struct ringshm_q8_block *xq; /* ringshm_qmat_matmul_q8: [m][nb] (x is NULL), else NULL */
 };
 
 /* Blocks of 32 k a slab of the matmul's scratch holds (matmul_impl.inc), from the L1 data cache: a slab of a group

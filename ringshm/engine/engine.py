@@ -122,11 +122,13 @@ class Engine:
 
     def _fingerprint(self) -> bytes:
         """What the prefix cache's chains start from: what makes a block's KV bits what they are (the model's
-        path and config, the activation and KV dtypes, the block size), so a chain never names other KV."""
+        path and config, the activation and KV dtypes, the matmuls' activations, the block size), so a chain never
+        names other KV."""
         import hashlib
 
         cfg = self.config
-        key = f"{self.model_path}|{self.model_config}|{cfg.dtype}|{cfg.kv_cache_dtype}|{cfg.block_size}"
+        key = (f"{self.model_path}|{self.model_config}|{cfg.dtype}|{cfg.kv_cache_dtype}|{cfg.block_size}"
+               f"|{cfg.matmul_activations}")
         return hashlib.blake2b(key.encode(), digest_size=16).digest()
 
     # ----------------------------------------------------------------------------------------- lifecycle

@@ -119,9 +119,10 @@ class Layer:
         return c
 
 
-def layer_shape(config: ModelConfig, max_seq_len: int):
+def layer_shape(config: ModelConfig, max_seq_len: int, activations: str = "fp32"):
     """The C layer's shape (``struct ringshm_layer_shape``, csrc/layer.h) of ``config``'s layers, RoPE tables of
-    ``max_seq_len`` positions (a cffi struct pointer)."""
+    ``max_seq_len`` positions, its matmuls multiplying ``activations`` ("fp32" or "int8": ``EngineConfig.matmul_activations``) (a cffi
+    struct pointer)."""
     return ffi.new("struct ringshm_layer_shape *", dict(
         hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
         inter=config.intermediate, n_pos=max_seq_len, rms_eps=config.rms_eps,
@@ -134,12 +135,13 @@ def layer_shape(config: ModelConfig, max_seq_len: int):
         gating={"softmax": lib.RINGSHM_GATE_SOFTMAX, "softmax_norm": lib.RINGSHM_GATE_SOFTMAX_NORM,
                 "topk_softmax": lib.RINGSHM_GATE_TOPK_SOFTMAX}[config.expert_gating],
         residual_scale=config.residual_scale, shared_inter=config.shared_expert_intermediate,
-        shared_gate=int(config.shared_expert_gate)))
+        shared_gate=int(config.shared_expert_gate), act_q8=int(activations == "int8")))
 
 
-def layer_scratch_bytes(config: ModelConfig, tokens: int) -> int:
+def layer_scratch_bytes(config: ModelConfig, tokens: int, activations: str = "fp32") -> int:
     """Bytes of the C layers' scratch for a step op of ``tokens`` tokens (``ringshm_layer_work_floats``: the
     activations of one layer, and for a mixture of experts each (token, expert) pair's rows), fp32. One buffer
-    per stage, shared by its layers; ``StageModel.reserve`` holds it from the start."""
-    floats = int(lib.ringshm_layer_work_floats(layer_shape(config, 1), max(1, tokens)))
+    per stage, shared by its layers; ``StageModel.reserve`` holds it from the start; "int8" ``activations`` add the
+    quantized rows of a matmul's input)."""
+    floats = int(lib.ringshm_layer_work_floats(layer_shape(config, 1, activations), max(1, tokens)))
     return 4 * floats if floats > 0 else 0  # < 0: a shape the C layers refuse (the stage runs torch: no scratch)

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ringshm._C import ffi, lib
+from ringshm.config import MATMUL_ACTIVATIONS
 from ringshm.errors import check_status
 
 QK = 32  # weights per legacy quantized block (ggml's QK4_0 / QK5_0 / QK8_0 ...)
@@ -268,20 +269,27 @@ class PackedWeight:
         return f"PackedWeight({type_name(self.qtype)}, n={self.n}, k={self.k}, {self.nbytes} bytes)"
 
     def matmul(self, x: torch.Tensor, residual: torch.Tensor | None = None, threads: int | None = None,
-               isa: int = BEST_ISA) -> torch.Tensor:
+               isa: int = BEST_ISA, activations: str = "fp32") -> torch.Tensor:
         """``x · Wᵀ (+ bias) (+ residual)``: fp32 ``[M, k]`` → fp32 ``[M, n]`` (a new tensor).
 
         ``residual``: fp32 ``[M, n]``, added last (the decoder's skip connection). ``threads``: how many threads
         split the output rows (default ``torch.get_num_threads()``, the stage's per-op pick); the result's bits
         do not depend on it. ``isa``: for tests, a slower path than ``BEST_ISA`` (same bits).
+        ``activations``: "fp32" (the contract of csrc/matmul.h), or "int8": each row of x quantized per block of
+        32 and summed in integers (matmul.h's 8-bit contract; still batch-invariant, not the fp32 result), for a
+        quantized weight; a float weight runs fp32 either way (``ringshm.config.MATMUL_ACTIVATIONS``). With "int8" the AVX-512 path
+        uses VNNI where the CPU has it (``lib.ringshm_q8_isa``); ``isa`` may name ``lib.RINGSHM_ISA_AVX512_VNNI``.
 
         Raises:
-            ValueError: ``x`` not contiguous fp32 CPU ``[M, k]`` with M ≥ 1; a residual of another shape.
+            ValueError: ``x`` not contiguous fp32 CPU ``[M, k]`` with M ≥ 1; a residual of another shape; an
+                unknown ``activations``.
         """
         if x.dtype is not torch.float32 or x.dim() != 2 or x.shape[1] != self.k or x.shape[0] < 1 \
                 or x.device.type != "cpu":
             raise ValueError(f"matmul with a [{self.n}, {self.k}] weight takes fp32 CPU x [M, {self.k}], M ≥ 1; "
                              f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if activations not in MATMUL_ACTIVATIONS:
+            raise ValueError(f"activations must be one of {MATMUL_ACTIVATIONS}, got {activations!r}")
         x = x.contiguous()
         m = x.shape[0]
         res_ptr, ldr = ffi.NULL, 0
@@ -294,14 +302,40 @@ class PackedWeight:
                 residual = residual.contiguous()  # a broadcast or transposed view: one copy
             res_ptr, ldr = ffi.cast("float *", residual.data_ptr()), max(residual.stride(0), self.n)
         out = torch.empty((m, self.n_padded), dtype=torch.float32)
-        status = lib.ringshm_qmat_matmul(self.qtype, self._ptr, self.packed.numel(), self.n, self.k,
-                                         ffi.cast("float *", x.data_ptr()), m, ffi.cast("float *", out.data_ptr()),
-                                         self.n_padded, self._bias_ptr, 0 if self.bias is None else self.bias.numel(),
-                                         res_ptr, ldr,
-                                         torch.get_num_threads() if threads is None else threads, isa)
+        nt = torch.get_num_threads() if threads is None else threads
+        bias_len = 0 if self.bias is None else self.bias.numel()
+        out_ptr = ffi.cast("float *", out.data_ptr())
+        if activations == "int8" and lib.ringshm_q8_supported(self.qtype):
+            xq = quantize_rows(x, nt)
+            status = lib.ringshm_qmat_matmul_q8(self.qtype, self._ptr, self.packed.numel(), self.n, self.k,
+                                                ffi.cast("uint8_t *", xq.data_ptr()), xq.numel(), m, out_ptr,
+                                                self.n_padded, self._bias_ptr, bias_len, res_ptr, ldr, nt,
+                                                lib.ringshm_q8_isa(isa))
+        else:
+            status = lib.ringshm_qmat_matmul(self.qtype, self._ptr, self.packed.numel(), self.n, self.k,
+                                             ffi.cast("float *", x.data_ptr()), m, out_ptr, self.n_padded,
+                                             self._bias_ptr, bias_len, res_ptr, ldr, nt, isa)
         if status < 0:
             check_status(status, f"matmul {self!r}")
         return out if self.n_padded == self.n else out[:, : self.n].contiguous()
+
+
+def quantize_rows(x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+    """Rows of fp32 ``x [M, K]`` (K a multiple of 32) quantized for the 8-bit matmul (csrc/matmul.h: per row and
+    block of 32, d = max |x| / 127): uint8 ``[ringshm_q8_act_bytes(M, K)]``, 48 bytes a block.
+
+    Raises:
+        ValueError: x not contiguous fp32 CPU ``[M, K]`` with K % 32 == 0.
+    """
+    if x.dtype is not torch.float32 or x.dim() != 2 or x.device.type != "cpu" or not x.is_contiguous() \
+            or x.shape[0] < 1 or x.shape[1] < 32 or x.shape[1] % 32:
+        raise ValueError(f"quantize_rows takes contiguous fp32 CPU x [M, K], K a multiple of 32; got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    m, k = x.shape
+    xq = torch.empty(int(lib.ringshm_q8_act_bytes(m, k)), dtype=torch.uint8)
+    check_status(lib.ringshm_q8_quantize(ffi.cast("float *", x.data_ptr()), m, k,
+                                         ffi.cast("uint8_t *", xq.data_ptr()), xq.numel(), threads), "quantize_rows")
+    return xq
 
 
 class PackedExperts:

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ringshm._C import ffi, lib
-from ringshm.config import DEFAULT_BLOCK_SIZE, ModelConfig
+from ringshm.config import DEFAULT_BLOCK_SIZE, MATMUL_ACTIVATIONS, ModelConfig
 from ringshm.errors import KVRangeError, check_status
 from ringshm.model import kernels
 from ringshm.model.attention import (
@@ -120,6 +120,8 @@ class StageModel(TorchPath):
         block_size: positions per KV block (a multiple of ``attention.KEY_TILE``, at most ``attention.MAX_BLOCK``).
         n_blocks: blocks in this stage's pools; default: enough for every row to reach ``max_seq_len``
             (``row_table``'s fixed layout).
+        activations: what the C path's matmuls of quantized weights multiply, "fp32" or "int8" (the LM head's too;
+            ``EngineConfig.matmul_activations``); the torch path ignores it.
         release_weights: set each ``weights.layers[j]`` to None once that layer is packed (``from_path``, which
             owns them: a load then never holds every layer's tensors as read beside the packed copy); False keeps
             them, for weights shared by several stages (``StageWeights.select``).
@@ -134,8 +136,12 @@ class StageModel(TorchPath):
                  is_last: bool, max_rows: int, max_seq_len: int, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu", weights: StageWeights | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, n_blocks: int | None = None,
-                 kv_dtype: torch.dtype = torch.float32, release_weights: bool = False) -> None:
+                 kv_dtype: torch.dtype = torch.float32, release_weights: bool = False,
+                 activations: str = "fp32") -> None:
         self.config = config
+        if activations not in MATMUL_ACTIVATIONS:
+            raise ValueError(f"activations must be one of {MATMUL_ACTIVATIONS}, got {activations!r}")
+        self.activations = activations
         self.layer_range = check_layer_range(layer_range, config.n_layers)
         if max_rows <= 0 or max_seq_len <= 0:
             raise ValueError(f"max_rows and max_seq_len must be positive, got {max_rows}, {max_seq_len}")
@@ -182,7 +188,7 @@ class StageModel(TorchPath):
         if self.native:
             self._c_layers = [layer.bind(kv, cos, sin, window) for layer, kv, (cos, sin), window in
                               zip(self.layers, self.kv, self.rope, self.windows)]
-            self._c_shape = layer_shape(config, max_seq_len)
+            self._c_shape = layer_shape(config, max_seq_len, activations)
             self._work = torch.empty(0, dtype=torch.float32)  # the layers' scratch, grown to the largest op
 
     @classmethod
@@ -191,7 +197,7 @@ class StageModel(TorchPath):
                   max_seq_len: int = 2048, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu", checkpoint: Checkpoint | None = None,
                   block_size: int = DEFAULT_BLOCK_SIZE, n_blocks: int | None = None,
-                  kv_dtype: torch.dtype = torch.float32) -> StageModel:
+                  kv_dtype: torch.dtype = torch.float32, activations: str = "fp32") -> StageModel:
         """Load a stage from a ``.gguf`` file or HF directory, reading only its own tensors.
 
         ``layer_range`` defaults to all layers; ``is_first``/``is_last`` default to whether the range
@@ -211,7 +217,7 @@ class StageModel(TorchPath):
         last = r.stop == cfg.n_layers if is_last is None else is_last
         weights = ckpt.load_stage(r, first, last)
         stage = cls(cfg, r, first, last, max_rows, min(max_seq_len, cfg.max_seq_len), dtype, device, weights,
-                    block_size, n_blocks, kv_dtype, release_weights=True)
+                    block_size, n_blocks, kv_dtype, release_weights=True, activations=activations)
         if ckpt.gguf:  # every weight is packed (or dequantized) now: the file's pages need not stay in this process
             ckpt.source.index.drop_pages()
         return stage
@@ -439,7 +445,7 @@ class StageModel(TorchPath):
             return StageOutput(torch.zeros(0, dtype=torch.int64))
         normed = self._rms_norm(h[plan.positions], self.norm)  # [n_pos, hidden]
         if self.native:
-            logits = self.lm_head.matmul(normed)  # [n_pos, vocab]
+            logits = self.lm_head.matmul(normed, activations=self.activations)  # [n_pos, vocab]
         else:
             logits = F.linear(normed, self.lm_head).float()
         if self.config.logit_scale != 1.0:  # Granite's logits_scaling: one fp32 division, as transformers

@@ -137,7 +137,7 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
             held += max(ckpt.source.held_bytes(n, native, width)[0] for n in grown)  # the packing's second copy
         expanded += grown
         if native:
-            scratch = layer_scratch_bytes(mc, cfg.max_op_tokens)
+            scratch = layer_scratch_bytes(mc, cfg.max_op_tokens, cfg.matmul_activations)
             held += scratch
         parts.append((held, stage_kv_bytes(cfg, mc, layer_ranges[i], n_blocks)))
     weights, kv = sum(w for w, _ in parts), sum(k for _, k in parts)

@@ -54,6 +54,7 @@ class StageSpec:
     block_size: int = 32  # KV positions per block (EngineConfig.block_size)
     n_blocks: int | None = None  # KV blocks in each layer's pool (the engine's KV budget); None: max_rows full rows
     kv_dtype: str = "float32"  # what the KV blocks store (EngineConfig.kv_cache_dtype)
+    matmul_activations: str = "fp32"  # what the C matmuls multiply (EngineConfig.matmul_activations)
     node: int = 0  # the host it runs on (ringshm.transport.cluster): set explicitly, never inferred from shared memory
     gpu: int | None = None  # device="cuda": the GPU this stage binds (CUDA_VISIBLE_DEVICES, set before CUDA starts)
 
@@ -138,7 +139,7 @@ def _load(spec: StageSpec):
         spec.model_path, (spec.layer_start, spec.layer_stop), is_first=spec.index == 0,
         is_last=spec.index == spec.n_stages - 1, max_rows=spec.max_rows, max_seq_len=spec.max_seq_len,
         block_size=spec.block_size, n_blocks=spec.n_blocks, kv_dtype=getattr(torch, spec.kv_dtype),
-        dtype=getattr(torch, spec.dtype), device=device)
+        dtype=getattr(torch, spec.dtype), device=device, activations=spec.matmul_activations)
 
 
 def _send(ring, msg, timeout_s: float) -> None:
