@@ -30,7 +30,8 @@ int ringshm_isa_supported(int isa) {
     case RINGSHM_ISA_AVX512: return __builtin_cpu_supports("x86-64-v4");
 #endif
     case RINGSHM_ISA_AVX512_VNNI:
-        return ringshm_isa_supported(RINGSHM_ISA_AVX512) && __builtin_cpu_supports("avx512vnni");
+        return ringshm_isa_supported(RINGSHM_ISA_AVX512) && __builtin_cpu_supports("avx512vnni") &&
+               __builtin_cpu_supports("avx512vbmi");
 #endif
     default: return 0;
     }

@@ -117,7 +117,7 @@ enum ringshm_isa {
     RINGSHM_ISA_PORTABLE = 0, /* plain C (fmaf); any CPU */
     RINGSHM_ISA_AVX2 = 1,     /* x86-64-v3: AVX2 + FMA + F16C */
     RINGSHM_ISA_AVX512 = 2,   /* x86-64-v4: AVX-512 F/BW/DQ/VL */
-    RINGSHM_ISA_AVX512_VNNI = 3 /* ringshm_qmat_matmul_q8 only: AVX-512 with VNNI's 4-byte dot products */
+    RINGSHM_ISA_AVX512_VNNI = 3 /* ringshm_qmat_matmul_q8 only: AVX-512 with VNNI's 4-byte dot products and VBMI */
 };
 
 /* Status codes; distinct from the ring's (-1 .. -7) and the attention kernels' (-16, -17). */

@@ -23,14 +23,16 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 PROMPT_LEN, N_NEW, MAX_SEQ = 16, 32, 64
 
 
-def _stages(path, splits: tuple[int, ...]) -> list[StageModel]:
-    """The model at ``path`` cut at the given layer boundaries (``()``: one stage), sharing one load."""
+def _stages(path, splits: tuple[int, ...], activations: str = "fp32") -> list[StageModel]:
+    """The model at ``path`` cut at the given layer boundaries (``()``: one stage), sharing one load; its matmuls
+    multiply ``activations`` (``EngineConfig.matmul_activations``)."""
     ckpt = Checkpoint.open(path)
     cfg = ckpt.config
     full = ckpt.load_stage((0, cfg.n_layers), True, True)
     bounds = [0, *splits, cfg.n_layers]
     return [StageModel(cfg, (a, b), a == 0, b == cfg.n_layers, 5, MAX_SEQ,
-                       weights=full.select((a, b), a == 0, b == cfg.n_layers)) for a, b in zip(bounds, bounds[1:])]
+                       weights=full.select((a, b), a == 0, b == cfg.n_layers), activations=activations)
+            for a, b in zip(bounds, bounds[1:])]
 
 
 @pytest.mark.parametrize("source", ["hf", "gguf"])

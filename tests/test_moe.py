@@ -45,11 +45,11 @@ PROMPT_LEN, N_NEW, MAX_SEQ = 16, 32, 64
 ROUTER_GAP = 1e-4
 
 
-def _stage(path, rows: int = 6) -> StageModel:
+def _stage(path, rows: int = 6, activations: str = "fp32") -> StageModel:
     ckpt = Checkpoint.open(path)
     cfg = ckpt.config
     return StageModel(cfg, (0, cfg.n_layers), True, True, rows, MAX_SEQ,
-                      weights=ckpt.load_stage((0, cfg.n_layers), True, True))
+                      weights=ckpt.load_stage((0, cfg.n_layers), True, True), activations=activations)
 
 
 def _router_gaps(model, ids: list[int]) -> torch.Tensor:
@@ -95,9 +95,11 @@ def _run(stage: StageModel, prompts: list[list[int]], n_steps: int) -> list[list
     return logits
 
 
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_a_streams_logits_are_the_same_bits_alone_in_a_crowd_on_its_experts_and_beside_strangers(zoo, family):
-    stage = _stage(zoo(family).gguf_path)
+def test_a_streams_logits_are_the_same_bits_alone_in_a_crowd_on_its_experts_and_beside_strangers(zoo, family,
+                                                                                                  activations):
+    stage = _stage(zoo(family).gguf_path, activations=activations)
     prompt = prompt_ids(PROMPT_LEN, stage.config.vocab, 10)
     alone = _run(stage, [prompt], 8)[0]
     # five streams of the same prompt: every token of the op routes to the experts stream 0's token routes to,
