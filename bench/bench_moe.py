@@ -21,7 +21,8 @@ Tensor types are llama-quantize's Q4_K_M (``tests/zoo_quant.tensor_type``: exper
 of valid random blocks; the router weights are random too, so tokens spread over the experts about evenly.
 
 Per model, one after another (never both resident: a 17 GB model cannot be held twice):
-- ringshm at 1 stage, then 2 stages: load (``Engine(...)`` to ready), each stage's anonymous RSS (its private
+- ringshm at 1 stage, then 2 stages, then 1 stage with 8-bit activations (``matmul_activations="int8"``, the
+  opt-in): load (``Engine(...)`` to ready), each stage's anonymous RSS (its private
   copy of the packed weights; the file's page cache is shared and reclaimable) and PSS, decode tok/s of one stream
   (32 tokens after 16), aggregate decode tok/s of 8 streams at once (the sum of each stream's 1 / TPOT), the two
   interleaved over ``ROUNDS`` rounds (medians), TTFT of a 512-token prompt (one step op);
@@ -209,7 +210,7 @@ def _anon_mb(pid: int) -> tuple[float, float]:
     return field(f"/proc/{pid}/status", "RssAnon"), field(f"/proc/{pid}/smaps_rollup", "Pss")
 
 
-def measure_ringshm(path: Path, stages: int) -> dict:
+def measure_ringshm(path: Path, stages: int, activations: str = "fp32") -> dict:
     from ringshm.engine.engine import Engine
 
     rng = np.random.default_rng(1)
@@ -218,7 +219,7 @@ def measure_ringshm(path: Path, stages: int) -> dict:
     long = [int(t) for t in rng.integers(100, 40000, N_LONG)]
     t0 = time.perf_counter()
     with Engine(model=str(path), stages=stages, max_rows=N_STREAMS, max_seq_len=1024, prefill_chunk=N_LONG,
-                progress=False, prefix_cache=False) as engine:
+                progress=False, prefix_cache=False, matmul_activations=activations) as engine:
         out = {"load_s": time.perf_counter() - t0, "stage_anon_pss_mb": [_anon_mb(p) for p in engine.pids]}
         engine.generate(prompt, max_new_tokens=4, stop=None, ignore_eos=True)  # warm: first-touch of the scratch
         one, eight = [], []
@@ -269,6 +270,7 @@ def test_moe_ringshm_vs_llama_cpp(benchmark, figures):
     def run():
         for name, path in found.items():
             table[name] = {"ringshm_1": measure_ringshm(path, 1), "ringshm_2": measure_ringshm(path, 2),
+                           "ringshm_1_int8": measure_ringshm(path, 1, "int8"),
                            "llama": measure_llama(path), "active_gb": active_bytes(path) / 1e9,
                            "file_gb": path.stat().st_size / 1e9}
 
@@ -279,7 +281,7 @@ def test_moe_ringshm_vs_llama_cpp(benchmark, figures):
              f"{'decode tok/s':>12} {'8 streams':>9} | {'TTFT 512 s':>10}"]
     for name, t in table.items():
         bound = bandwidth / (t["active_gb"] * 1e9)
-        for key, label in (("ringshm_1", "ringshm 1"), ("ringshm_2", "ringshm 2")):
+        for key, label in (("ringshm_1", "ringshm 1"), ("ringshm_2", "ringshm 2"), ("ringshm_1_int8", "1, int8")):
             r = t[key]
             mem = ", ".join(f"{a:.0f} / {p:.0f}" for a, p in r["stage_anon_pss_mb_after"])
             lines.append(f"{name:>13} {label:>10} | {r['load_s']:6.1f} | {mem:>28} | {r['decode_tok_s']:12.2f} "
@@ -293,6 +295,12 @@ def test_moe_ringshm_vs_llama_cpp(benchmark, figures):
                      f"8 streams / 1 {r1['aggregate_tok_s'] / r1['decode_tok_s']:.2f}, TTFT ringshm / llama.cpp "
                      f"{r1['ttft_512_s'] / ll['ttft_512_s']:.2f}; of the bound: ringshm "
                      f"{r1['decode_tok_s'] / bound:.2f}, llama.cpp {ll['decode_tok_s'] / bound:.2f}")
+        q8 = t["ringshm_1_int8"]
+        lines.append(f"{'':>13} int8 activations (opt-in), 1 stage: decode / llama.cpp "
+                     f"{q8['decode_tok_s'] / ll['decode_tok_s']:.2f}, 8 streams / its 1 "
+                     f"{q8['aggregate_tok_s'] / q8['decode_tok_s']:.2f}, 8 streams / fp32's 1 "
+                     f"{q8['aggregate_tok_s'] / r1['decode_tok_s']:.2f}, TTFT / llama.cpp "
+                     f"{q8['ttft_512_s'] / ll['ttft_512_s']:.2f}")
         figures.record_value(f"moe.{name}.decode.ringshm", 1 / r1["decode_tok_s"])
         figures.record_value(f"moe.{name}.decode.llama", 1 / ll["decode_tok_s"])
         figures.ratio(f"{name}: decode tok/s ringshm / llama.cpp", f"moe.{name}.decode.llama",

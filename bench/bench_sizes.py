@@ -27,7 +27,9 @@ Per model, one stage of ringshm and llama.cpp with 2 threads (its own process, `
   the load (both map the file: its pages count once touched);
 - decode tok/s: 32 new tokens after a 16-token prompt (decode only, as ``bench_peers``);
 - TTFT of a 256-token prompt (token ids; one step op for ringshm: ``prefill_chunk`` 256; the prefix cache off,
-  so every round prefills cold as the first).
+  so every round prefills cold as the first);
+- the same decode and TTFT from a second engine with 8-bit activations (``matmul_activations="int8"``, the opt-in
+  of issue 28: not the fp32 oracle's numbers), in the same rounds.
 Rounds interleave the two (5 rounds, medians: this VM's speed drifts by ±15 % within minutes; 1 for the 8B).
 Ratios are ringshm / llama.cpp in this run.
 
@@ -172,12 +174,15 @@ def measure(name: str, path: Path) -> dict:
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(100, 40000, N_PROMPT)]
     long = [int(t) for t in rng.integers(100, 40000, N_LONG)]
-    out: dict = {"file_mib": path.stat().st_size / 2**20, "decode_tpot_s": {"ringshm": [], "llama.cpp": []},
-                 "ttft_s": {"ringshm": [], "llama.cpp": []}}
+    out: dict = {"file_mib": path.stat().st_size / 2**20,
+                 "decode_tpot_s": {"ringshm": [], "llama.cpp": [], "ringshm int8": []},
+                 "ttft_s": {"ringshm": [], "llama.cpp": [], "ringshm int8": []}}
     t0 = time.perf_counter()
     engine = Engine(model=str(path), stages=1, max_rows=1, max_seq_len=1024, prefill_chunk=N_LONG, progress=False,
                     prefix_cache=False)  # prefix_cache off: every round prefills cold (a repeated prompt would hit)
     out["ringshm_load_s"] = time.perf_counter() - t0
+    int8 = Engine(model=str(path), stages=1, max_rows=1, max_seq_len=1024, prefill_chunk=N_LONG, progress=False,
+                  prefix_cache=False, matmul_activations="int8")  # the opt-in 8-bit activations, same rounds
     try:
         out["ringshm_stage_mem"] = _stage_rss(engine)
         t0 = time.perf_counter()
@@ -191,12 +196,16 @@ def measure(name: str, path: Path) -> dict:
                 out["decode_tpot_s"]["llama.cpp"].append(peer.call("decode", prompt, N_NEW)["tpot_s"])
                 out["ttft_s"]["ringshm"].append(engine.generate(long, max_new_tokens=1, stop=None).ttft_s)
                 out["ttft_s"]["llama.cpp"].append(peer.call("prefill", long)["ttft_s"])
+                r = int8.generate(prompt, max_new_tokens=N_NEW, stop=None, ignore_eos=True)
+                out["decode_tpot_s"]["ringshm int8"].append(r.tpot_s)
+                out["ttft_s"]["ringshm int8"].append(int8.generate(long, max_new_tokens=1, stop=None).ttft_s)
             out["ringshm_stage_mem_after"] = _stage_rss(engine)
             out["llama_rss_after_mb"] = (peer.call("rss")["rss"] - peer.info["rss_base"]) / 1e6
         finally:
             peer.close()
     finally:
         engine.close()
+        int8.close()
     return out
 
 
@@ -238,6 +247,12 @@ def test_sizes_ringshm_vs_llama_cpp(benchmark, figures):
             f"{dec['ringshm']:5.1f} / {dec['llama.cpp']:5.1f} {dec['ringshm'] / dec['llama.cpp']:5.2f} | "
             f"{ttft['ringshm']:6.2f} / {ttft['llama.cpp']:6.2f} {ttft['ringshm'] / ttft['llama.cpp']:5.2f}")
     lines.append(f"(ringshm's fork server, started once per process before the first load: {fork_server_s:.1f} s)")
+    lines.append("with 8-bit activations (matmul_activations='int8', the opt-in; same rounds): decode tok/s, TTFT 256 "
+                 "tok s, each / llama.cpp")
+    for name, t in table.items():
+        dec, ttft = t["summary"]["decode_tok_s"], t["summary"]["ttft_s"]
+        lines.append(f"{name:>13} decode {dec['ringshm int8']:5.1f} {dec['ringshm int8'] / dec['llama.cpp']:5.2f} | "
+                     f"TTFT {ttft['ringshm int8']:6.2f} {ttft['ringshm int8'] / ttft['llama.cpp']:5.2f}")
     figures.summary.extend(lines)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / f"sizes-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
