@@ -24,7 +24,8 @@
 
 /* ringshm_isa_best and ringshm_isa_supported are declared in matmul.h (the cffi API). */
 
-struct ringshm_mm_args; /* matmul_impl.inc */
+struct ringshm_mm_args;  /* matmul_impl.inc */
+struct ringshm_q8_block; /* matmul_internal.h */
 struct ringshm_kv_pool; /* kernels.h */
 
 #define RINGSHM_ISA_DECLS(S)                                                                                   \
@@ -42,6 +43,7 @@ struct ringshm_kv_pool; /* kernels.h */
                                       int64_t vocab, int64_t width);                                          \
     void ringshm_mm_panels_##S(const struct ringshm_mm_args *a, int64_t p_begin, int64_t p_end);           \
     void ringshm_q8_panels_##S(const struct ringshm_mm_args *a, int64_t p_begin, int64_t p_end);           \
+    void ringshm_q8_quantize_blocks_##S(const float *x, int64_t n_blocks, struct ringshm_q8_block *out);      \
     int ringshm_fma_chains_##S(int64_t iters, float *sink);                                                  \
     void ringshm_read_chains_##S(const float *p, int64_t n, float *sink);
 RINGSHM_ISA_DECLS(v1)

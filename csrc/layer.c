@@ -92,7 +92,7 @@ int ringshm_layer_mm(const struct ringshm_layer_shape *s, const struct layout *l
     const int64_t bytes = ringshm_q8_act_bytes(m, k);
     int st;
     if (bytes < 0 || bytes > m * l->xq_row_bytes) return RINGSHM_MATMUL_ERR_SHAPE;
-    if ((st = ringshm_q8_quantize(x, m, k, xq, bytes, n_threads))) return st;
+    if ((st = ringshm_q8_quantize(x, m, k, xq, bytes, n_threads, isa))) return st;
     return ringshm_qmat_matmul_q8(type, packed, packed_bytes, n, k, xq, bytes, m, out, ldo, bias, bias_len, residual,
                                   ldr, n_threads, ringshm_q8_isa(isa));
 }

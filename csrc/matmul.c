@@ -2,7 +2,6 @@
  * Packing is in matmul_pack.c; the panel loops are in matmul_impl.inc, compiled once per ISA. */
 #include "matmul.h"
 
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
@@ -124,50 +123,33 @@ int64_t ringshm_q8_act_bytes(int64_t m, int64_t k) {
     return m * (k / 32) * (int64_t)sizeof(struct ringshm_q8_block);
 }
 
-/* One block of 32 of x quantized (matmul.h's rules). Plain C on every ISA: one division, one multiply and one
- * nearbyintf per weight, the same bits wherever it runs. */
-static void q8_block(const float *x, struct ringshm_q8_block *o) {
-    uint32_t amax = 0;
-    for (int i = 0; i < 32; i++) {
-        uint32_t bits;
-        memcpy(&bits, x + i, 4);
-        bits &= 0x7FFFFFFFu;
-        amax = bits > amax ? bits : amax;
+typedef void (*q8_quantize_fn)(const float *, int64_t, struct ringshm_q8_block *);
+
+static q8_quantize_fn q8_quantize_for(int isa) {
+    switch (isa) {
+#if RINGSHM_HAVE_X86_ISAS
+    case RINGSHM_ISA_AVX512_VNNI:
+    case RINGSHM_ISA_AVX512: return ringshm_q8_quantize_blocks_v4;
+    case RINGSHM_ISA_AVX2: return ringshm_q8_quantize_blocks_v3;
+#endif
+    case RINGSHM_ISA_PORTABLE: return ringshm_q8_quantize_blocks_v1;
+    default: return NULL;
     }
-    float v[16];
-    for (int l = 0; l < 16; l++) v[l] = x[l] + x[l + 16]; /* the block sum: matmul.h's tree */
-    for (int w = 8; w >= 1; w /= 2)
-        for (int l = 0; l < w; l++) v[l] = v[l] + v[l + w];
-    o->s = v[0];
-    int8_t q[32] = {0};
-    if (amax >= 0x7F800000u) {
-        o->d = NAN;
-    } else if (amax < 0x03800000u) { /* 2^-120 */
-        o->d = 0.0f;
-    } else {
-        float a;
-        memcpy(&a, &amax, 4);
-        const float id = 127.0f / a;
-        for (int i = 0; i < 32; i++) {
-            const float r = nearbyintf(x[i] * id);
-            q[i] = (int8_t)(r > 127.0f ? 127 : r < -127.0f ? -127 : (int)r);
-        }
-        o->d = a / 127.0f;
-    }
-    o->xs[0] = o->xs[1] = 0;
-    for (int i = 0; i < 32; i++) o->xs[i / 16] += q[i];
-    for (int g = 0; g < 4; g++)
-        for (int c = 0; c < 4; c++) o->q[8 * g + c] = q[8 * g + 2 * c], o->q[8 * g + 4 + c] = q[8 * g + 2 * c + 1];
 }
 
-int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64_t xq_bytes, int n_threads) {
+int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64_t xq_bytes, int n_threads,
+                        int isa) {
+    const q8_quantize_fn fn = q8_quantize_for(isa);
+    if (!fn || !ringshm_isa_supported(isa)) return RINGSHM_MATMUL_ERR_TYPE;
     const int64_t want = ringshm_q8_act_bytes(m, k);
     if (want < 0) return (int)want;
     if (xq_bytes != want) return RINGSHM_MATMUL_ERR_SIZE;
     if (overlap(xq, xq_bytes, x, m * k * 4)) return RINGSHM_MATMUL_ERR_ALIAS;
     struct ringshm_q8_block *o = (struct ringshm_q8_block *)xq;
     const int64_t nb = k / 32;
-    int nt = n_threads < 1 ? 1 : n_threads;
+    /* a decode's rows (a few blocks each) quantize in far less than a parallel region's start and join: threads only
+     * from 2048 blocks (64 Ki floats) on */
+    int nt = n_threads < 1 || m * nb < 2048 ? 1 : n_threads;
     if (nt > m) nt = (int)m;
 #ifdef _OPENMP
     if (nt > 1) {
@@ -177,13 +159,14 @@ int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64
         {
             FPENV_WORKER_BEGIN(caller);
             const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-            for (int64_t i = m * nb * t / T; i < m * nb * (t + 1) / T; i++) q8_block(x + i * 32, o + i);
+            const int64_t b0 = m * nb * t / T, b1 = m * nb * (t + 1) / T;
+            fn(x + b0 * 32, b1 - b0, o + b0);
             FPENV_WORKER_END();
         }
         return RINGSHM_MATMUL_OK;
     }
 #endif
-    for (int64_t i = 0; i < m * nb; i++) q8_block(x + i * 32, o + i);
+    fn(x, m * nb, o);
     return RINGSHM_MATMUL_OK;
 }
 

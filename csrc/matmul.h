@@ -189,9 +189,11 @@ int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, i
 int ringshm_q8_supported(int type);
 /* Bytes of the quantized rows of x [M, K] (48 a block of 32), or RINGSHM_MATMUL_ERR_SHAPE (K % 32, M or K <= 0). */
 int64_t ringshm_q8_act_bytes(int64_t m, int64_t k);
-/* x [M, K] fp32 -> xq (xq_bytes == ringshm_q8_act_bytes(m, k)), rows split over n_threads (each in the caller's
- * FP mode). Returns RINGSHM_MATMUL_ERR_SHAPE / _SIZE / _ALIAS (xq overlapping x) before writing anything. */
-int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64_t xq_bytes, int n_threads);
+/* x [M, K] fp32 -> xq (xq_bytes == ringshm_q8_act_bytes(m, k)), blocks split over n_threads (each in the caller's
+ * FP mode; one thread below 2048 blocks) on the ISA path isa (any; the same bits on each). Returns
+ * RINGSHM_MATMUL_ERR_TYPE / _SHAPE / _SIZE / _ALIAS (xq overlapping x) before writing anything. */
+int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64_t xq_bytes, int n_threads,
+                        int isa);
 /* ringshm_qmat_matmul_q8: ringshm_qmat_matmul's product with x given quantized (ringshm_q8_quantize), arguments
  * and checks as there; isa RINGSHM_ISA_AVX512_VNNI where ringshm_isa_supported says so (ringshm_q8_isa picks),
  * else any ringshm_isa. RINGSHM_MATMUL_ERR_TYPE also for a type without the path. out must not overlap xq. */

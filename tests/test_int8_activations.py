@@ -67,10 +67,12 @@ def test_quantized_rows_follow_the_documented_rules_bit_for_bit():
     x[2, 64] = float("inf")
     x[3, 100] = float("nan")
     x[4, 128:160] = torch.tensor([2.5, -2.5, 0.5, -0.5] * 8) * (127 / 2.5) / 127  # ties at x / d = +-2.5 ...
-    got = unpack_rows(qm.quantize_rows(x.contiguous()), 6, 256)
     want = quantize_reference(x)
-    for name, a, b in zip(("d", "s", "xs", "q"), got, want):
-        assert np.array_equal(a, b, equal_nan=True), name
+    for isa in Q8_ISAS:
+        for threads in (1, 2):
+            got = unpack_rows(qm.quantize_rows(x.contiguous(), threads, isa), 6, 256)
+            for name, a, b in zip(("d", "s", "xs", "q"), got, want):
+                assert np.array_equal(a, b, equal_nan=True), (name, isa, threads)
 
 
 def test_quantizing_a_k_that_is_not_whole_blocks_is_refused():

@@ -306,7 +306,7 @@ class PackedWeight:
         bias_len = 0 if self.bias is None else self.bias.numel()
         out_ptr = ffi.cast("float *", out.data_ptr())
         if activations == "int8" and lib.ringshm_q8_supported(self.qtype):
-            xq = quantize_rows(x, nt)
+            xq = quantize_rows(x, nt, isa)
             status = lib.ringshm_qmat_matmul_q8(self.qtype, self._ptr, self.packed.numel(), self.n, self.k,
                                                 ffi.cast("uint8_t *", xq.data_ptr()), xq.numel(), m, out_ptr,
                                                 self.n_padded, self._bias_ptr, bias_len, res_ptr, ldr, nt,
@@ -320,9 +320,10 @@ class PackedWeight:
         return out if self.n_padded == self.n else out[:, : self.n].contiguous()
 
 
-def quantize_rows(x: torch.Tensor, threads: int = 1) -> torch.Tensor:
+def quantize_rows(x: torch.Tensor, threads: int = 1, isa: int = BEST_ISA) -> torch.Tensor:
     """Rows of fp32 ``x [M, K]`` (K a multiple of 32) quantized for the 8-bit matmul (csrc/matmul.h: per row and
-    block of 32, d = max |x| / 127): uint8 ``[ringshm_q8_act_bytes(M, K)]``, 48 bytes a block.
+    block of 32, d = max |x| / 127): uint8 ``[ringshm_q8_act_bytes(M, K)]``, 48 bytes a block; ``isa``, for tests
+    (every path gives the same bytes).
 
     Raises:
         ValueError: x not contiguous fp32 CPU ``[M, K]`` with K % 32 == 0.
@@ -334,7 +335,8 @@ def quantize_rows(x: torch.Tensor, threads: int = 1) -> torch.Tensor:
     m, k = x.shape
     xq = torch.empty(int(lib.ringshm_q8_act_bytes(m, k)), dtype=torch.uint8)
     check_status(lib.ringshm_q8_quantize(ffi.cast("float *", x.data_ptr()), m, k,
-                                         ffi.cast("uint8_t *", xq.data_ptr()), xq.numel(), threads), "quantize_rows")
+                                         ffi.cast("uint8_t *", xq.data_ptr()), xq.numel(), threads, isa),
+                 "quantize_rows")
     return xq
 
 
