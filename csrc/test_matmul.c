@@ -1,7 +1,8 @@
 /* C-only test of the matmul under AddressSanitizer + UBSan (make test-c): the portable path against a scalar
  * reference of matmul.h's contract written from the GGUF bytes, bit for bit, for every weight type, odd shapes,
  * padded strides, bias and residual, 1-3 OpenMP threads; and each row alone against the same row in a batch.
- * The embedding lookup (dequant.c) against the same reference decode, weight by weight.
+ * The 8-bit-activation path the same way against its own reference (reference_q8). The embedding lookup (dequant.c)
+ * against the same reference decode, weight by weight.
  * Built with -DRINGSHM_PORTABLE_ONLY (no SIMD copies). Exits non-zero on the first mismatch. */
 #include <math.h>
 #include <stdio.h>
@@ -143,6 +144,52 @@ static float reference(int type, const uint8_t *row, const float *x, int64_t k) 
     return acc;
 }
 
+/* matmul.h's 8-bit rules for one block of 32 of x, written out on their own: d and q[32] in natural order. */
+static void reference_q8_block(const float *x, float *d, int *q) {
+    uint32_t amax = 0;
+    for (int i = 0; i < 32; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, 4);
+        if ((bits & 0x7FFFFFFFu) > amax) amax = bits & 0x7FFFFFFFu;
+    }
+    float a;
+    memcpy(&a, &amax, 4);
+    const int ok = amax < 0x7F800000u && amax >= 0x03800000u;
+    *d = amax >= 0x7F800000u ? NAN : ok ? a / 127.0f : 0.0f;
+    for (int i = 0; i < 32; i++) {
+        const float r = ok ? nearbyintf(x[i] * (127.0f / a)) : 0.0f;
+        q[i] = r > 127 ? 127 : r < -127 ? -127 : (int)r;
+    }
+}
+
+/* matmul.h's 8-bit reduction for one output element: per chain (32; Q6_K 16) the exact integer sum of q_w * q_x,
+ * then acc = fma(d, d_x * i, acc) and, with a min, acc = fma(m, s, acc) once a block of 32. */
+static float reference_q8(int type, const uint8_t *row, const float *x, int64_t k) {
+    const int64_t len = type == RINGSHM_W_Q6_K ? 16 : 32;
+    float acc = 0;
+    for (int64_t b = 0; b < k / 32; b++) {
+        float dx, q, d, m = 0, w;
+        int qx[32];
+        reference_q8_block(x + b * 32, &dx, qx);
+        for (int64_t c = 0; c < 32; c += len) {
+            int32_t i = 0;
+            for (int64_t j = c; j < c + len; j++) {
+                weight_at(type, row, b * 32 + j, &q, &d, &m, &w);
+                i += (int32_t)q * qx[j];
+            }
+            acc = fmaf(d, dx * (float)i, acc);
+        }
+        if (has_min(type)) {
+            float v[16];
+            for (int l = 0; l < 16; l++) v[l] = x[b * 32 + l] + x[b * 32 + l + 16];
+            for (int sw = 8; sw >= 1; sw /= 2)
+                for (int l = 0; l < sw; l++) v[l] = v[l] + v[l + sw];
+            acc = fmaf(m, v[0], acc);
+        }
+    }
+    return acc;
+}
+
 /* Random GGUF rows of `type` with finite fp16 scales (the rest of each block random bytes); MXFP4's e near 2^-3
  * (118 .. 129: products that neither overflow nor flush), one block in 8 at e 0 .. 3 (d subnormal for e < 2). */
 static void random_rows(int type, uint8_t *src, int64_t n, int64_t k, int64_t row_bytes) {
@@ -272,7 +319,7 @@ int main(void) {
                          RINGSHM_W_Q4_1, RINGSHM_W_Q8_0, RINGSHM_W_Q5_0, RINGSHM_W_Q5_1,
                          RINGSHM_W_Q4_K, RINGSHM_W_Q5_K, RINGSHM_W_Q6_K, RINGSHM_W_MXFP4};
     const int n_types = (int)(sizeof types / sizeof types[0]);
-    int cases = 0, dequant_rows = 0;
+    int cases = 0, dequant_rows = 0, q8_cases = 0;
     for (int it = 0; it < 16 * n_types; it++) {
         const int type = types[it % n_types];
         const int kquant = type == RINGSHM_W_Q4_K || type == RINGSHM_W_Q5_K || type == RINGSHM_W_Q6_K;
@@ -314,6 +361,31 @@ int main(void) {
                 }
             }
         }
+        if (quant) { /* the 8-bit path: the same rows quantized, batched and each row alone, against reference_q8 */
+            const int64_t qbytes = ringshm_q8_act_bytes(m, k), qone = ringshm_q8_act_bytes(1, k);
+            uint8_t *xq = malloc((size_t)qbytes);
+            if (ringshm_q8_quantize(x, m, k, xq, qbytes, threads, RINGSHM_ISA_PORTABLE) ||
+                ringshm_qmat_matmul_q8(type, packed, pbytes, n, k, xq, qbytes, m, out, ldo, use_bias ? bias : NULL,
+                                       use_bias ? n : 0, use_res ? res : NULL, ldr, threads, RINGSHM_ISA_PORTABLE))
+                FAIL("q8 refused\n");
+            for (int64_t r = 0; r < m; r++) {
+                if (ringshm_qmat_matmul_q8(type, packed, pbytes, n, k, xq + r * qone, qone, 1, one, ldo,
+                                           use_bias ? bias : NULL, use_bias ? n : 0, use_res ? res + r * ldr : NULL,
+                                           ldr, 1, RINGSHM_ISA_PORTABLE))
+                    FAIL("q8 refused\n");
+                for (int64_t c = 0; c < n; c++) {
+                    float want = reference_q8(type, src + c * row_bytes, x + r * k, k);
+                    if (use_bias) want = want + bias[c];
+                    if (use_res) want = want + res[r * ldr + c];
+                    if (memcmp(&want, &out[r * ldo + c], 4) || memcmp(&want, &one[c], 4))
+                        FAIL("q8 mismatch: type %d n %lld k %lld m %lld at (%lld, %lld): want %a, batch %a, alone %a\n",
+                             type, (long long)n, (long long)k, (long long)m, (long long)r, (long long)c, want,
+                             out[r * ldo + c], one[c]);
+                }
+            }
+            free(xq);
+            q8_cases++;
+        }
         /* the embedding lookup (dequant.c): every weight of every row, bitwise the reference decode */
         int64_t *ids = malloc(sizeof(int64_t) * (size_t)n);
         float *rows = malloc(sizeof(float) * (size_t)(n * k));
@@ -334,8 +406,8 @@ int main(void) {
     }
     check_mxfp4_dequant_edges();
     check_mxfp4_every_scale_in_the_matmul();
-    printf("test_matmul: %d cases over %d types, every element bitwise the contract's, alone and batched; "
-           "%d dequantized rows bitwise the reference decode; MXFP4 at every E8M0 byte, dequantized and "
-           "multiplied\n", cases, n_types, dequant_rows);
+    printf("test_matmul: %d cases over %d types, every element bitwise the contract's, alone and batched (%d of "
+           "them also with 8-bit activations); %d dequantized rows bitwise the reference decode; MXFP4 at every "
+           "E8M0 byte, dequantized and multiplied\n", cases, n_types, q8_cases, dequant_rows);
     return 0;
 }
