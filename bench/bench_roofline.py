@@ -122,3 +122,53 @@ def test_matmul_against_the_roofline(benchmark, figures, qtype, m, threads):
     figures.summary.append(
         f"  {name:<22} {measured * 1e6:8.0f}us {nbytes / measured / 1e9:7.1f} {2 * m * N * K / measured / 1e9:8.1f}"
         f"  {'memory' if t_mem >= t_fma else 'fma':<6}  {bound / measured:6.2f}")
+
+
+Q8_TYPES = tuple(t for t in TYPES if t not in (qm.F16, qm.BF16))  # the types with an 8-bit path
+Q8_CASES = [(t, m) for t in Q8_TYPES for m in MS]
+Q8_ROUNDS = 5
+
+
+@pytest.mark.parametrize("qtype,m", Q8_CASES, ids=[f"{qm.type_name(t)}-M{m}" for t, m in Q8_CASES])
+def test_int8_activations_against_fp32(benchmark, figures, qtype, m):
+    """The opt-in 8-bit activations (``activations="int8"``, csrc/matmul.h) against the fp32 contract on the same
+    weights, a thread per core: the two timed back to back in each of ``Q8_ROUNDS`` rounds (order flipped every
+    round), the figure the median of the rounds' time ratios; at M = 1 also the 8-bit path's fraction of the
+    bandwidth bound."""
+    threads = THREADS[-1]
+    bandwidth, _ = bounds(threads)
+    r = ring(qtype)
+    x = torch.randn(m, K)
+    for act in ("fp32", "int8"):
+        r.next().matmul(x, threads=threads, activations=act)
+    t0 = time.perf_counter()
+    r.next().matmul(x, threads=threads)
+    calls = max(1, min(200, int(0.02 / max(time.perf_counter() - t0, 1e-6))))
+    pairs: list[tuple[float, float]] = []
+
+    def timed(act: str) -> float:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r.next().matmul(x, threads=threads, activations=act)
+        return (time.perf_counter() - t0) / calls
+
+    def run():
+        for i in range(Q8_ROUNDS):
+            if i % 2:
+                fp32 = timed("fp32")
+                pairs.append((timed("int8"), fp32))
+            else:
+                int8 = timed("int8")
+                pairs.append((int8, timed("fp32")))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    name = f"{qm.type_name(qtype)} M={m} T={threads}"
+    figures.paired_ratio(f"int8 / fp32 time, {name}", pairs)
+    nbytes = r.items[0].nbytes
+    t8 = sorted(p[0] for p in pairs)[len(pairs) // 2]
+    speed = sorted(d / n for n, d in pairs)[len(pairs) // 2]
+    if not any(line.startswith("8-bit activations") for line in figures.summary):
+        figures.summary.append(f"8-bit activations against fp32, {SHAPE}, {threads} thread(s), on {cpu_label()}")
+        figures.summary.append(f"  {'case':<22} {'int8 time':>10} {'GB/s':>7} {'of bw':>6} {'x fp32 speed':>12}")
+    figures.summary.append(f"  {name:<22} {t8 * 1e6:8.0f}us {nbytes / t8 / 1e9:7.1f} "
+                           f"{nbytes / bandwidth / t8:6.2f} {speed:12.2f}")
