@@ -123,6 +123,28 @@ int64_t ringshm_q8_act_bytes(int64_t m, int64_t k) {
     return m * (k / 32) * (int64_t)sizeof(struct ringshm_q8_block);
 }
 
+/* fn(ctx, lo, hi) over [0, total) split into nt contiguous parts, one per OpenMP thread, each thread in the
+ * caller's FP mode (FTZ / DAZ / rounding are per thread and pool workers keep theirs: a row's bits must not depend on
+ * which thread computed it); nt <= 1 runs it whole on the calling thread. */
+static void split_in_caller_mode(int nt, int64_t total, void (*fn)(const void *, int64_t, int64_t), const void *ctx) {
+#ifdef _OPENMP
+    if (nt > 1) {
+        fpenv_t caller;
+        FPENV_GET(caller);
+#pragma omp parallel num_threads(nt)
+        {
+            FPENV_WORKER_BEGIN(caller);
+            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+            fn(ctx, total * t / T, total * (t + 1) / T);
+            FPENV_WORKER_END();
+        }
+        return;
+    }
+#endif
+    (void)nt;
+    fn(ctx, 0, total);
+}
+
 typedef void (*q8_quantize_fn)(const float *, int64_t, struct ringshm_q8_block *);
 
 static q8_quantize_fn q8_quantize_for(int isa) {
@@ -137,6 +159,17 @@ static q8_quantize_fn q8_quantize_for(int isa) {
     }
 }
 
+struct q8_job {
+    q8_quantize_fn fn;
+    const float *x;
+    struct ringshm_q8_block *out;
+};
+
+static void q8_job_run(const void *ctx, int64_t lo, int64_t hi) {
+    const struct q8_job *j = ctx;
+    if (hi > lo) j->fn(j->x + lo * 32, hi - lo, j->out + lo);
+}
+
 int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64_t xq_bytes, int n_threads,
                         int isa) {
     const q8_quantize_fn fn = q8_quantize_for(isa);
@@ -145,28 +178,13 @@ int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64
     if (want < 0) return (int)want;
     if (xq_bytes != want) return RINGSHM_MATMUL_ERR_SIZE;
     if (overlap(xq, xq_bytes, x, m * k * 4)) return RINGSHM_MATMUL_ERR_ALIAS;
-    struct ringshm_q8_block *o = (struct ringshm_q8_block *)xq;
     const int64_t nb = k / 32;
     /* a decode's rows (a few blocks each) quantize in far less than a parallel region's start and join: threads only
      * from 2048 blocks (64 Ki floats) on */
     int nt = n_threads < 1 || m * nb < 2048 ? 1 : n_threads;
     if (nt > m) nt = (int)m;
-#ifdef _OPENMP
-    if (nt > 1) {
-        fpenv_t caller;
-        FPENV_GET(caller);
-#pragma omp parallel num_threads(nt)
-        {
-            FPENV_WORKER_BEGIN(caller);
-            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-            const int64_t b0 = m * nb * t / T, b1 = m * nb * (t + 1) / T;
-            fn(x + b0 * 32, b1 - b0, o + b0);
-            FPENV_WORKER_END();
-        }
-        return RINGSHM_MATMUL_OK;
-    }
-#endif
-    fn(x, m * nb, o);
+    const struct q8_job job = {fn, x, (struct ringshm_q8_block *)xq};
+    split_in_caller_mode(nt, m * nb, q8_job_run, &job);
     return RINGSHM_MATMUL_OK;
 }
 
@@ -222,6 +240,16 @@ int64_t ringshm_read_probe(int isa, int n_threads, const float *buf, int64_t n, 
     return n * (int64_t)sizeof(float);
 }
 
+struct panels_job {
+    mm_panels_fn fn;
+    const struct ringshm_mm_args *a;
+};
+
+static void panels_job_run(const void *ctx, int64_t lo, int64_t hi) {
+    const struct panels_job *j = ctx;
+    j->fn(j->a, lo, hi);
+}
+
 /* The checks and the thread split shared by ringshm_qmat_matmul and ringshm_qmat_matmul_q8: x (fp32) or xq. */
 static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k, const float *x,
                       const uint8_t *xq, int64_t xq_bytes, int64_t m, float *out, int64_t ldo, const float *bias,
@@ -247,23 +275,8 @@ static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int
         .slab_blocks = ringshm_mm_slab_blocks(), .xq = (const struct ringshm_q8_block *)xq};
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > n_panels) nt = (int)n_panels;
-#ifdef _OPENMP
-    if (nt > 1) {
-        /* The FP mode (FTZ / DAZ / rounding) is per thread and pool workers keep theirs: run every panel in the
-         * caller's, or a row's bits would depend on which thread computed it. */
-        fpenv_t caller;
-        FPENV_GET(caller);
-#pragma omp parallel num_threads(nt)
-        {
-            FPENV_WORKER_BEGIN(caller);
-            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-            fn(&a, n_panels * t / T, n_panels * (t + 1) / T);
-            FPENV_WORKER_END();
-        }
-        return RINGSHM_MATMUL_OK;
-    }
-#endif
-    fn(&a, 0, n_panels);
+    const struct panels_job job = {fn, &a};
+    split_in_caller_mode(nt, n_panels, panels_job_run, &job);
     return RINGSHM_MATMUL_OK;
 }
 

@@ -122,6 +122,15 @@ static int has_min(int type) {
     return type == RINGSHM_W_Q4_1 || type == RINGSHM_W_Q5_1 || type == RINGSHM_W_Q4_K || type == RINGSHM_W_Q5_K;
 }
 
+/* The block sum of x[0 .. 31] by matmul.h's tree. */
+static float block_sum(const float *x) {
+    float v[16];
+    for (int l = 0; l < 16; l++) v[l] = x[l] + x[l + 16];
+    for (int sw = 8; sw >= 1; sw /= 2)
+        for (int l = 0; l < sw; l++) v[l] = v[l] + v[l + sw];
+    return v[0];
+}
+
 /* matmul.h's reduction for one output element, with plain loops (chains of 32; Q6_K's of 16). */
 static float reference(int type, const uint8_t *row, const float *x, int64_t k) {
     const int64_t len = type == RINGSHM_W_Q6_K ? 16 : 32;
@@ -133,13 +142,7 @@ static float reference(int type, const uint8_t *row, const float *x, int64_t k) 
             t = fmaf(x[kk], q, t);
         }
         acc = fmaf(d, t, acc);
-        if (has_min(type)) {
-            float v[16];
-            for (int l = 0; l < 16; l++) v[l] = x[b * 32 + l] + x[b * 32 + l + 16];
-            for (int sw = 8; sw >= 1; sw /= 2)
-                for (int l = 0; l < sw; l++) v[l] = v[l] + v[l + sw];
-            acc = fmaf(m, v[0], acc);
-        }
+        if (has_min(type)) acc = fmaf(m, block_sum(x + b * 32), acc);
     }
     return acc;
 }
@@ -179,13 +182,7 @@ static float reference_q8(int type, const uint8_t *row, const float *x, int64_t 
             }
             acc = fmaf(d, dx * (float)i, acc);
         }
-        if (has_min(type)) {
-            float v[16];
-            for (int l = 0; l < 16; l++) v[l] = x[b * 32 + l] + x[b * 32 + l + 16];
-            for (int sw = 8; sw >= 1; sw /= 2)
-                for (int l = 0; l < sw; l++) v[l] = v[l] + v[l + sw];
-            acc = fmaf(m, v[0], acc);
-        }
+        if (has_min(type)) acc = fmaf(m, block_sum(x + b * 32), acc);
     }
     return acc;
 }

@@ -35,6 +35,21 @@ def _stages(path, splits: tuple[int, ...], activations: str = "fp32") -> list[St
             for a, b in zip(bounds, bounds[1:])]
 
 
+def batched_greedy(stage: StageModel, prompts: list[list[int]], n_new: int) -> list[list[int]]:
+    """Every prompt prefilled in one step op (row r = prompt r), then ``n_new - 1`` greedy decode ops of every row
+    at once: each row's ``n_new`` tokens."""
+    stage.reset()
+    out = stage.step(torch.tensor([t for p in prompts for t in p]),
+                     [(r, 0, len(p), WANT_LAST) for r, p in enumerate(prompts)])
+    tokens = [[int(t)] for t in out.token_ids]
+    for i in range(n_new - 1):
+        out = stage.step(torch.tensor([t[-1] for t in tokens]),
+                         [(r, len(p) + i, 1, WANT_LAST) for r, p in enumerate(prompts)])
+        for t, new in zip(tokens, out.token_ids.tolist()):
+            t.append(new)
+    return tokens
+
+
 @pytest.mark.parametrize("source", ["hf", "gguf"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_greedy_equals_the_oracle_and_is_the_same_at_one_and_two_stages(zoo, family, source,
@@ -61,16 +76,7 @@ def test_a_stream_beside_four_batch_mates_gets_the_bytes_it_gets_alone(zoo, fami
     stage = _stages(zoo(family).gguf_path, ())[0]
     prompts = [prompt_ids(PROMPT_LEN - r, stage.config.vocab, 10 + r) for r in range(5)]  # unequal lengths
     alone = greedy_generate([stage], torch.tensor(prompts[0]), N_NEW)
-    stage.reset()
-    out = stage.step(torch.tensor([t for p in prompts for t in p]),
-                     [(r, 0, len(p), WANT_LAST) for r, p in enumerate(prompts)])
-    tokens = [[int(t)] for t in out.token_ids]
-    for i in range(N_NEW - 1):
-        out = stage.step(torch.tensor([t[-1] for t in tokens]),
-                         [(r, len(p) + i, 1, WANT_LAST) for r, p in enumerate(prompts)])
-        for t, new in zip(tokens, out.token_ids.tolist()):
-            t.append(new)
-    assert tokens[0] == alone.tolist()
+    assert batched_greedy(stage, prompts, N_NEW)[0] == alone.tolist()
 
 
 @pytest.mark.parametrize("family, source", [("gemma3", "gguf"), ("qwen3", "hf"), ("gptoss", "gguf")])

@@ -18,7 +18,7 @@ from ringshm.config import EngineConfig
 from ringshm.model import qmatmul as qm
 from ringshm.model.reference import greedy_generate
 from ringshm.transport.messages import WANT_LAST, WANT_LOGITS
-from test_families import MAX_SEQ, N_NEW, PROMPT_LEN, _stages
+from test_families import MAX_SEQ, N_NEW, PROMPT_LEN, _stages, batched_greedy
 from test_matmul import Q_BYTES, kfit, make_weight
 from zoo import prompt_ids
 
@@ -172,19 +172,6 @@ def _stages_int8(path, splits=()):
     return _stages(path, splits, activations="int8")
 
 
-def _batched_greedy(stage, prompts: list[list[int]], n_new: int) -> list[list[int]]:
-    stage.reset()
-    out = stage.step(torch.tensor([t for p in prompts for t in p]),
-                     [(r, 0, len(p), WANT_LAST) for r, p in enumerate(prompts)])
-    tokens = [[int(t)] for t in out.token_ids]
-    for i in range(n_new - 1):
-        out = stage.step(torch.tensor([t[-1] for t in tokens]),
-                         [(r, len(p) + i, 1, WANT_LAST) for r, p in enumerate(prompts)])
-        for t, new in zip(tokens, out.token_ids.tolist()):
-            t.append(new)
-    return tokens
-
-
 @pytest.mark.usefixtures("torch_one_thread")
 @pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3moe", "olmoe", "gptoss"])
 def test_a_streams_int8_tokens_are_the_same_alone_beside_batch_mates_chunked_and_over_two_stages(zoo, family):
@@ -196,7 +183,7 @@ def test_a_streams_int8_tokens_are_the_same_alone_beside_batch_mates_chunked_and
     alone = greedy_generate(one, torch.tensor(prompts[0]), N_NEW)
     assert torch.equal(greedy_generate(two, torch.tensor(prompts[0]), N_NEW, prefill_chunk=5), alone)
     assert torch.equal(greedy_generate(one, torch.tensor(prompts[0]), N_NEW, prefill_chunk=3), alone)
-    assert _batched_greedy(one[0], prompts, N_NEW)[0] == alone.tolist()
+    assert batched_greedy(one[0], prompts, N_NEW)[0] == alone.tolist()
     # near fp32's: the first step's logits of the same prompt, fp32 path against int8
     fp32 = _stages(model.gguf_path, ())[0]
     want = fp32.step(torch.tensor(prompts[0]), [(0, 0, len(prompts[0]), WANT_LAST | WANT_LOGITS)]).logits[0]

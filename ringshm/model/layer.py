@@ -121,8 +121,8 @@ class Layer:
 
 def layer_shape(config: ModelConfig, max_seq_len: int, activations: str = "fp32"):
     """The C layer's shape (``struct ringshm_layer_shape``, csrc/layer.h) of ``config``'s layers, RoPE tables of
-    ``max_seq_len`` positions, its matmuls multiplying ``activations`` ("fp32" or "int8": ``EngineConfig.matmul_activations``) (a cffi
-    struct pointer)."""
+    ``max_seq_len`` positions, its matmuls multiplying ``activations`` ("fp32" or "int8":
+    ``EngineConfig.matmul_activations``) (a cffi struct pointer)."""
     return ffi.new("struct ringshm_layer_shape *", dict(
         hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
         inter=config.intermediate, n_pos=max_seq_len, rms_eps=config.rms_eps,

@@ -277,8 +277,9 @@ class PackedWeight:
         do not depend on it. ``isa``: for tests, a slower path than ``BEST_ISA`` (same bits).
         ``activations``: "fp32" (the contract of csrc/matmul.h), or "int8": each row of x quantized per block of
         32 and summed in integers (matmul.h's 8-bit contract; still batch-invariant, not the fp32 result), for a
-        quantized weight; a float weight runs fp32 either way (``ringshm.config.MATMUL_ACTIVATIONS``). With "int8" the AVX-512 path
-        uses VNNI where the CPU has it (``lib.ringshm_q8_isa``); ``isa`` may name ``lib.RINGSHM_ISA_AVX512_VNNI``.
+        quantized weight; a float weight runs fp32 either way (``ringshm.config.MATMUL_ACTIVATIONS``). With "int8"
+        the AVX-512 path uses VNNI + VBMI where the CPU has them (``lib.ringshm_q8_isa``); ``isa`` may name
+        ``lib.RINGSHM_ISA_AVX512_VNNI``.
 
         Raises:
             ValueError: ``x`` not contiguous fp32 CPU ``[M, k]`` with M ≥ 1; a residual of another shape; an

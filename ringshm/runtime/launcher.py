@@ -199,7 +199,8 @@ class StageGroup:
                                  out_ring=ring_of[i + 1].name, cores=cores,
                                  ring_timeout_s=cfg.op_timeout_s, link_latency_ms=cfg.link_latency_ms,
                                  max_op_tokens=cfg.max_op_tokens, node=plan.node, block_size=cfg.block_size,
-                                 n_blocks=n_blocks, kv_dtype=cfg.kv_cache_dtype, matmul_activations=cfg.matmul_activations,
+                                 n_blocks=n_blocks, kv_dtype=cfg.kv_cache_dtype,
+                                 matmul_activations=cfg.matmul_activations,
                                  gpu=(i - local.start) % n_gpus if n_gpus else None)
                 p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors, self.ended), daemon=True,
                                 name=f"ringshm-stage-{i}")
