@@ -33,10 +33,10 @@ CHATS = ["What is the capital of France?", "Write a haiku about shared memory.",
 def test_int8_activations_vs_fp32(benchmark, figures):
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(100, 40000, N_PROMPT)] for _ in range(max(STREAMS))]
-    rates: dict[str, dict[int, list[float]]] = {a: {n: [] for n in STREAMS} for a in ("fp32", "int8")}
+    rates: dict[str, dict[int, list[float]]] = {a: {n: [] for n in STREAMS} for a in ("float32", "int8")}
     agree: list[tuple[int, int]] = []
     engines = {a: Engine(stages=1, max_rows=max(STREAMS), max_seq_len=512, progress=False, prefix_cache=False,
-                         matmul_activations=a) for a in ("fp32", "int8")}
+                         matmul_activations=a) for a in ("float32", "int8")}
     try:
         for eng in engines.values():
             eng.generate_batch(prompts, max_new_tokens=4, stop=None, ignore_eos=True)  # warm
@@ -49,7 +49,7 @@ def test_int8_activations_vs_fp32(benchmark, figures):
                         rates[act][n].append(sum(1 / r.tpot_s for r in out.results))
             for text in CHATS:
                 a, b = (engines[x].generate(text, max_new_tokens=N_AGREE, chat=True).token_ids
-                        for x in ("fp32", "int8"))
+                        for x in ("float32", "int8"))
                 same = next((i for i, (u, v) in enumerate(zip(a, b)) if u != v), min(len(a), len(b)))
                 agree.append((same, min(len(a), len(b))))
 
@@ -61,7 +61,7 @@ def test_int8_activations_vs_fp32(benchmark, figures):
     lines = [f"8-bit activations vs fp32 (bench_int8.py), default model, 1 stage, CPU: {cpu_label()}",
              f"{'streams':>7} | {'fp32 tok/s':>10} {'/ 1':>5} | {'int8 tok/s':>10} {'/ 1':>5} {'/ fp32':>6}"]
     for n in STREAMS:
-        f, q = med["fp32"][n], med["int8"][n]
+        f, q = med["float32"][n], med["int8"][n]
         lines.append(f"{n:>7} | {f:10.1f} {f / med['fp32'][1]:5.2f} | {q:10.1f} {q / med['int8'][1]:5.2f} "
                      f"{q / f:6.2f}")
         figures.record_value(f"int8.agg.{n}.fp32", 1 / f)

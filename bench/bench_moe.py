@@ -210,7 +210,7 @@ def _anon_mb(pid: int) -> tuple[float, float]:
     return field(f"/proc/{pid}/status", "RssAnon"), field(f"/proc/{pid}/smaps_rollup", "Pss")
 
 
-def measure_ringshm(path: Path, stages: int, activations: str = "fp32") -> dict:
+def measure_ringshm(path: Path, stages: int, activations: str = "float32") -> dict:
     from ringshm.engine.engine import Engine
 
     rng = np.random.default_rng(1)

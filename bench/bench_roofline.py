@@ -139,7 +139,7 @@ def test_int8_activations_against_fp32(benchmark, figures, qtype, m):
     bandwidth, _ = bounds(threads)
     r = ring(qtype)
     x = torch.randn(m, K)
-    for act in ("fp32", "int8"):
+    for act in ("float32", "int8"):
         r.next().matmul(x, threads=threads, activations=act)
     t0 = time.perf_counter()
     r.next().matmul(x, threads=threads)
@@ -155,11 +155,11 @@ def test_int8_activations_against_fp32(benchmark, figures, qtype, m):
     def run():
         for i in range(Q8_ROUNDS):
             if i % 2:
-                fp32 = timed("fp32")
+                fp32 = timed("float32")
                 pairs.append((timed("int8"), fp32))
             else:
                 int8 = timed("int8")
-                pairs.append((int8, timed("fp32")))
+                pairs.append((int8, timed("float32")))
 
     benchmark.pedantic(run, rounds=1, iterations=1)
     name = f"{qm.type_name(qtype)} M={m} T={threads}"

@@ -166,7 +166,7 @@ static void reference_q8_block(const float *x, float *d, int *q) {
 }
 
 /* matmul.h's 8-bit reduction for one output element: per chain (32; Q6_K 16) the exact integer sum of q_w * q_x,
- * then acc = fma(d, d_x * i, acc) and, with a min, acc = fma(m, s, acc) once a block of 32. */
+ * then acc = fma(d, d_x * i, acc) and, with a min, acc = fma(m, d_x * sum of q_x, acc) once a block of 32. */
 static float reference_q8(int type, const uint8_t *row, const float *x, int64_t k) {
     const int64_t len = type == RINGSHM_W_Q6_K ? 16 : 32;
     float acc = 0;
@@ -182,7 +182,11 @@ static float reference_q8(int type, const uint8_t *row, const float *x, int64_t 
             }
             acc = fmaf(d, dx * (float)i, acc);
         }
-        if (has_min(type)) acc = fmaf(m, block_sum(x + b * 32), acc);
+        if (has_min(type)) {
+            int32_t sum = 0;
+            for (int j = 0; j < 32; j++) sum += qx[j];
+            acc = fmaf(m, dx * (float)sum, acc);
+        }
     }
     return acc;
 }

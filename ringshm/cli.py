@@ -72,10 +72,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="streams live at once (reserves no memory: KV lives in blocks, see --kv-cache-memory)")
     p.add_argument("--kv-cache-memory", type=float, default=None,
                    help="GiB of KV blocks over all stages (default: enough for --max-rows streams of --max-seq-len)")
-    p.add_argument("--matmul-activations", default="fp32", choices=("fp32", "int8"),
-                   help="what the CPU matmuls multiply the quantized weights by: fp32 (default; greedy equals the "
-                        "fp32 oracle) or int8 (opt-in: each row quantized per block of 32, faster prefill and "
-                        "batched decode, outputs ~4e-3 off fp32's; every byte-identity still holds)")
+    p.add_argument("--matmul-activations", default="float32", choices=("float32", "int8"),
+                   help="what the CPU matmuls multiply the quantized weights by: float32 (default; greedy equals "
+                        "the fp32 oracle) or int8 (opt-in: each row quantized per block of 32, faster prefill and "
+                        "batched decode, outputs ~5e-3 off fp32's; every byte-identity still holds)")
     p.add_argument("--kv-cache-dtype", default="float16", choices=("float32", "float16", "bfloat16"),
                    help="what the KV blocks store: 16-bit halves the bytes per token (attention still sums in fp32)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=(32, 64, 128),

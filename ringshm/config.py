@@ -249,7 +249,7 @@ class ModelConfig:
 
 
 DTYPES = ("float32", "bfloat16")
-MATMUL_ACTIVATIONS = ("fp32", "int8")  # EngineConfig.matmul_activations
+MATMUL_ACTIVATIONS = ("float32", "int8")  # EngineConfig.matmul_activations
 DEFAULT_BLOCK_SIZE = 32  # KV positions per block (see EngineConfig.block_size)
 KV_CACHE_DTYPES = {"float32": 4, "float16": 2, "bfloat16": 2}  # EngineConfig.kv_cache_dtype: bytes per element
 MAX_ROWS = 4096  # a step op holds at most one segment per row: csrc/kernels.h's RINGSHM_ATTN_MAX_SEGMENTS
@@ -300,15 +300,15 @@ class EngineConfig:
             oracle up to float ties on every golden prompt, and decode at 1.5k positions runs 1.3 x faster;
             bf16's 8-bit mantissa moves one greedy token where the oracle's margin is 0.017.
         dtype: weights and activations, "float32" or "bfloat16".
-        matmul_activations: what the CPU matmuls of quantized weights multiply, "fp32" (the default: greedy equals
+        matmul_activations: what the CPU matmuls of quantized weights multiply, "float32" (the default: greedy equals
             the fp32 oracle on the dequantized weights) or "int8" (opt-in, ``MATMUL_ACTIVATIONS``): each
             row of a matmul's input quantized on its own per block of 32 and multiplied in exact integers
-            (csrc/matmul.h's 8-bit contract, as llama.cpp's CPU matmuls do), so its outputs move ~4e-3 (relative)
+            (csrc/matmul.h's 8-bit contract, as llama.cpp's CPU matmuls do), so its outputs move ~5e-3 (relative)
             from fp32's and greedy may leave the oracle's tokens where its margin is small; every byte-identity
             (batch-mates, depth, chunking, stages, cache hits) still holds. Faster where the multiply-adds hold a
             matmul: prefill, batched decode, verify and MoE experts (README, "8-bit activations"); one stream's
             decode reads the same bytes and gains nothing. Float weights (F32 / F16 / BF16, the MoE router) stay
-            fp32; the torch path (bf16, CUDA) ignores it.
+            fp32. Refused with device "cuda" or dtype "bfloat16" (the torch path has no 8-bit matmul).
         op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.
         link_latency_ms: simulated latency of every hop (0: none), standing in for the slow links the seed
@@ -339,7 +339,7 @@ class EngineConfig:
     max_seq_len: int = 2048
     max_rows: int = 8
     dtype: str = "float32"
-    matmul_activations: str = "fp32"
+    matmul_activations: str = "float32"
     op_timeout_s: float = 120.0
     startup_timeout_s: float = 600.0
     link_latency_ms: float = 0.0
@@ -370,6 +370,10 @@ class EngineConfig:
         if self.matmul_activations not in MATMUL_ACTIVATIONS:
             raise ValueError(f"matmul_activations must be one of {MATMUL_ACTIVATIONS}, got "
                              f"{self.matmul_activations!r}")
+        if self.matmul_activations == "int8" and (self.device != "cpu" or self.dtype != "float32"):
+            raise ValueError(f"matmul_activations='int8' runs on the CPU stages' C matmuls in float32: use "
+                             f"device='cpu' and dtype='float32' with it, or matmul_activations='float32' (got "
+                             f"device={self.device!r}, dtype={self.dtype!r})")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.layer_split is not None:

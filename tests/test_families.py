@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("torch_one_thread")
 PROMPT_LEN, N_NEW, MAX_SEQ = 16, 32, 64
 
 
-def _stages(path, splits: tuple[int, ...], activations: str = "fp32") -> list[StageModel]:
+def _stages(path, splits: tuple[int, ...], activations: str = "float32") -> list[StageModel]:
     """The model at ``path`` cut at the given layer boundaries (``()``: one stage), sharing one load; its matmuls
     multiply ``activations`` (``EngineConfig.matmul_activations``)."""
     ckpt = Checkpoint.open(path)

@@ -130,10 +130,14 @@ def test_the_memory_check_counts_each_stage_s_layer_scratch_for_the_op_budget(mo
     mc = read_config(str(model_path))
     cfg = EngineConfig(stages=2, prefill_chunk=2048, max_rows=1)
     assert stage_layer.layer_scratch_bytes(mc, cfg.max_op_tokens) > 2**26  # SmolLM2, ~2k tokens: tens of MB
+    # 8-bit activations add the quantized rows of a matmul's input (48 bytes per 32 floats of the widest K)
+    assert stage_layer.layer_scratch_bytes(mc, cfg.max_op_tokens, "int8") > stage_layer.layer_scratch_bytes(
+        mc, cfg.max_op_tokens)
     asked = []
 
-    def scratch(config, tokens):  # 40 GiB a stage: more than this machine has, so only it can fail the check
+    def scratch(config, tokens, activations):  # 40 GiB a stage: more than this machine has: only it can fail
         asked.append(tokens)
+        assert activations == cfg.matmul_activations
         return 40 * 2**30
 
     check_memory(cfg, mc, cfg.layer_ranges(mc.n_layers), 2048, model_path)

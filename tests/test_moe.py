@@ -45,7 +45,7 @@ PROMPT_LEN, N_NEW, MAX_SEQ = 16, 32, 64
 ROUTER_GAP = 1e-4
 
 
-def _stage(path, rows: int = 6, activations: str = "fp32") -> StageModel:
+def _stage(path, rows: int = 6, activations: str = "float32") -> StageModel:
     ckpt = Checkpoint.open(path)
     cfg = ckpt.config
     return StageModel(cfg, (0, cfg.n_layers), True, True, rows, MAX_SEQ,
@@ -95,7 +95,7 @@ def _run(stage: StageModel, prompts: list[list[int]], n_steps: int) -> list[list
     return logits
 
 
-@pytest.mark.parametrize("activations", ["fp32", "int8"])
+@pytest.mark.parametrize("activations", ["float32", "int8"])
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_a_streams_logits_are_the_same_bits_alone_in_a_crowd_on_its_experts_and_beside_strangers(zoo, family,
                                                                                                   activations):

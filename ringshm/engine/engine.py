@@ -109,6 +109,9 @@ class Engine:
                   f"prefix cache {'on' if cfg.prefix_cache else 'off'}"
                   + (f"; max_seq_len lowered to {self.max_seq_len}, what it holds" if capped else ""),
                   file=sys.stderr, flush=True)
+            if cfg.matmul_activations == "int8":
+                print("ringshm: matmuls multiply 8-bit activations (--matmul-activations int8): outputs are not the "
+                      "fp32 oracle's; every byte-identity between runs still holds", file=sys.stderr, flush=True)
         self._group = StageGroup(cfg, self.model_path, self.layer_ranges, self.max_seq_len,
                                  self.model_config.hidden, self.model_config.vocab, plan, n_blocks=self.n_blocks)
         self._closed = False

@@ -119,9 +119,9 @@ class Layer:
         return c
 
 
-def layer_shape(config: ModelConfig, max_seq_len: int, activations: str = "fp32"):
+def layer_shape(config: ModelConfig, max_seq_len: int, activations: str = "float32"):
     """The C layer's shape (``struct ringshm_layer_shape``, csrc/layer.h) of ``config``'s layers, RoPE tables of
-    ``max_seq_len`` positions, its matmuls multiplying ``activations`` ("fp32" or "int8":
+    ``max_seq_len`` positions, its matmuls multiplying ``activations`` ("float32" or "int8":
     ``EngineConfig.matmul_activations``) (a cffi struct pointer)."""
     return ffi.new("struct ringshm_layer_shape *", dict(
         hidden=config.hidden, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads, head_dim=config.head_dim,
@@ -138,7 +138,7 @@ def layer_shape(config: ModelConfig, max_seq_len: int, activations: str = "fp32"
         shared_gate=int(config.shared_expert_gate), act_q8=int(activations == "int8")))
 
 
-def layer_scratch_bytes(config: ModelConfig, tokens: int, activations: str = "fp32") -> int:
+def layer_scratch_bytes(config: ModelConfig, tokens: int, activations: str = "float32") -> int:
     """Bytes of the C layers' scratch for a step op of ``tokens`` tokens (``ringshm_layer_work_floats``: the
     activations of one layer, and for a mixture of experts each (token, expert) pair's rows), fp32. One buffer
     per stage, shared by its layers; ``StageModel.reserve`` holds it from the start; "int8" ``activations`` add the

@@ -7,7 +7,8 @@ the same weight rearranged once at load into 16-row panels for ``ringshm_qmat_ma
 ``out = x · Wᵀ (+ bias) (+ residual)`` in fp32 with every output element reduced in one fixed order, whatever
 the number of rows in ``x`` and the thread count (batch invariance; the order is drawn in csrc/matmul.h).
 Activations stay fp32 (weight-only quantization), so the product equals the fp32-dequantized one up to
-rounding order.
+rounding order; the opt-in ``activations="int8"`` quantizes each row of x per block of 32 instead
+(``ringshm_qmat_matmul_q8``, ``quantize_rows``: matmul.h's 8-bit contract, batch-invariant too).
 
 The instruction set is chosen once per process from the CPU (``BEST_ISA``: AVX-512, AVX2 + FMA, or portable
 C); every path gives the same bits, so a test can run the portable one beside the fast one.
@@ -269,13 +270,13 @@ class PackedWeight:
         return f"PackedWeight({type_name(self.qtype)}, n={self.n}, k={self.k}, {self.nbytes} bytes)"
 
     def matmul(self, x: torch.Tensor, residual: torch.Tensor | None = None, threads: int | None = None,
-               isa: int = BEST_ISA, activations: str = "fp32") -> torch.Tensor:
+               isa: int = BEST_ISA, activations: str = "float32") -> torch.Tensor:
         """``x · Wᵀ (+ bias) (+ residual)``: fp32 ``[M, k]`` → fp32 ``[M, n]`` (a new tensor).
 
         ``residual``: fp32 ``[M, n]``, added last (the decoder's skip connection). ``threads``: how many threads
         split the output rows (default ``torch.get_num_threads()``, the stage's per-op pick); the result's bits
         do not depend on it. ``isa``: for tests, a slower path than ``BEST_ISA`` (same bits).
-        ``activations``: "fp32" (the contract of csrc/matmul.h), or "int8": each row of x quantized per block of
+        ``activations``: "float32" (the contract of csrc/matmul.h), or "int8": each row of x quantized per block of
         32 and summed in integers (matmul.h's 8-bit contract; still batch-invariant, not the fp32 result), for a
         quantized weight; a float weight runs fp32 either way (``ringshm.config.MATMUL_ACTIVATIONS``). With "int8"
         the AVX-512 path uses VNNI + VBMI where the CPU has them (``lib.ringshm_q8_isa``); ``isa`` may name

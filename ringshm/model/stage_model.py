@@ -120,7 +120,7 @@ class StageModel(TorchPath):
         block_size: positions per KV block (a multiple of ``attention.KEY_TILE``, at most ``attention.MAX_BLOCK``).
         n_blocks: blocks in this stage's pools; default: enough for every row to reach ``max_seq_len``
             (``row_table``'s fixed layout).
-        activations: what the C path's matmuls of quantized weights multiply, "fp32" or "int8" (the LM head's too;
+        activations: what the C path's matmuls of quantized weights multiply, "float32" or "int8" (the LM head's too;
             ``EngineConfig.matmul_activations``); the torch path ignores it.
         release_weights: set each ``weights.layers[j]`` to None once that layer is packed (``from_path``, which
             owns them: a load then never holds every layer's tensors as read beside the packed copy); False keeps
@@ -137,7 +137,7 @@ class StageModel(TorchPath):
                  device: str | torch.device = "cpu", weights: StageWeights | None = None,
                  block_size: int = DEFAULT_BLOCK_SIZE, n_blocks: int | None = None,
                  kv_dtype: torch.dtype = torch.float32, release_weights: bool = False,
-                 activations: str = "fp32") -> None:
+                 activations: str = "float32") -> None:
         self.config = config
         if activations not in MATMUL_ACTIVATIONS:
             raise ValueError(f"activations must be one of {MATMUL_ACTIVATIONS}, got {activations!r}")
@@ -197,7 +197,7 @@ class StageModel(TorchPath):
                   max_seq_len: int = 2048, dtype: torch.dtype = torch.float32,
                   device: str | torch.device = "cpu", checkpoint: Checkpoint | None = None,
                   block_size: int = DEFAULT_BLOCK_SIZE, n_blocks: int | None = None,
-                  kv_dtype: torch.dtype = torch.float32, activations: str = "fp32") -> StageModel:
+                  kv_dtype: torch.dtype = torch.float32, activations: str = "float32") -> StageModel:
         """Load a stage from a ``.gguf`` file or HF directory, reading only its own tensors.
 
         ``layer_range`` defaults to all layers; ``is_first``/``is_last`` default to whether the range

@@ -54,7 +54,7 @@ class StageSpec:
     block_size: int = 32  # KV positions per block (EngineConfig.block_size)
     n_blocks: int | None = None  # KV blocks in each layer's pool (the engine's KV budget); None: max_rows full rows
     kv_dtype: str = "float32"  # what the KV blocks store (EngineConfig.kv_cache_dtype)
-    matmul_activations: str = "fp32"  # what the C matmuls multiply (EngineConfig.matmul_activations)
+    matmul_activations: str = "float32"  # what the C matmuls multiply (EngineConfig.matmul_activations)
     node: int = 0  # the host it runs on (ringshm.transport.cluster): set explicitly, never inferred from shared memory
     gpu: int | None = None  # device="cuda": the GPU this stage binds (CUDA_VISIBLE_DEVICES, set before CUDA starts)
 
