@@ -117,7 +117,7 @@ enum ringshm_isa {
     RINGSHM_ISA_PORTABLE = 0, /* plain C (fmaf); any CPU */
     RINGSHM_ISA_AVX2 = 1,     /* x86-64-v3: AVX2 + FMA + F16C */
     RINGSHM_ISA_AVX512 = 2,   /* x86-64-v4: AVX-512 F/BW/DQ/VL */
-    RINGSHM_ISA_AVX512_VNNI = 3 /* ringshm_qmat_matmul_q8 only: AVX-512 with VNNI's 4-byte dot products and VBMI */
+    RINGSHM_ISA_AVX512_VNNI = 3 /* the 8-bit functions only: AVX-512 with VNNI's 4-byte dot products and VBMI */
 };
 
 /* Status codes; distinct from the ring's (-1 .. -7) and the attention kernels' (-16, -17). */
@@ -173,7 +173,7 @@ int ringshm_qmat_matmul(int type, const uint8_t *packed, int64_t packed_bytes, i
  * Quantizing row r, block b (x[r, 32 b .. 32 b + 31], K % 32 == 0):
  *     a = max |x| (as the bits of |x|: NaN and inf compare above every finite value)
  *     a is inf or NaN:          d = NaN, q = 0 (the row's outputs turn NaN: non-finite stays visible)
- *     a < 2^-120 (zero too):    d = 0, q = 0 (127 / a would overflow)
+ *     a < 2^-120 (zero too):    d = 0, q = 0 (127 / a overflows below ~2^-121: one cutoff with room)
  *     else:                     q[k] = nearbyintf(x[k] * (127 / a)) (|q| <= 127), d = a / 127
  *     xs[h] = sum of q over weights 16 h .. 16 h + 15, s = d * (float)(xs[0] + xs[1]): the quantized block's sum
  *     (as llama.cpp's Q8_1; against the fp32 block sum, the min term would not cancel the quantization error of the
@@ -202,8 +202,8 @@ int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64
 int ringshm_qmat_matmul_q8(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k,
                            const uint8_t *xq, int64_t xq_bytes, int64_t m, float *out, int64_t ldo, const float *bias,
                            int64_t bias_len, const float *residual, int64_t ldr, int n_threads, int isa);
-/* The 8-bit path for the fp32 path `isa`: RINGSHM_ISA_AVX512_VNNI for RINGSHM_ISA_AVX512 where the CPU has VNNI,
- * else isa. */
+/* The 8-bit path for the fp32 path `isa`: RINGSHM_ISA_AVX512_VNNI for RINGSHM_ISA_AVX512 where the CPU has VNNI and
+ * VBMI (AMD Zen 4 / 5, Intel Ice Lake and later; not Cascade Lake), else isa. */
 int ringshm_q8_isa(int isa);
 
 /* ringshm_fma_probe: the fp32 FMA peak of one ISA path (the roofline of bench/bench_roofline.py). Each of

@@ -307,7 +307,7 @@ class EngineConfig:
             from fp32's and greedy may leave the oracle's tokens where its margin is small; every byte-identity
             (batch-mates, depth, chunking, stages, cache hits) still holds. Faster where the multiply-adds hold a
             matmul: prefill, batched decode, verify and MoE experts (README, "8-bit activations"); one stream's
-            decode reads the same bytes and gains nothing. Float weights (F32 / F16 / BF16, the MoE router) stay
+            decode reads the same bytes and gains nothing. Float weights (F32 / F16 / BF16, a GGUF's MoE router) stay
             fp32. Refused with device "cuda" or dtype "bfloat16" (the torch path has no 8-bit matmul).
         op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.

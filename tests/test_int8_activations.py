@@ -113,10 +113,22 @@ def test_the_product_is_the_8_bit_contracts_sum_and_near_the_fp32_product(qtype)
     assert float((got - fp32).norm() / fp32.norm()) < 1e-2  # 8-bit rows: ~5e-3 on random data, every type
 
 
-@pytest.mark.parametrize("qtype", QUANT_TYPES, ids=qm.type_name)
+def _raw_q8_0_with_minus_128(n: int, k: int) -> qm.RawWeight:
+    """Q8_0 from random bytes (sane scales): gguf's quantizer never writes -128, the sign trick's edge."""
+    rng = np.random.default_rng(11)
+    raw = rng.integers(0, 256, size=(n, k // 32, 34), dtype=np.uint8)
+    raw[:, :, 2:][rng.random(raw[:, :, 2:].shape) < 0.3] = 0x80
+    raw[:, :, 0:2] = rng.uniform(-0.01, 0.01, size=(n, k // 32)).astype(np.float16).view(np.uint8).reshape(n, -1, 2)
+    return qm.RawWeight.from_bytes(qm.Q8_0, n, k, raw.reshape(-1))
+
+
+@pytest.mark.parametrize("qtype", [*QUANT_TYPES, "Q8_0-128"], ids=lambda t: t if isinstance(t, str) else
+                         qm.type_name(t))
 def test_every_path_and_thread_count_gives_the_portable_bits_and_each_row_its_bits_alone(qtype):
-    n, k = 80, kfit(qtype, 256)  # 5 panels: a group of 4 and one alone
-    raw, _, _ = make_weight(qtype, n, k, seed=6)
+    """Every ISA copy named explicitly (isa 2 is the AVX-512BW copy even where VNNI + VBMI exist: the default picks
+    those)."""
+    n, k = 80, kfit(qm.Q8_0 if qtype == "Q8_0-128" else qtype, 256)  # 5 panels: a group of 4 and one alone
+    raw = _raw_q8_0_with_minus_128(n, k) if qtype == "Q8_0-128" else make_weight(qtype, n, k, seed=6)[0]
     pw = qm.PackedWeight(raw)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(7))
     base = pw.matmul(x, activations="int8", isa=lib.RINGSHM_ISA_PORTABLE, threads=1)
@@ -156,8 +168,24 @@ def test_a_float_weight_runs_the_fp32_contract_either_way():
     pw = qm.PackedWeight(raw)
     x = torch.randn(3, 96)
     assert torch.equal(pw.matmul(x, activations="int8"), pw.matmul(x))
+    assert torch.equal(pw.matmul(x, activations="int8", isa=lib.RINGSHM_ISA_PORTABLE), pw.matmul(x))
+    if lib.ringshm_isa_supported(lib.RINGSHM_ISA_AVX512_VNNI):  # names the 8-bit path; the fp32 one runs AVX-512
+        assert torch.equal(pw.matmul(x, activations="int8", isa=lib.RINGSHM_ISA_AVX512_VNNI), pw.matmul(x))
     with pytest.raises(ValueError, match="activations must be one of"):
         pw.matmul(x, activations="int4")
+
+
+def test_int8_is_refused_for_a_model_whose_stages_run_the_torch_path(zoo):
+    from ringshm.engine.engine import Engine
+    from ringshm.model.stage_model import check_int8_runs_native
+
+    model = zoo("llama", "f32", head_dim=40)  # not a multiple of 16: the C layers refuse it, the torch path runs
+    cfg = _stages(model.gguf_path, ())[0].config
+    with pytest.raises(ValueError, match="head_dim 40"):
+        check_int8_runs_native(cfg, "int8")
+    check_int8_runs_native(cfg, "float32")
+    with pytest.raises(ValueError, match="torch path"):
+        Engine(model=str(model.gguf_path), stages=1, progress=False, matmul_activations="int8")
 
 
 def test_the_engine_config_refuses_an_unknown_value_and_int8_off_the_cpu_float32_path():

@@ -60,6 +60,7 @@ class Engine:
         from ringshm.model.fingerprint import fingerprint
         from ringshm.model.loader import read_config
         from ringshm.model.packaged import default_model_path
+        from ringshm.model.stage_model import check_int8_runs_native
 
         refuse_in_spawn_bootstrap()  # a stage re-running an unguarded script: stop it before it does anything
         self._closed = True  # until every resource exists
@@ -69,6 +70,7 @@ class Engine:
             max_rows=max_rows, dtype=dtype, **options)
         self.model_path = str(model) if model is not None else str(default_model_path())
         self.model_config = read_config(self.model_path)
+        check_int8_runs_native(self.model_config, cfg.matmul_activations)
         self.layer_ranges = cfg.layer_ranges(self.model_config.n_layers)
         self.max_seq_len = min(cfg.max_seq_len, self.model_config.max_seq_len)
         self.n_blocks = cfg.kv_blocks(self.model_config, self.max_seq_len)

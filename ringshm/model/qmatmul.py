@@ -270,17 +270,18 @@ class PackedWeight:
         return f"PackedWeight({type_name(self.qtype)}, n={self.n}, k={self.k}, {self.nbytes} bytes)"
 
     def matmul(self, x: torch.Tensor, residual: torch.Tensor | None = None, threads: int | None = None,
-               isa: int = BEST_ISA, activations: str = "float32") -> torch.Tensor:
+               isa: int | None = None, activations: str = "float32") -> torch.Tensor:
         """``x · Wᵀ (+ bias) (+ residual)``: fp32 ``[M, k]`` → fp32 ``[M, n]`` (a new tensor).
 
         ``residual``: fp32 ``[M, n]``, added last (the decoder's skip connection). ``threads``: how many threads
         split the output rows (default ``torch.get_num_threads()``, the stage's per-op pick); the result's bits
-        do not depend on it. ``isa``: for tests, a slower path than ``BEST_ISA`` (same bits).
+        do not depend on it. ``isa``: for tests, a path other than the best (same bits); None: ``BEST_ISA``, and for
+        "int8" ``lib.ringshm_q8_isa(BEST_ISA)``.
         ``activations``: "float32" (the contract of csrc/matmul.h), or "int8": each row of x quantized per block of
         32 and summed in integers (matmul.h's 8-bit contract; still batch-invariant, not the fp32 result), for a
         quantized weight; a float weight runs fp32 either way (``ringshm.config.MATMUL_ACTIVATIONS``). With "int8"
         the AVX-512 path uses VNNI + VBMI where the CPU has them (``lib.ringshm_q8_isa``); ``isa`` may name
-        ``lib.RINGSHM_ISA_AVX512_VNNI``.
+        ``lib.RINGSHM_ISA_AVX512_VNNI`` (the plain AVX-512 path where a weight has no 8-bit path).
 
         Raises:
             ValueError: ``x`` not contiguous fp32 CPU ``[M, k]`` with M ≥ 1; a residual of another shape; an
@@ -308,12 +309,13 @@ class PackedWeight:
         bias_len = 0 if self.bias is None else self.bias.numel()
         out_ptr = ffi.cast("float *", out.data_ptr())
         if activations == "int8" and lib.ringshm_q8_supported(self.qtype):
-            xq = quantize_rows(x, nt, isa)
+            xq = quantize_rows(x, nt, BEST_ISA if isa is None else isa)
             status = lib.ringshm_qmat_matmul_q8(self.qtype, self._ptr, self.packed.numel(), self.n, self.k,
                                                 ffi.cast("uint8_t *", xq.data_ptr()), xq.numel(), m, out_ptr,
                                                 self.n_padded, self._bias_ptr, bias_len, res_ptr, ldr, nt,
-                                                lib.ringshm_q8_isa(isa))
+                                                lib.ringshm_q8_isa(BEST_ISA) if isa is None else isa)
         else:
+            isa = BEST_ISA if isa is None or isa == lib.RINGSHM_ISA_AVX512_VNNI else isa
             status = lib.ringshm_qmat_matmul(self.qtype, self._ptr, self.packed.numel(), self.n, self.k,
                                              ffi.cast("float *", x.data_ptr()), m, out_ptr, self.n_padded,
                                              self._bias_ptr, bias_len, res_ptr, ldr, nt, isa)

@@ -96,6 +96,19 @@ class StepPlan:
     table_offs: torch.Tensor
 
 
+def check_int8_runs_native(config: ModelConfig, activations: str) -> None:
+    """Refuse 8-bit activations for a model whose stages would run the torch path (``runs_native``): it has no
+    8-bit matmul, and the setting would be ignored silently.
+
+    Raises:
+        ValueError: ``activations`` is "int8" and the C layer does not take ``config``'s shapes."""
+    if activations == "int8" and not runs_native(config, "cpu", torch.float32):
+        raise ValueError(f"matmul_activations='int8' runs in the C layers, which need hidden % 16 == 0, intermediate "
+                         f"% 8 == 0 and head_dim a multiple of 16 up to {MAX_HEAD_DIM} (this model: hidden "
+                         f"{config.hidden}, intermediate {config.intermediate}, head_dim {config.head_dim}): its "
+                         f"stages run the torch path; use matmul_activations='float32'")
+
+
 def runs_native(config: ModelConfig, device: str, dtype: torch.dtype) -> bool:
     """Whether a stage of ``config`` on ``device`` in ``dtype`` runs the C path (module docstring): fp32 on the CPU,
     and dims the kernels take as whole 16-float vectors; else the torch path, its weights dense in ``dtype``."""
@@ -160,6 +173,10 @@ class StageModel(TorchPath):
             raise ValueError(f"n_blocks must be positive, got {n_blocks}")
         self.dtype, self.device = dtype, torch.device(device)
         self.native = runs_native(config, self.device.type, dtype)
+        if activations == "int8":
+            if self.device.type != "cpu" or dtype != torch.float32:
+                raise ValueError("activations='int8' runs on the CPU in float32")
+            check_int8_runs_native(config, activations)
         self.norm = self.lm_head = self.embed = None
         if is_first:  # native: the encoded rows (a view of the file's map); else a dense table
             self.embed = weights.embed if self.native else weights.embed.dequantize().to(self.device, dtype)
