@@ -62,9 +62,9 @@ def test_int8_activations_vs_fp32(benchmark, figures):
              f"{'streams':>7} | {'fp32 tok/s':>10} {'/ 1':>5} | {'int8 tok/s':>10} {'/ 1':>5} {'/ fp32':>6}"]
     for n in STREAMS:
         f, q = med["float32"][n], med["int8"][n]
-        lines.append(f"{n:>7} | {f:10.1f} {f / med['fp32'][1]:5.2f} | {q:10.1f} {q / med['int8'][1]:5.2f} "
+        lines.append(f"{n:>7} | {f:10.1f} {f / med['float32'][1]:5.2f} | {q:10.1f} {q / med['int8'][1]:5.2f} "
                      f"{q / f:6.2f}")
-        figures.record_value(f"int8.agg.{n}.fp32", 1 / f)
+        figures.record_value(f"int8.agg.{n}.float32", 1 / f)
         figures.record_value(f"int8.agg.{n}.int8", 1 / q)
         if n > 1:
             figures.ratio(f"int8: aggregate decode {n} streams / 1 stream", "int8.agg.1.int8", f"int8.agg.{n}.int8",
