@@ -104,9 +104,11 @@ def check_int8_runs_native(config: ModelConfig, activations: str) -> None:
         ValueError: ``activations`` is "int8" and the C layer does not take ``config``'s shapes."""
     if activations == "int8" and not runs_native(config, "cpu", torch.float32):
         raise ValueError(f"matmul_activations='int8' runs in the C layers, which need hidden % 16 == 0, intermediate "
-                         f"% 8 == 0 and head_dim a multiple of 16 up to {MAX_HEAD_DIM} (this model: hidden "
-                         f"{config.hidden}, intermediate {config.intermediate}, head_dim {config.head_dim}): its "
-                         f"stages run the torch path; use matmul_activations='float32'")
+                         f"% 8 == 0, expert widths % 16 == 0 and head_dim a multiple of 16 up to {MAX_HEAD_DIM} "
+                         f"(this model: hidden {config.hidden}, intermediate {config.intermediate}, head_dim "
+                         f"{config.head_dim}, experts {config.expert_intermediate}, shared "
+                         f"{config.shared_expert_intermediate}): its stages run the torch path; use "
+                         f"matmul_activations='float32'")
 
 
 def runs_native(config: ModelConfig, device: str, dtype: torch.dtype) -> bool:
