@@ -60,8 +60,8 @@
  * Qwen3-30B-A3B: ~105 MB), and with a shared expert t rows of 3 shared_inter + hidden (+ 1 with its gate).
  *
  * act_q8 = 1 (opt-in): each matmul whose weight is quantized quantizes its x rows first (ringshm_q8_quantize, per
- * row: the invariances above hold) and runs matmul.h's 8-bit contract; float weights (the router, F16 / BF16 / F32
- * tensors) stay fp32. The scratch then holds the quantized rows too.
+ * row: the invariances above hold) and runs matmul.h's 8-bit contract; float weights (F16 / BF16 / F32 tensors, a
+ * GGUF's MoE router) stay fp32. The scratch then holds the quantized rows too.
  *
  * Shapes: x [T, hidden] fp32, contiguous, T = sum of the segments' n. Segments: starts, lens [n_seg] int64, at
  * most RINGSHM_ATTN_MAX_SEGMENTS; segment i's block table is tables[table_offs[i] .. table_offs[i + 1]) (int32,

@@ -256,7 +256,8 @@ static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int
                       int64_t bias_len, const float *residual, int64_t ldr, int n_threads, mm_panels_fn fn,
                       int isa) {
     const struct ringshm_wtype_info *ti = ringshm_wtype_info(type);
-    if (!ti || !ringshm_isa_supported(isa) || !fn || (xq && !ti->quantized)) return RINGSHM_MATMUL_ERR_TYPE;
+    if (!ti || !ringshm_isa_supported(isa) || !fn || (xq && !ringshm_q8_supported(type)))
+        return RINGSHM_MATMUL_ERR_TYPE;
     const int64_t n_panels = (n + 15) / 16;
     if (!shape_ok(ti, n, k) || m <= 0 || m >= INT32_MAX || ldo < n_panels * 16 || (residual && ldr < n))
         return RINGSHM_MATMUL_ERR_SHAPE;
