@@ -132,11 +132,19 @@ def test_a_stop_signal_while_the_stages_load_stops_them_at_once_and_says_so(comm
                             stderr=subprocess.PIPE, preexec_fn=_sigint_as_in_a_terminal, env=dict(os.environ))
     try:
         deadline = time.monotonic() + 60
-        while len(stages := stage_pids(proc.pid)) < 3:  # spawned: they are importing torch and loading now
+        stopped: set[int] = set()
+        while len(stopped) < 3:  # spawned: they are loading now
+            for pid in set(stage_pids(proc.pid)) - stopped:
+                # Frozen mid-load, so the signal is sure to come while they load: a warm fork server hands
+                # them torch ready-made, and the 135M loads in ~0.2 s (a stage that finished first made this
+                # test fail one run in four). Only SIGKILL, which a stopped process still takes, ends them.
+                os.kill(pid, signal.SIGSTOP)
+                stopped.add(pid)
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()  # stderr's end of file comes only once the process is gone
                 pytest.fail(f"3 stages did not appear: {proc.communicate()[1].decode()}")
-            time.sleep(0.02)
+            time.sleep(0.002)
+        stages = sorted(stopped)
         t0 = time.monotonic()
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
