@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import own_segments
+from ringshm.config import EngineConfig
 from ringshm.engine.engine import Engine
 from ringshm.errors import InvalidCheckpoint, StageDied
 from ringshm.transport.segment import list_segments, process_start_time
@@ -60,6 +61,14 @@ def test_engine_collected_without_close_leaves_no_process_and_no_segment(model_p
     gc.collect()
     assert _gone(pids)
     assert not set(names) & set(list_segments())
+
+
+def test_a_config_object_in_place_of_the_model_path_is_refused_saying_how_to_pass_it():
+    # once "File name too long" from the loader, which took str(config) for a path
+    before = own_segments()
+    with pytest.raises(TypeError, match=r"got EngineConfig.*Engine\(\*\*dataclasses.asdict\(config\)\)"):
+        Engine(EngineConfig(stages=1))
+    assert own_segments() <= before
 
 
 def test_a_checkpoint_missing_its_layers_is_refused_before_any_stage_starts(tmp_path):

@@ -39,6 +39,7 @@ class Engine:
 
     Raises:
         ValueError: a bad argument (see EngineConfig), or a layer split that does not fit the model.
+        TypeError: ``model`` is neither a path nor a name (an EngineConfig, say).
         ResourceShortage: the rings do not fit in /dev/shm, or weights + KV cache do not fit the available
             memory (checked before any stage starts; the message gives the numbers and what to change).
         StageStartupError: a stage could not load its layers (the message is the stage's own error), or a
@@ -64,6 +65,11 @@ class Engine:
 
         refuse_in_spawn_bootstrap()  # a stage re-running an unguarded script: stop it before it does anything
         self._closed = True  # until every resource exists
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            how = (" (from an EngineConfig: Engine(**dataclasses.asdict(config)))"
+                   if isinstance(model, EngineConfig) else "")
+            raise TypeError(f"Engine's model must be a path or a packaged model's name (got {type(model).__name__}); "
+                            f"the other settings are keyword arguments{how}")
         self.config = cfg = EngineConfig(
             model=None if model is None else str(model), stages=stages, layer_split=layer_split, device=device,
             prefill_chunk=prefill_chunk, prefill_depth=prefill_depth, max_seq_len=max_seq_len,
