@@ -245,9 +245,12 @@ struct panels_job {
     const struct ringshm_mm_args *a;
 };
 
+/* Groups [lo, hi) of the packed layout (RINGSHM_PANEL_GROUP panels each, matmul_internal.h): a thread's panels
+ * start a group, so that it reads its weights as one stream. */
 static void panels_job_run(const void *ctx, int64_t lo, int64_t hi) {
     const struct panels_job *j = ctx;
-    j->fn(j->a, lo, hi);
+    const int64_t n_panels = (j->a->n + 15) / 16, p1 = hi * RINGSHM_PANEL_GROUP;
+    j->fn(j->a, lo * RINGSHM_PANEL_GROUP, p1 < n_panels ? p1 : n_panels);
 }
 
 /* The checks and the thread split shared by ringshm_qmat_matmul and ringshm_qmat_matmul_q8: x (fp32) or xq. */
@@ -274,10 +277,11 @@ static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int
         .block_bytes = ti->panel_block_bytes, .panel_bytes = (k + bk - 1) / bk * ti->panel_block_bytes, .x = x,
         .out = out, .ldo = ldo, .bias = bias, .residual = residual, .ldr = ldr,
         .slab_blocks = ringshm_mm_slab_blocks(), .xq = (const struct ringshm_q8_block *)xq};
+    const int64_t n_groups = (n_panels + RINGSHM_PANEL_GROUP - 1) / RINGSHM_PANEL_GROUP;
     int nt = n_threads < 1 ? 1 : n_threads;
-    if (nt > n_panels) nt = (int)n_panels;
+    if (nt > n_groups) nt = (int)n_groups;
     const struct panels_job job = {fn, &a};
-    split_in_caller_mode(nt, n_panels, panels_job_run, &job);
+    split_in_caller_mode(nt, n_groups, panels_job_run, &job);
     return RINGSHM_MATMUL_OK;
 }
 

@@ -55,6 +55,15 @@ struct ringshm_q8_block {
     int8_t q[32];
 };
 
+#define RINGSHM_PANEL_GROUP 8
+/* Byte offset of packed block b (nbk blocks of pb bytes per panel) of panel p among n_panels: panels in groups of
+ * RINGSHM_PANEL_GROUP (the last one shorter), each group's blocks interleaved [b][panel]. */
+static inline int64_t ringshm_block_offset(int64_t n_panels, int64_t nbk, int64_t pb, int64_t p, int64_t b) {
+    const int64_t g0 = p - p % RINGSHM_PANEL_GROUP;
+    const int64_t gw = n_panels - g0 < RINGSHM_PANEL_GROUP ? n_panels - g0 : RINGSHM_PANEL_GROUP;
+    return (g0 * nbk + b * gw + (p - g0)) * pb;
+}
+
 /* One checked call of ringshm_qmat_matmul or ringshm_qmat_matmul_q8. */
 struct ringshm_mm_args {
     int type;

@@ -149,9 +149,9 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
      * the kernel clearing pages and 31 % packing, one thread (AMD EPYC Zen 5, perf). */
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < n_panels; p++) {
-        memset(dst + p * nb * pb, 0, (size_t)(nb * pb)); /* rows past n and k past the end stay zero */
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = dst + (p * nb + b) * pb;
+            uint8_t *o = dst + ringshm_block_offset(n_panels, nb, pb, p, b);
+            memset(o, 0, (size_t)pb); /* rows past n and k past the end stay zero */
             for (int l = 0; l < 16 && p * 16 + l < n; l++) {
                 const uint8_t *row = src + (p * 16 + l) * row_bytes;
                 if (!t->quantized) {

@@ -309,12 +309,36 @@ def test_mxfp4_packs_into_the_files_bytes_e_bytes_then_q4_0s_nibble_words():
     q40[:, :, 2:] = mx[:, :, 1:]  # the same nibbles, d = 0
     assert lib.ringshm_qmat_src_bytes(qm.MXFP4, n, k) == n * 2 * 17 == qm.row_bytes(qm.MXFP4, k) * n
     assert lib.ringshm_qmat_packed_bytes(qm.MXFP4, n, k) == 2 * 2 * 272  # 2 panels x 2 blocks
+    # one group of 2 panels: [block, panel, bytes]
     pm = qm.PackedWeight(qm.RawWeight.from_bytes(qm.MXFP4, n, k, mx.reshape(-1))).packed.numpy().reshape(2, 2, 272)
     p4 = qm.PackedWeight(qm.RawWeight.from_bytes(qm.Q4_0, n, k, q40.reshape(-1))).packed.numpy().reshape(2, 2, 288)
     assert (pm[:, :, 16:] == p4[:, :, 32:]).all()
     e = np.zeros((32, 2), dtype=np.uint8)
     e[:n] = mx[:, :, 0]
-    assert (pm[:, :, :16] == e.reshape(2, 16, 2).transpose(0, 2, 1)).all()  # [panel, block, row]
+    assert (pm[:, :, :16] == e.reshape(2, 16, 2).transpose(2, 0, 1)).all()  # [block, panel, row]
+
+
+@pytest.mark.parametrize("n", [16 * 11 - 5, 16 * 8, 16 * 3])
+def test_panels_pack_in_groups_of_8_each_a_run_of_rows_of_blocks(n):
+    """matmul.h's layout: block b of panel p at (g0 * nb + b * gw + p - g0) * 352 (Q5_0), g0 = p - p % 8, gw the
+    group's panels (8, or what the last group holds); each panel block starts with the f16 d of its 16 rows."""
+    k = 96
+    raw = random_blocks(qm.Q5_0, n, k, seed=11).reshape(n, k // 32, 22)
+    packed = qm.PackedWeight(qm.RawWeight.from_bytes(qm.Q5_0, n, k, raw.reshape(-1))).packed.numpy()
+    n_panels, nb = -(-n // 16), k // 32
+    assert packed.size == n_panels * nb * 352
+    seen = set()
+    for p in range(n_panels):
+        g0 = p - p % 8
+        gw = min(8, n_panels - g0)
+        for b in range(nb):
+            at = (g0 * nb + b * gw + p - g0) * 352
+            seen.add(at)
+            rows = raw[p * 16:(p + 1) * 16, b, :2]  # the d of each row
+            d = np.zeros((16, 2), dtype=np.uint8)
+            d[:len(rows)] = rows
+            assert (packed[at:at + 32].reshape(16, 2) == d).all(), (p, b)
+    assert len(seen) == n_panels * nb  # every block somewhere of its own
 
 
 def test_count_nonfinite_counts_the_mxfp4_blocks_whose_weights_overflow():
