@@ -325,7 +325,9 @@ int main(void) {
         const int type = types[it % n_types];
         const int kquant = type == RINGSHM_W_Q4_K || type == RINGSHM_W_Q5_K || type == RINGSHM_W_Q6_K;
         const int quant = kquant || (type >= RINGSHM_W_Q4_0 && type <= RINGSHM_W_Q8_0) || type == RINGSHM_W_MXFP4;
-        const int64_t n = 1 + next() % 70;
+        /* one case in 4 has 9-19 panels: 2 or 3 groups of the packed layout (the last one short), split over the
+         * threads; the others 1-5 panels (one group) */
+        const int64_t n = it % 4 == 3 ? 129 + next() % 172 : 1 + next() % 70;
         const int64_t k = kquant ? 256 * (1 + next() % 3) : quant ? 32 * (1 + next() % 5) : 1 + next() % 150;
         /* to 34 rows: 1-4 tiles of the register decode (AVX2: 1-8), then the slab */
         const int64_t m = it % 10 == 0 ? 200 + next() % 20 : 1 + next() % 34;
