@@ -47,8 +47,8 @@ static inline const struct ringshm_wtype_info *ringshm_wtype_info(int type) {
 }
 
 /* One block of 32 k of a row of x quantized for ringshm_qmat_matmul_q8 (matmul.h's 8-bit contract): x ~ d * q,
- * xs the sums of q over weights 0 .. 15 and 16 .. 31, s = d * (xs[0] + xs[1]) (the min term's block sum). q in the order of
- * the nibble words: q[8 g + c] is weight 8 g + 2 c, q[8 g + 4 + c] weight 8 g + 2 c + 1 (g, c < 4). */
+ * xs the sums of q over weights 0 .. 15 and 16 .. 31, s = d * (xs[0] + xs[1]) (the min term's block sum). q in the
+ * order of the nibble words: q[8 g + c] is weight 8 g + 2 c, q[8 g + 4 + c] weight 8 g + 2 c + 1 (g, c < 4). */
 struct ringshm_q8_block {
     float d, s;
     int32_t xs[2];
