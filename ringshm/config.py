@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ringshm.generation_params import MAX_SPEC_K
+from ringshm.generation_params import MAX_SPEC_K, KeywordsNamed
 
 ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_oai")
 """The MLP's (or each expert's) gate: SwiGLU (Llama), GeGLU with tanh-GELU (Gemma), or gpt-oss's clamped SwiGLU
@@ -256,7 +256,7 @@ MAX_ROWS = 4096  # a step op holds at most one segment per row: csrc/kernels.h's
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(KeywordsNamed):
     """How to run a model: stage processes, rows and KV blocks, prefill chunking. No environment knobs.
 
     Args:

@@ -92,8 +92,27 @@ class StructuredOutput:
         return json.dumps([self.kind, self.spec], sort_keys=True)
 
 
+class KeywordsNamed:
+    """Base of a dataclass taken as keyword arguments (``GenerationParams``, ``EngineConfig``): a name it does not
+    take raises a TypeError that names it, the closest field and where the fields are documented, before the
+    dataclass's own "__init__() got an unexpected keyword argument" (which names an internal class)."""
+
+    def __new__(cls, *args, **kwargs):
+        import dataclasses
+        import difflib
+
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        for name in kwargs:
+            if name not in names:
+                close = difflib.get_close_matches(name, names, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"unknown keyword argument {name!r}{hint}: the settings are {cls.__name__}'s fields, "
+                                f"ringshm.{cls.__name__} documents them")
+        return super().__new__(cls)
+
+
 @dataclass(frozen=True)
-class GenerationParams:
+class GenerationParams(KeywordsNamed):
     """How to generate for one request (``Engine.generate`` and friends take these as keyword arguments).
 
     Args:

@@ -17,6 +17,7 @@ from conftest import own_segments
 from ringshm.config import EngineConfig
 from ringshm.engine.engine import Engine
 from ringshm.errors import InvalidCheckpoint, StageDied
+from ringshm.generation_params import GenerationParams
 from ringshm.transport.segment import list_segments, process_start_time
 
 KW = dict(prefill_chunk=64, max_rows=1, max_seq_len=256, progress=False)
@@ -69,6 +70,18 @@ def test_a_config_object_in_place_of_the_model_path_is_refused_saying_how_to_pas
     with pytest.raises(TypeError, match=r"got EngineConfig.*Engine\(\*\*dataclasses.asdict\(config\)\)"):
         Engine(EngineConfig(stages=1))
     assert own_segments() <= before
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: GenerationParams(max_tokens=5), r"unknown keyword argument 'max_tokens' \(did you mean 'max_new_tokens'"),
+    (lambda: EngineConfig(stage=3), r"unknown keyword argument 'stage' \(did you mean 'stages'\?\).*EngineConfig"),
+    (lambda: EngineConfig(bogus=1), r"unknown keyword argument 'bogus': the settings are EngineConfig's fields"),
+])
+def test_a_misspelt_setting_names_itself_and_the_closest_field(make, match):
+    # once "GenerationParams.__init__() got an unexpected keyword argument", naming an internal class (a new user's
+    # finding); Engine(stage=3) and engine.generate(..., max_tokens=5) pass their keywords to these
+    with pytest.raises(TypeError, match=match):
+        make()
 
 
 def test_a_checkpoint_missing_its_layers_is_refused_before_any_stage_starts(tmp_path):

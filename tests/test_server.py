@@ -364,6 +364,11 @@ def test_health_is_200_and_lists_every_live_stage(server):
     assert all(s["node"] == 0 and s["seen"] == "process" and s["pid"] > 0 for s in stages)
 
 
+def test_the_server_says_where_it_serves_once_the_stages_are_up(server, model_id):
+    # uvicorn names no address for a socket it is handed: a new user saw no line saying the server was ready
+    assert f"ringshm: serving {model_id} at {server.url}/v1 (Ctrl-C stops)" in server.log()
+
+
 def test_async_engine_tasks_get_solo_answers_and_a_cancelled_task_cancels_only_its_request(local_engine, solo):
     async def main():
         aengine = AsyncEngine(local_engine, max_waiting=4)

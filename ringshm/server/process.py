@@ -120,7 +120,8 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
         died.append(exc)
         server[0].should_exit = True
 
-    app = create_app(aengine, model_name or model_id_of(engine.model_path), spec=spec, spec_k=spec_k,
+    served = model_name or model_id_of(engine.model_path)
+    app = create_app(aengine, served, spec=spec, spec_k=spec_k,
                      spec_depth=spec_depth, graceful_s=graceful_s, max_body_bytes=max_body_bytes,
                      on_stage_died=on_stage_died, tool_call_parser=tool_call_parser)
     try:
@@ -130,6 +131,11 @@ def serve(host: str = "127.0.0.1", port: int = 8000, *, sock: socket.socket | No
         # uvicorn handles SIGINT / SIGTERM; SIGHUP asks it for the same graceful exit (it is not re-raised after)
         signal.signal(signal.SIGHUP, lambda signum, frame: server[0].handle_exit(signum, frame))
         if not received:  # one that came while the app was built: uvicorn's handlers were not in place yet
+            # the socket listens already (connections queue until uvicorn accepts them); uvicorn names no address
+            # for a socket it is handed, so say where, once the stages are up
+            at = f"[{host}]" if ":" in host else host
+            print(f"ringshm: serving {served} at http://{at}:{sock.getsockname()[1]}/v1 (Ctrl-C stops)",
+                  file=sys.stderr, flush=True)
             server[0].run(sockets=[sock])
     finally:
         aengine.close()  # idempotent; covers a failed bind, where the lifespan never ran
