@@ -130,16 +130,25 @@ def test_a_stop_signal_while_the_stages_load_stops_them_at_once_and_says_so(comm
         command = ["serve", "--port", str(_free_port())]
     proc = subprocess.Popen([sys.executable, "-m", "ringshm", *command, "--stages", "3"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, preexec_fn=_sigint_as_in_a_terminal, env=dict(os.environ))
+    stopped: dict[int, object] = {}  # pid: start time
+    try:
+        _stop_while_loading(proc, sig, code, stopped)
+    finally:  # a failed check must not leave frozen stages behind (the same processes only: start times)
+        for pid, started in stopped.items():
+            if started is not None and process_start_time(pid) == started:
+                os.kill(pid, signal.SIGKILL)
+
+
+def _stop_while_loading(proc, sig, code, stopped) -> None:
     try:
         deadline = time.monotonic() + 60
-        stopped: set[int] = set()
         while len(stopped) < 3:  # spawned: they are loading now
-            for pid in set(stage_pids(proc.pid)) - stopped:
+            for pid in set(stage_pids(proc.pid)) - set(stopped):
                 # Frozen mid-load, so the signal is sure to come while they load: a warm fork server hands
                 # them torch ready-made, and the 135M loads in ~0.2 s (a stage that finished first made this
                 # test fail one run in four). Only SIGKILL, which a stopped process still takes, ends them.
                 os.kill(pid, signal.SIGSTOP)
-                stopped.add(pid)
+                stopped[pid] = process_start_time(pid)
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()  # stderr's end of file comes only once the process is gone
                 pytest.fail(f"3 stages did not appear: {proc.communicate()[1].decode()}")
