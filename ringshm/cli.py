@@ -167,6 +167,17 @@ def _rendezvous_kwargs(a: argparse.Namespace) -> dict:
     return {k: getattr(a, k) for k in RENDEZVOUS_KEYS}
 
 
+def _with_flag(text: str, command: str) -> str:
+    """An error that names a setting first ("stages must be ...", from EngineConfig or GenerationParams) with the
+    flag that sets it, when the command has that flag and the text does not name it already."""
+    name = text.split(" ", 1)[0]
+    flag = "--" + name.replace("_", "-")
+    if not name.isidentifier() or flag in text:
+        return text
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
+    return f"{text} (the flag {flag})" if flag in sub._option_string_actions else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``ringshm`` argument parser: ``generate``, ``serve`` and ``worker``; every option's help shows its
     default."""
@@ -419,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
             with _exit_on_signals():
                 return _worker(args)
     except (ValueError, FileNotFoundError) as exc:  # bad input (a malformed model file too): one line, no traceback
-        print(f"ringshm: error: {' '.join(str(exc).split())}", file=sys.stderr)
+        print(f"ringshm: error: {_with_flag(' '.join(str(exc).split()), args.command)}", file=sys.stderr)
         return 2
     except StageStartupError as exc:
         print(f"ringshm: error: a stage could not start: {exc}", file=sys.stderr)

@@ -54,8 +54,8 @@ def test_serve_on_a_port_out_of_range_exits_2_at_once(port):
 
 
 @pytest.mark.parametrize("args, words", [
-    (["generate", "--stages", "0", "Hi"], ["stages"]),
-    (["generate", "--prefill-chunk", "0", "Hi"], ["prefill_chunk"]),
+    (["generate", "--stages", "0", "Hi"], ["stages must be", "(the flag --stages)"]),
+    (["generate", "--prefill-chunk", "0", "Hi"], ["prefill_chunk", "(the flag --prefill-chunk)"]),
     (["generate", "--max-new-tokens", "4096", "Hi"], ["--max-new-tokens"]),
     (["serve", "--stages", "0"], ["stages"]),
     (["serve", "--max-queue-wait", "0"], ["--max-queue-wait"]),
@@ -65,7 +65,7 @@ def test_serve_on_a_port_out_of_range_exits_2_at_once(port):
     (["serve", "--served-model-name", ""], ["--served-model-name"]),
     (["serve", "--header-timeout", "0"], ["--header-timeout"]),
     (["serve", "--body-timeout", "-1"], ["--body-timeout"]),
-    (["serve", "--prefill-stall-ratio", "1"], ["prefill_stall_ratio", "> 1"]),
+    (["serve", "--prefill-stall-ratio", "1"], ["prefill_stall_ratio", "> 1", "(the flag --prefill-stall-ratio)"]),
     (["generate", "--temperature", "abc", "Hi"], ["ringshm generate", "--temperature", "'abc'", "--help"]),
     (["generate", "--no-such-option", "Hi"], ["unrecognized", "--no-such-option"]),
     (["serve", "--port"], ["--port", "expected one argument"]),
