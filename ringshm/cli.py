@@ -174,8 +174,13 @@ def _with_flag(text: str, command: str) -> str:
     flag = "--" + name.replace("_", "-")
     if not name.isidentifier() or flag in text:
         return text
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
-    return f"{text} (the flag {flag})" if flag in sub._option_string_actions else text
+    return f"{text} (the flag {flag})" if flag in _command_parser(build_parser(), command)._option_string_actions \
+        else text
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subcommand's own parser (its flags, its --help)."""
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[command]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -419,7 +424,10 @@ def main(argv: list[str] | None = None) -> int:
     # rendezvous waits for its peer): our own message says what failed, unless the caller asked for more. Set before
     # torch is imported; children inherit it.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # named by the subcommand's parser, so that the error points at its --help
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         if args.command == "generate":
             with _exit_on_signals():

@@ -67,7 +67,7 @@ def test_serve_on_a_port_out_of_range_exits_2_at_once(port):
     (["serve", "--body-timeout", "-1"], ["--body-timeout"]),
     (["serve", "--prefill-stall-ratio", "1"], ["prefill_stall_ratio", "> 1", "(the flag --prefill-stall-ratio)"]),
     (["generate", "--temperature", "abc", "Hi"], ["ringshm generate", "--temperature", "'abc'", "--help"]),
-    (["generate", "--no-such-option", "Hi"], ["unrecognized", "--no-such-option"]),
+    (["generate", "--no-such-option", "Hi"], ["generate: unrecognized", "--no-such-option", "ringshm generate --help"]),
     (["serve", "--port"], ["--port", "expected one argument"]),
     (["no-such-command"], ["invalid choice", "'no-such-command'"]),
 ])
