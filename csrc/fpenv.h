@@ -24,4 +24,13 @@ typedef fenv_t fpenv_t;
     FPENV_SET(caller)
 #define FPENV_WORKER_END() FPENV_SET(fpenv_worker_saved_)
 
+#include <stdint.h>
+
+/* fn(ctx, lo, hi) over the items [0, total) on nt OpenMP threads, each thread in the caller's FP mode (FTZ / DAZ /
+ * rounding are per thread and pool workers keep theirs: a row's bits must not depend on which thread computed
+ * it). dynamic 0: nt contiguous parts, one a thread; 1: one item at a time to whichever thread is free. nt <= 1
+ * (or no OpenMP): all of it on the calling thread. Defined in csrc/matmul.c. */
+void ringshm_parallel_in_caller_mode(int nt, int64_t total, int dynamic, void (*fn)(const void *, int64_t, int64_t),
+                                     const void *ctx);
+
 #endif /* RINGSHM_FPENV_H */

@@ -6,10 +6,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "fpenv.h"
 #include "isa.h"
 #include "matmul.h"
@@ -126,6 +122,31 @@ int ringshm_attn_forward(float *out, const float *q, const struct ringshm_kv_poo
     return RINGSHM_KERNEL_OK;
 }
 
+/* ringshm_attn_forward_segments' (segment, kv head) items: item it = segment it / hkv, kv head it % hkv. */
+struct attn_job {
+    attn_fn fn;
+    float *out;
+    const float *q;
+    const struct ringshm_kv_pool *pool;
+    const int32_t *tables;
+    const int64_t *table_offs, *starts, *lens, *offsets; /* offsets: each segment's first token */
+    int n_q_heads, d, hkv;
+    size_t tok; /* floats of one query / output token */
+    int window;
+    float scale;
+    const float *sinks;
+};
+
+static void attn_items(const void *ctx, int64_t lo, int64_t hi) {
+    const struct attn_job *j = ctx;
+    for (int64_t it = lo; it < hi; it++) {
+        const int i = (int)(it / j->hkv), h = (int)(it % j->hkv);
+        const int64_t o = j->offsets[i];
+        j->fn(j->out + o * j->tok, j->q + o * j->tok, j->pool, j->tables + j->table_offs[i], (int)j->lens[i],
+              j->n_q_heads, j->d, (int)j->starts[i], j->window, j->scale, j->sinks, h, h + 1);
+    }
+}
+
 int ringshm_attn_forward_segments(float *out, const float *q, const struct ringshm_kv_pool *pool,
                                   const int32_t *tables, const int64_t *table_offs, const int64_t *starts,
                                   const int64_t *lens, int n_seg, int n_q_heads, int window, float scale,
@@ -147,29 +168,9 @@ int ringshm_attn_forward_segments(float *out, const float *q, const struct rings
     for (int i = 0; i < n_seg; i++) offsets[i] = i ? offsets[i - 1] + lens[i - 1] : 0;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > n_items) nt = (int)n_items;
-#define ITEM(it)                                                                                                \
-    do {                                                                                                       \
-        const int i = (int)((it) / hkv), h = (int)((it) % hkv);                                                 \
-        const int64_t o = offsets[i];                                                                          \
-        fn(out + o * tok, q + o * tok, pool, tables + table_offs[i], (int)lens[i], n_q_heads, d, (int)starts[i], \
-           window, scale, sinks, h, h + 1);                                                                    \
-    } while (0)
-#ifdef _OPENMP
-    if (nt > 1) {
-        fpenv_t caller;
-        FPENV_GET(caller);
-#pragma omp parallel num_threads(nt)
-        {
-            FPENV_WORKER_BEGIN(caller);
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t it = 0; it < n_items; it++) ITEM(it);
-            FPENV_WORKER_END();
-        }
-        return RINGSHM_KERNEL_OK;
-    }
-#endif
-    for (int64_t it = 0; it < n_items; it++) ITEM(it);
-#undef ITEM
+    const struct attn_job job = {fn,         out,       q,     pool,  tables, table_offs, starts, lens,
+                                 offsets,    n_q_heads, d,     hkv,   tok,    window,     scale,  sinks};
+    ringshm_parallel_in_caller_mode(nt, n_items, 1, attn_items, &job); /* threads free up unevenly: dynamic */
     return RINGSHM_KERNEL_OK;
 }
 

@@ -123,10 +123,8 @@ int64_t ringshm_q8_act_bytes(int64_t m, int64_t k) {
     return m * (k / 32) * (int64_t)sizeof(struct ringshm_q8_block);
 }
 
-/* fn(ctx, lo, hi) over [0, total) split into nt contiguous parts, one per OpenMP thread, each thread in the
- * caller's FP mode (FTZ / DAZ / rounding are per thread and pool workers keep theirs: a row's bits must not depend on
- * which thread computed it); nt <= 1 runs it whole on the calling thread. */
-static void split_in_caller_mode(int nt, int64_t total, void (*fn)(const void *, int64_t, int64_t), const void *ctx) {
+void ringshm_parallel_in_caller_mode(int nt, int64_t total, int dynamic, void (*fn)(const void *, int64_t, int64_t),
+                                     const void *ctx) {
 #ifdef _OPENMP
     if (nt > 1) {
         fpenv_t caller;
@@ -134,14 +132,19 @@ static void split_in_caller_mode(int nt, int64_t total, void (*fn)(const void *,
 #pragma omp parallel num_threads(nt)
         {
             FPENV_WORKER_BEGIN(caller);
-            const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
-            fn(ctx, total * t / T, total * (t + 1) / T);
+            if (dynamic) {
+#pragma omp for schedule(dynamic, 1)
+                for (int64_t it = 0; it < total; it++) fn(ctx, it, it + 1);
+            } else {
+                const int64_t t = omp_get_thread_num(), T = omp_get_num_threads();
+                fn(ctx, total * t / T, total * (t + 1) / T);
+            }
             FPENV_WORKER_END();
         }
         return;
     }
 #endif
-    (void)nt;
+    (void)nt, (void)dynamic;
     fn(ctx, 0, total);
 }
 
@@ -184,7 +187,7 @@ int ringshm_q8_quantize(const float *x, int64_t m, int64_t k, uint8_t *xq, int64
     int nt = n_threads < 1 || m * nb < 2048 ? 1 : n_threads;
     if (nt > m) nt = (int)m;
     const struct q8_job job = {fn, x, (struct ringshm_q8_block *)xq};
-    split_in_caller_mode(nt, m * nb, q8_job_run, &job);
+    ringshm_parallel_in_caller_mode(nt, m * nb, 0, q8_job_run, &job);
     return RINGSHM_MATMUL_OK;
 }
 
@@ -281,7 +284,7 @@ static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > n_groups) nt = (int)n_groups;
     const struct panels_job job = {fn, &a};
-    split_in_caller_mode(nt, n_groups, panels_job_run, &job);
+    ringshm_parallel_in_caller_mode(nt, n_groups, 0, panels_job_run, &job);
     return RINGSHM_MATMUL_OK;
 }
 
