@@ -35,14 +35,23 @@
  *   of the super-block's weights 16i .. 16i + 15 of row n.
  *   Q4_K / Q5_K scales: the file's 12 bytes of row n as they are; the 6-bit scales and mins are unpacked when
  *   a block is read (a few integer ops per 16 rows, csrc/gguf_blocks.h draws the packing).
- *   Panels come in groups of 8 (RINGSHM_PANEL_GROUP; the last group holds what is left), stored one after
- *   another; a group holds its rows of blocks along K in order (K / 32, K / 256 for the K-quants, ceil(K / 32)
- *   for floats), a row being block b of each of its panels in order: block b of panel p sits at byte
- *   (g0 * nb + b * gw + p - g0) * B with g0 = p - p % 8 and gw the group's panels (ringshm_block_offset), so a
- *   thread that runs a group through K reads its weights as one stream (M = 1 from memory, 2 threads, AMD EPYC
- *   Zen 5: 1.1-1.3 x the speed of each panel's blocks together, read as 8 streams). Rows of the last panel past
- *   N are zero. Float types allow any K (the last block is cut short); Q4_0 .. Q8_0 and MXFP4 need K % 32 == 0,
- *   the K-quants K % 256 == 0.
+ *   Panels come in groups of 8 (RINGSHM_PANEL_GROUP; the last group holds what is left: gw panels), stored one
+ *   after another; a group holds its rows of blocks along K in order (K / 32, K / 256 for the K-quants, ceil(K / 32)
+ *   for floats), a row being block b of each of its panels, field by field (ringshm_block_at): a panel block's
+ *   head (the fields before its first row of weights above: d, m, e, the K-quant scales; 0 to 288 bytes) of each of
+ *   the gw panels side by side, then its body (the rest) unit by unit: unit 0 of each panel, unit 1 of each, ...
+ *   A unit is 64 bytes (one 64-byte load) where the kernels read a block 64 bytes at a time across the panels of a
+ *   step (Q4_0, Q4_1, Q4_K, MXFP4, Q8_0, floats), so a thread that runs a group through K at M = 1 reads its
+ *   weights as one stream in the order they are stored; the whole body for the Q5 types and Q6_K, whose bytes are
+ *   assembled panel by panel first (a unit of a block of 32 there read 1.2-1.4 x slower). M = 1 from memory, 2
+ *   threads, 2048 -> 16384, AMD EPYC Zen 4, alternating processes against each panel block whole in a row (the
+ *   layout before the units): Q8_0 0.80-1.44 against 2.11-3.11 ms, F16 2.45-2.91 against 4.21-6.95, BF16 2.09-2.73
+ *   against 3.93-4.72, Q4_1 0.80-0.94 against 0.86-1.69; Q4_K, MXFP4, Q5_K, Q6_K within the noise (on one Zen 4,
+ *   a read of 8 interleaved runs of 544 or 1,024 bytes, 64 bytes at a time, streamed 17-24 GB/s against 28-30 for
+ *   a sequential read). Those whole panel blocks in rows had read 1.1-1.3 x the speed of each panel's blocks
+ *   together (8 streams) on an AMD EPYC Zen 5; the units are not yet measured there. Rows of the last panel past N
+ *   are zero. Float types allow any K (the last block is cut short); Q4_0 .. Q8_0 and MXFP4 need K % 32 == 0, the
+ *   K-quants K % 256 == 0.
  *
  * The reduction (the contract every path, every M and every thread count follows, lane by lane). K runs in
  * blocks b of 32 (for a K-quant, the 8 sub-blocks of each super-block in order); for each block:

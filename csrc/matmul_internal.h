@@ -19,16 +19,22 @@ struct ringshm_wtype_info {
     int panel_block_bytes; /* bytes of one block of one packed 16-row panel */
     int quantized;         /* K must be whole blocks */
     int has_min;           /* the reduction adds fma(m, block sum of x) per block of 32 */
+    int head_bytes;        /* a panel block's leading fields (scales), stored whole; the rest in units (below) */
+    int unit_bytes;        /* the rest (the body) is units of this many bytes, each read whole by a kernel step */
 };
 
 /* The encoding of a ringshm_wtype, or NULL for an unknown type. */
 static inline const struct ringshm_wtype_info *ringshm_wtype_info(int type) {
-    static const struct ringshm_wtype_info f32 = {32, 128, 2048, 0, 0}, f16 = {32, 64, 1024, 0, 0};
-    static const struct ringshm_wtype_info q4_0 = {32, 18, 288, 1, 0}, q4_1 = {32, 20, 320, 1, 1};
-    static const struct ringshm_wtype_info q5_0 = {32, 22, 352, 1, 0}, q5_1 = {32, 24, 384, 1, 1};
-    static const struct ringshm_wtype_info q8_0 = {32, 34, 544, 1, 0}, mxfp4 = {32, 17, 272, 1, 0};
-    static const struct ringshm_wtype_info q4_k = {256, 144, 2304, 1, 1}, q5_k = {256, 176, 2816, 1, 1};
-    static const struct ringshm_wtype_info q6_k = {256, 210, 3360, 1, 0};
+    /* units: 64 bytes where the kernels read a block 64 bytes at a time for all the panels of a step (the nibble
+     * words, int8 and float rows); the whole body where mm_prepare_t first assembles one panel's bytes block of 32
+     * by block of 32 (the Q5 types' qh | qs, Q6_K's ql | qh) */
+    static const struct ringshm_wtype_info f32 = {32, 128, 2048, 0, 0, 0, 64}, f16 = {32, 64, 1024, 0, 0, 0, 64};
+    static const struct ringshm_wtype_info q4_0 = {32, 18, 288, 1, 0, 32, 64}, q4_1 = {32, 20, 320, 1, 1, 64, 64};
+    static const struct ringshm_wtype_info q5_0 = {32, 22, 352, 1, 0, 32, 320}, q5_1 = {32, 24, 384, 1, 1, 64, 320};
+    static const struct ringshm_wtype_info q8_0 = {32, 34, 544, 1, 0, 32, 64}, mxfp4 = {32, 17, 272, 1, 0, 16, 64};
+    static const struct ringshm_wtype_info q4_k = {256, 144, 2304, 1, 1, 256, 64};
+    static const struct ringshm_wtype_info q5_k = {256, 176, 2816, 1, 1, 256, 2560};
+    static const struct ringshm_wtype_info q6_k = {256, 210, 3360, 1, 0, 288, 3072};
     switch (type) {
     case RINGSHM_W_F32: return &f32;
     case RINGSHM_W_F16:
@@ -56,12 +62,21 @@ struct ringshm_q8_block {
 };
 
 #define RINGSHM_PANEL_GROUP 8
-/* Byte offset of packed block b (nbk blocks of pb bytes per panel) of panel p among n_panels: panels in groups of
- * RINGSHM_PANEL_GROUP (the last one shorter), each group's blocks interleaved [b][panel]. */
-static inline int64_t ringshm_block_offset(int64_t n_panels, int64_t nbk, int64_t pb, int64_t p, int64_t b) {
-    const int64_t g0 = p - p % RINGSHM_PANEL_GROUP;
+/* Where packed block b (nbk blocks per panel) of panel p among n_panels lives (matmul.h's layout): panels in
+ * groups of RINGSHM_PANEL_GROUP (the last one shorter: gw panels), a group's blocks in rows [b], a row field by
+ * field: the gw panels' heads (head_bytes each) side by side, then unit u of each of the gw panels' bodies for
+ * u = 0, 1, ... (unit_bytes each). head / body: byte offsets of the panel's head and of its body's
+ * unit 0; unit u of the body is at body + u * stride. */
+struct ringshm_block_at {
+    int64_t head, body, stride;
+};
+static inline struct ringshm_block_at ringshm_block_at(const struct ringshm_wtype_info *t, int64_t n_panels,
+                                                       int64_t nbk, int64_t p, int64_t b) {
+    const int64_t g0 = p - p % RINGSHM_PANEL_GROUP, pi = p - g0;
     const int64_t gw = n_panels - g0 < RINGSHM_PANEL_GROUP ? n_panels - g0 : RINGSHM_PANEL_GROUP;
-    return (g0 * nbk + b * gw + (p - g0)) * pb;
+    const int64_t row = (g0 * nbk + b * gw) * t->panel_block_bytes;
+    return (struct ringshm_block_at){row + pi * t->head_bytes, row + gw * t->head_bytes + pi * t->unit_bytes,
+                                     gw * t->unit_bytes};
 }
 
 /* One checked call of ringshm_qmat_matmul or ringshm_qmat_matmul_q8. */

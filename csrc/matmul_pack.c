@@ -149,8 +149,8 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
      * the kernel clearing pages and 31 % packing, one thread (AMD EPYC Zen 5, perf). */
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < n_panels; p++) {
+        uint8_t o[16 * sizeof(struct block_q6_K)]; /* one panel block (the largest type), then stored field by field */
         for (int64_t b = 0; b < nb; b++) {
-            uint8_t *o = dst + ringshm_block_offset(n_panels, nb, pb, p, b);
             memset(o, 0, (size_t)pb); /* rows past n and k past the end stay zero */
             for (int l = 0; l < 16 && p * 16 + l < n; l++) {
                 const uint8_t *row = src + (p * 16 + l) * row_bytes;
@@ -168,6 +168,10 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
                     pack_legacy(type, row + b * t->row_block_bytes, o, l);
                 }
             }
+            const struct ringshm_block_at at = ringshm_block_at(t, n_panels, nb, p, b);
+            memcpy(dst + at.head, o, (size_t)t->head_bytes);
+            for (int64_t u = 0; u * t->unit_bytes < pb - t->head_bytes; u++)
+                memcpy(dst + at.body + u * at.stride, o + t->head_bytes + u * t->unit_bytes, (size_t)t->unit_bytes);
         }
     }
     return RINGSHM_MATMUL_OK;

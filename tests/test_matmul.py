@@ -300,6 +300,31 @@ def test_mxfp4_gives_the_bits_of_its_exact_f32_dequantization():
             assert torch.equal(mx.matmul(x[:m], isa=isa), f32.matmul(x[:m], isa=isa)), (qm.ISA_NAMES[isa], m)
 
 
+# matmul.h's layout: the bytes of a panel block's head (the fields before its first row of weights), and of each
+# unit of the rest (64, or the whole rest where it is assembled as bytes first: the Q5 types, Q6_K)
+HEAD_BYTES = {qm.F32: 0, qm.F16: 0, qm.BF16: 0, qm.Q4_0: 32, qm.Q4_1: 64, qm.Q5_0: 32, qm.Q5_1: 64, qm.Q8_0: 32,
+              qm.MXFP4: 16, qm.Q4_K: 256, qm.Q5_K: 256, qm.Q6_K: 288}
+UNIT_BYTES = {qm.Q5_0: 320, qm.Q5_1: 320, qm.Q5_K: 2560, qm.Q6_K: 3072}
+
+
+def panel_blocks(packed: np.ndarray, qtype: int, n: int, k: int) -> np.ndarray:
+    """The packed bytes as ``[panel, block, panel block bytes]``, each panel block whole, read by matmul.h's
+    layout: groups of 8 panels (the last one shorter: gw), a group's rows of blocks, a row the gw heads side by side
+    and then the bodies' units, unit u of every panel before unit u + 1."""
+    bk = max(qm.block_k(qtype), 32)  # a float type's packed block: 32 k
+    pbb, nb, n_panels, hb = lib.ringshm_qmat_packed_bytes(qtype, 16, bk), -(-k // bk), -(-n // 16), HEAD_BYTES[qtype]
+    ub = UNIT_BYTES.get(qtype, 64)
+    assert packed.size == n_panels * nb * pbb and (pbb - hb) % ub == 0
+    out = np.zeros((n_panels, nb, pbb), dtype=np.uint8)
+    for g0 in range(0, n_panels, 8):
+        gw = min(8, n_panels - g0)
+        for b in range(nb):
+            row = packed[(g0 * nb + b * gw) * pbb:(g0 * nb + (b + 1) * gw) * pbb]
+            out[g0:g0 + gw, b, :hb] = row[:gw * hb].reshape(gw, hb)
+            out[g0:g0 + gw, b, hb:] = row[gw * hb:].reshape(-1, gw, ub).transpose(1, 0, 2).reshape(gw, -1)
+    return out
+
+
 def test_mxfp4_packs_into_the_files_bytes_e_bytes_then_q4_0s_nibble_words():
     """matmul.h's layout: a panel block is e u8[16] | the nibble words exactly as Q4_0 packs the same qs bytes
     (272 = 16 x 17 bytes), rows past N zero; the sizes are the file's (17 B a block) and 16-row panels of it."""
@@ -309,36 +334,35 @@ def test_mxfp4_packs_into_the_files_bytes_e_bytes_then_q4_0s_nibble_words():
     q40[:, :, 2:] = mx[:, :, 1:]  # the same nibbles, d = 0
     assert lib.ringshm_qmat_src_bytes(qm.MXFP4, n, k) == n * 2 * 17 == qm.row_bytes(qm.MXFP4, k) * n
     assert lib.ringshm_qmat_packed_bytes(qm.MXFP4, n, k) == 2 * 2 * 272  # 2 panels x 2 blocks
-    # one group of 2 panels: [block, panel, bytes]
-    pm = qm.PackedWeight(qm.RawWeight.from_bytes(qm.MXFP4, n, k, mx.reshape(-1))).packed.numpy().reshape(2, 2, 272)
-    p4 = qm.PackedWeight(qm.RawWeight.from_bytes(qm.Q4_0, n, k, q40.reshape(-1))).packed.numpy().reshape(2, 2, 288)
+    pm = panel_blocks(qm.PackedWeight(qm.RawWeight.from_bytes(qm.MXFP4, n, k, mx.reshape(-1))).packed.numpy(),
+                      qm.MXFP4, n, k)
+    p4 = panel_blocks(qm.PackedWeight(qm.RawWeight.from_bytes(qm.Q4_0, n, k, q40.reshape(-1))).packed.numpy(),
+                      qm.Q4_0, n, k)
     assert (pm[:, :, 16:] == p4[:, :, 32:]).all()
     e = np.zeros((32, 2), dtype=np.uint8)
     e[:n] = mx[:, :, 0]
-    assert (pm[:, :, :16] == e.reshape(2, 16, 2).transpose(2, 0, 1)).all()  # [block, panel, row]
+    assert (pm[:, :, :16] == e.reshape(2, 16, 2).transpose(0, 2, 1)).all()  # [panel, row, block] -> [.., block, row]
 
 
+@pytest.mark.parametrize("qtype", [qm.Q5_0, qm.Q8_0, qm.Q4_K, qm.Q5_K, qm.Q6_K, qm.F16, qm.F32])
 @pytest.mark.parametrize("n", [16 * 11 - 5, 16 * 8, 16 * 3])
-def test_panels_pack_in_groups_of_8_each_a_run_of_rows_of_blocks(n):
-    """matmul.h's layout: block b of panel p at (g0 * nb + b * gw + p - g0) * 352 (Q5_0), g0 = p - p % 8, gw the
-    group's panels (8, or what the last group holds); each panel block starts with the f16 d of its 16 rows."""
-    k = 96
-    raw = random_blocks(qm.Q5_0, n, k, seed=11).reshape(n, k // 32, 22)
-    packed = qm.PackedWeight(qm.RawWeight.from_bytes(qm.Q5_0, n, k, raw.reshape(-1))).packed.numpy()
-    n_panels, nb = -(-n // 16), k // 32
-    assert packed.size == n_panels * nb * 352
-    seen = set()
-    for p in range(n_panels):
-        g0 = p - p % 8
-        gw = min(8, n_panels - g0)
-        for b in range(nb):
-            at = (g0 * nb + b * gw + p - g0) * 352
-            seen.add(at)
-            rows = raw[p * 16:(p + 1) * 16, b, :2]  # the d of each row
-            d = np.zeros((16, 2), dtype=np.uint8)
-            d[:len(rows)] = rows
-            assert (packed[at:at + 32].reshape(16, 2) == d).all(), (p, b)
-    assert len(seen) == n_panels * nb  # every block somewhere of its own
+def test_panels_pack_in_groups_of_8_each_row_field_by_field(qtype, n):
+    """matmul.h's layout: each panel block of an N-row weight, read back from its group's row (heads side by side,
+    then the units of the bodies panel by panel), is the block that panel packs into on its own (16 rows:
+    a group of one, stored whole); a row of a group starts with the d of its panels' rows (f16 [16] each)."""
+    k = kfit(qtype, 96)
+    raw = random_blocks(qtype, n, k, seed=11) if qtype in BLOCK else \
+        make_weight(qtype, n, k, seed=11)[0].data.numpy().reshape(n, -1)
+    packed = qm.PackedWeight(qm.RawWeight.from_bytes(qtype, n, k, raw.reshape(-1))).packed.numpy()
+    blocks = panel_blocks(packed, qtype, n, k)
+    for p in range(blocks.shape[0]):
+        rows = np.zeros((16, raw.shape[1]), dtype=np.uint8)
+        rows[:min(16, n - 16 * p)] = raw[16 * p:16 * p + 16]
+        alone = qm.PackedWeight(qm.RawWeight.from_bytes(qtype, 16, k, rows.reshape(-1))).packed.numpy()
+        assert (blocks[p] == alone.reshape(blocks.shape[1:])).all(), p
+    if qtype in (qm.Q5_0, qm.Q8_0):  # the heads of row (group 0, block 0): d f16 of rows 0 .. 16 gw - 1
+        gw = min(8, blocks.shape[0])  # every case fills its first group's rows
+        assert (packed[:32 * gw].reshape(16 * gw, 2) == raw.reshape(n, k // 32, -1)[:16 * gw, 0, :2]).all()
 
 
 def test_count_nonfinite_counts_the_mxfp4_blocks_whose_weights_overflow():
