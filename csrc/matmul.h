@@ -45,7 +45,7 @@
  *   weights as one stream in the order they are stored; the whole body for the Q5 types and Q6_K, whose bytes are
  *   assembled panel by panel first (a unit of a block of 32 there read 1.2-1.4 x slower). M = 1 from memory, 2
  *   threads, 2048 -> 16384, AMD EPYC Zen 4, alternating processes against each panel block whole in a row (the
- *   layout before the units): Q8_0 0.80-1.44 against 2.11-3.11 ms, F16 2.45-2.91 against 4.21-6.95, BF16 2.09-2.73
+ *   layout before the units): Q8_0 0.80-1.63 against 2.11-3.11 ms, F16 2.45-2.91 against 4.21-6.95, BF16 2.09-2.73
  *   against 3.93-4.72, Q4_1 0.80-0.94 against 0.86-1.69; Q4_K, MXFP4, Q5_K, Q6_K within the noise (on one Zen 4,
  *   a read of 8 interleaved runs of 544 or 1,024 bytes, 64 bytes at a time, streamed 17-24 GB/s against 28-30 for
  *   a sequential read). Those whole panel blocks in rows had read 1.1-1.3 x the speed of each panel's blocks
