@@ -41,8 +41,9 @@
  *   head (the fields before its first row of weights above: d, m, e, the K-quant scales; 0 to 288 bytes) of each of
  *   the gw panels side by side, then its body (the rest) unit by unit: unit 0 of each panel, unit 1 of each, ...
  *   A unit is 64 bytes (one 64-byte load) where the kernels read a block 64 bytes at a time across the panels of a
- *   step (Q4_0, Q4_1, Q4_K, MXFP4, Q8_0, floats), so a thread that runs a group through K at M = 1 reads its
- *   weights as one stream in the order they are stored; the whole body for the Q5 types and Q6_K, whose bytes are
+ *   step (Q4_0, Q4_1, Q4_K, MXFP4, Q8_0, floats), so a thread that runs a group through K at M = 1 on AVX-512
+ *   (8 panels a step) reads its weights as one stream in the order they are stored (AVX2's 4 panels a step read
+ *   half of each row's units, then the other half); the whole body for the Q5 types and Q6_K, whose bytes are
  *   assembled panel by panel first (a unit of a block of 32 there read 1.2-1.4 x slower). M = 1 from memory, 2
  *   threads, 2048 -> 16384, AMD EPYC Zen 4, alternating processes against each panel block whole in a row (the
  *   layout before the units): Q8_0 0.80-1.63 against 2.11-3.11 ms, F16 2.45-2.91 against 4.21-6.95, BF16 2.09-2.73
