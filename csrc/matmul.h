@@ -19,7 +19,7 @@
  *                                                    8 sub-blocks s x ( qh u8[4 r][16 n] | qs u8[16 j][16 n] )
  *                                                                                                         2816
  *   Q6_K  256 w 210 B: ql[128] | qh[64] |          d f16[16] | sc i8[16 i][16 n] | 8 sub-blocks s x
- *                      scales i8[16] | d               ( ql u8[16 j][16 n] | qh u8[8 r][16 n] )             3360
+ *                      scales i8[16] | d               ( 2 halves h x ( 3 units i x u32[16 n] ) )          3360
  *   F16, BF16   2 B a weight                       w u16[32 k][16 n]                                       1024
  *   F32         4 B a weight                       w f32[32 k][16 n]                                       2048
  *
@@ -30,9 +30,11 @@
  *   weight 8g + i of row n and one shift brings any of them to a lane's low bits. The high bits go where a byte
  *   SIMD op finds them for 64 nibble bytes (4 rows j) at once, with one shift for all:
  *   Q5 qh byte (r, n), r < 4: bits 2a, 2a + 1 = bit 4 of the two weights of nibble row j = 4a + r.
- *   Q6_K qh byte (r, n), r < 8: bits 0-3 hold nibble row j = 8 (r / 4) + r % 4, bits 4-7 row j + 4; each row as
- *   bits 4, 5 of weight 2j in its bits 0-1 and of weight 2j + 1 in bits 2-3. sc (i, n) = the file's int8 scale
- *   of the super-block's weights 16i .. 16i + 15 of row n.
+ *   Q6_K holds each 6-bit value whole: word (h, i, n) of sub-block s (little-endian) holds those of weights
+ *   16h + 5i + f (f < 5) of row n in its bits 6f .. 6f + 5, and bits 2i, 2i + 1 of that of weight 16h + 15 in its
+ *   bits 30, 31 (so a field sits at bits 0, 6 or 12 of a word or of the word shifted by 18, where the float trick
+ *   of v_from_q6 turns it into a float without a convert: csrc/matmul_simd.inc). sc (i, n) = the file's int8
+ *   scale of the super-block's weights 16i .. 16i + 15 of row n.
  *   Q4_K / Q5_K scales: the file's 12 bytes of row n as they are; the 6-bit scales and mins are unpacked when
  *   a block is read (a few integer ops per 16 rows, csrc/gguf_blocks.h draws the packing).
  *   Panels come in groups of 8 (RINGSHM_PANEL_GROUP; the last group holds what is left: gw panels), stored one
@@ -41,9 +43,9 @@
  *   head (the fields before its first row of weights above: d, m, e, the K-quant scales; 0 to 288 bytes) of each of
  *   the gw panels side by side, then its body (the rest) unit by unit: unit 0 of each panel, unit 1 of each, ...
  *   A unit is 64 bytes (one 64-byte load) where the kernels read a block 64 bytes at a time across the panels of a
- *   step (Q4_0, Q4_1, Q4_K, MXFP4, Q8_0, floats), so a thread that runs a group through K at M = 1 on AVX-512
+ *   step (Q4_0, Q4_1, Q4_K, MXFP4, Q8_0, Q6_K, floats), so a thread that runs a group through K at M = 1 on AVX-512
  *   (8 panels a step) reads its weights as one stream in the order they are stored (AVX2's 4 panels a step read
- *   half of each row's units, then the other half); the whole body for the Q5 types and Q6_K, whose bytes are
+ *   half of each row's units, then the other half); the whole body for the Q5 types, whose bytes are
  *   assembled panel by panel first (a unit of a block of 32 there read 1.2-1.4 x slower). M = 1 from memory, 2
  *   threads, 2048 -> 16384, AMD EPYC Zen 4, alternating processes against each panel block whole in a row (the
  *   layout before the units): Q8_0 0.80-1.63 against 2.11-3.11 ms, F16 2.45-2.91 against 4.21-6.95, BF16 2.09-2.73

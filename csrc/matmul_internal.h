@@ -26,15 +26,15 @@ struct ringshm_wtype_info {
 /* The encoding of a ringshm_wtype, or NULL for an unknown type. */
 static inline const struct ringshm_wtype_info *ringshm_wtype_info(int type) {
     /* units: 64 bytes where the kernels read a block 64 bytes at a time for all the panels of a step (the nibble
-     * words, int8 and float rows); the whole body where mm_prepare_t first assembles one panel's bytes block of 32
-     * by block of 32 (the Q5 types' qh | qs, Q6_K's ql | qh) */
+     * words, Q6_K's 6-bit words, int8 and float rows); the whole body where mm_prepare_t first assembles one
+     * panel's bytes block of 32 by block of 32 (the Q5 types' qh | qs) */
     static const struct ringshm_wtype_info f32 = {32, 128, 2048, 0, 0, 0, 64}, f16 = {32, 64, 1024, 0, 0, 0, 64};
     static const struct ringshm_wtype_info q4_0 = {32, 18, 288, 1, 0, 32, 64}, q4_1 = {32, 20, 320, 1, 1, 64, 64};
     static const struct ringshm_wtype_info q5_0 = {32, 22, 352, 1, 0, 32, 320}, q5_1 = {32, 24, 384, 1, 1, 64, 320};
     static const struct ringshm_wtype_info q8_0 = {32, 34, 544, 1, 0, 32, 64}, mxfp4 = {32, 17, 272, 1, 0, 16, 64};
     static const struct ringshm_wtype_info q4_k = {256, 144, 2304, 1, 1, 256, 64};
     static const struct ringshm_wtype_info q5_k = {256, 176, 2816, 1, 1, 256, 2560};
-    static const struct ringshm_wtype_info q6_k = {256, 210, 3360, 1, 0, 288, 3072};
+    static const struct ringshm_wtype_info q6_k = {256, 210, 3360, 1, 0, 288, 64};
     switch (type) {
     case RINGSHM_W_F32: return &f32;
     case RINGSHM_W_F16:

@@ -108,31 +108,23 @@ static void pack_q45_k(int type, const uint8_t *blk, uint8_t *o, int l) {
     }
 }
 
-/* Q6_K: d | sc[16][16] at 0, 32; sub-block s at 288 + 384 s: ql [16 j][16] | qh [8 r][16]. */
+/* Q6_K: d | sc[16][16] at 0, 32; block of 32 s at 288 + 384 s: 6 units of 16 words (matmul.h): row l's word in
+ * unit 3h + i holds the 6-bit values of weights 32 s + 16 h + 5 i + f in its bits 6f .. 6f + 5 (f < 5) and bits
+ * 2i, 2i + 1 of that of weight 32 s + 16 h + 15 in its bits 30, 31; little-endian. */
 static void pack_q6_k(const uint8_t *blk, uint8_t *o, int l) {
     const struct block_q6_K *b = (const struct block_q6_K *)blk;
     memcpy(o + 2 * l, blk + offsetof(struct block_q6_K, d), 2);
     for (int i = 0; i < 16; i++) o[32 + i * 16 + l] = (uint8_t)b->scales[i];
-    for (int s = 0; s < 8; s++) {
-        uint8_t *so = o + 288 + s * 384;
-        const int h = s / 4, c = s % 4; /* weights 32 s + i = 128 h + 32 c + i */
-        const uint8_t *ql = b->ql + 64 * h + 32 * (c & 1), *qh = b->qh + 32 * h;
-        const int shift = 4 * (c >> 1);
-#define LOW4(i) ((ql[i] >> shift) & 15)
-        PUT_NIBBLES(so, l, LOW4);
-#undef LOW4
-        /* high pairs: byte (r, l) holds nibble rows j = 8 (r / 4) + r % 4 (bits 0-3) and j + 4 (bits 4-7), each
-         * as weight 2j in its bits 0-1 and weight 2j + 1 in bits 2-3 */
-        for (int r = 0; r < 8; r++) {
-            const int j = 8 * (r / 4) + r % 4;
-            unsigned v = 0;
-            for (int t = 0; t < 4; t++) { /* weights 2j, 2j + 1, 2 (j + 4), 2 (j + 4) + 1 */
-                const int i = t < 2 ? 2 * j + t : 2 * (j + 4) + t - 2;
-                v |= ((qh[i] >> 2 * c) & 3u) << 2 * t;
+    for (int s = 0; s < 8; s++)
+        for (int h = 0; h < 2; h++) {
+            const int k0 = 32 * s + 16 * h;
+            for (int i = 0; i < 3; i++) {
+                uint32_t w = (uint32_t)((ringshm_q6_k_value(b, k0 + 15) >> 2 * i) & 3) << 30;
+                for (int f = 0; f < 5; f++) w |= (uint32_t)ringshm_q6_k_value(b, k0 + 5 * i + f) << 6 * f;
+                uint8_t *dst = o + 288 + 384 * s + 64 * (3 * h + i) + 4 * l;
+                for (int t = 0; t < 4; t++) dst[t] = (uint8_t)(w >> 8 * t);
             }
-            so[256 + r * 16 + l] = (uint8_t)v;
         }
-    }
 }
 
 int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n, int64_t k, uint8_t *dst,

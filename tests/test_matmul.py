@@ -304,7 +304,7 @@ def test_mxfp4_gives_the_bits_of_its_exact_f32_dequantization():
 # unit of the rest (64, or the whole rest where it is assembled as bytes first: the Q5 types, Q6_K)
 HEAD_BYTES = {qm.F32: 0, qm.F16: 0, qm.BF16: 0, qm.Q4_0: 32, qm.Q4_1: 64, qm.Q5_0: 32, qm.Q5_1: 64, qm.Q8_0: 32,
               qm.MXFP4: 16, qm.Q4_K: 256, qm.Q5_K: 256, qm.Q6_K: 288}
-UNIT_BYTES = {qm.Q5_0: 320, qm.Q5_1: 320, qm.Q5_K: 2560, qm.Q6_K: 3072}
+UNIT_BYTES = {qm.Q5_0: 320, qm.Q5_1: 320, qm.Q5_K: 2560}
 
 
 def panel_blocks(packed: np.ndarray, qtype: int, n: int, k: int) -> np.ndarray:
