@@ -129,8 +129,12 @@ NO_FMA int ringshm_dequant_q6_k(const uint8_t *src, float *dst, int64_t n_blocks
     for (int64_t b = 0; b < n_blocks; b++, src += sizeof(struct block_q6_K), dst += 256) {
         const struct block_q6_K *blk = (const struct block_q6_K *)src;
         const float d = half_to_float(src + offsetof(struct block_q6_K, d));
-        for (int i = 0; i < 256; i++)
-            dst[i] = (d * (float)blk->scales[i / 16]) * (float)(ringshm_q6_k_value(blk, i) - 32);
+        for (int i = 0; i < 256; i++) {
+            const int h = i / 128, c = (i % 128) / 32, l = i % 32;
+            const int lo = (blk->ql[64 * h + 32 * (c & 1) + l] >> 4 * (c >> 1)) & 15;
+            const int hi = (blk->qh[32 * h + l] >> 2 * c) & 3;
+            dst[i] = (d * (float)blk->scales[i / 16]) * (float)((lo | hi << 4) - 32);
+        }
     }
     return 0;
 }

@@ -98,15 +98,6 @@ _Static_assert(sizeof(struct block_q4_K) == 144, "block_q4_K: d, dmin f16, 12 B 
 _Static_assert(sizeof(struct block_q5_K) == 176, "block_q5_K: block_q4_K's fields and 32 B of high bits");
 _Static_assert(sizeof(struct block_q6_K) == 210, "block_q6_K: 128 B low nibbles, 64 B high pairs, 16 scales, d");
 
-/* The 6-bit value (0 .. 63; the weight is d * scales[i / 16] * (value - 32)) of weight i (0 .. 255) of a Q6_K
- * super-block: its low 4 bits from ql, its high 2 from qh (ggml's dequantize_row_q6_K: weights 128 h + 32 c + l,
- * c < 4, l < 32, take nibble c >> 1 of ql[64 h + 32 (c & 1) + l] and bits 2c, 2c + 1 of qh[32 h + l]). */
-static inline int ringshm_q6_k_value(const struct block_q6_K *b, int i) {
-    const int h = i / 128, c = (i % 128) / 32, l = i % 32;
-    const int lo = (b->ql[64 * h + 32 * (c & 1) + l] >> 4 * (c >> 1)) & 15, hi = (b->qh[32 * h + l] >> 2 * c) & 3;
-    return lo | hi << 4;
-}
-
 /* The 6-bit scale and min of sub-block s (0..7) of a Q4_K / Q5_K super-block (layout above). */
 static inline void ringshm_kq_scale_min(const uint8_t *scales, int s, int *sc, int *m) {
     if (s < 4) {

@@ -9,17 +9,17 @@
  *   type  GGUF block, per row                      packed, per panel (16 rows n) per block                    B
  *   Q4_0   32 w  18 B: d | qs[16]                  d f16[16] | qs u32[4 g][16 n]                            288
  *   Q4_1   32 w  20 B: d | m | qs[16]              d f16[16] | m f16[16] | qs u32[4 g][16 n]                320
- *   Q5_0   32 w  22 B: d | qh[4] | qs[16]          d f16[16] | 5 words of fields u32[5 i][16 n]            352
- *   Q5_1   32 w  24 B: d | m | qh[4] | qs[16]      d f16[16] | m f16[16] | u32[5 i][16 n]                   384
+ *   Q5_0   32 w  22 B: d | qh[4] | qs[16]          d f16[16] | qh u8[4 r][16 n] | qs u8[16 j][16 n]         352
+ *   Q5_1   32 w  24 B: d | m | qh[4] | qs[16]      d f16[16] | m f16[16] | qh u8[4 r][16 n] | qs ..         384
  *   Q8_0   32 w  34 B: d | qs i8[32]               d f16[16] | qs i8[32 k][16 n]                            544
  *   MXFP4  32 w  17 B: e | qs[16]                  e u8[16] | qs u32[4 g][16 n]                             272
  *   Q4_K  256 w 144 B: d | dmin | scales[12] |     d f16[16] | dmin f16[16] | scales u8[12][16 n] |
  *                      qs[128]                       8 sub-blocks s x ( qs u32[4 g][16 n] )                2304
  *   Q5_K  256 w 176 B: Q4_K's | qh[32] | qs[128]   d f16[16] | dmin f16[16] | scales u8[12][16 n] |
- *                                                    8 sub-blocks s x ( u32[5 i][16 n] )
+ *                                                    8 sub-blocks s x ( qh u8[4 r][16 n] | qs u8[16 j][16 n] )
  *                                                                                                         2816
  *   Q6_K  256 w 210 B: ql[128] | qh[64] |          d f16[16] | sc i8[16 i][16 n] | 8 sub-blocks s x
- *                      scales i8[16] | d               ( 2 halves h x ( 3 units i x u32[16 n] ) )          3360
+ *                      scales i8[16] | d               ( ql u8[16 j][16 n] | qh u8[8 r][16 n] )             3360
  *   F16, BF16   2 B a weight                       w u16[32 k][16 n]                                       1024
  *   F32         4 B a weight                       w f32[32 k][16 n]                                       2048
  *
@@ -27,15 +27,12 @@
  *   sub-block s of 32), high nibble = weight 2j + 1, so the walk over k is in order (in GGUF, weights j and
  *   j + 16 share a byte; in a K-quant, sub-blocks 2c and 2c + 1 share 32 bytes). Q4_0, Q4_1, Q4_K and MXFP4 hold
  *   the same bytes as words: word (g, n) = bytes (j = 4g .. 4g + 3, n) in order, little-endian, so its nibble i is
- *   weight 8g + i of row n and one shift brings any of them to a lane's low bits.
- *   The 5- and 6-bit types hold each value whole (its nibble and high bits joined) in words of fields
- *   (little-endian u32, word (i, n) of row n; matmul_internal.h's RINGSHM_FIELD_*): a field group of a row is a
- *   block of 32 in 5 words (Q5_*) or half a Q6_K sub-block, 16 weights, in 3 words (weights 16h + .. : h = 0, 1);
- *   word i holds weight F i + f (F = 6 for 5 bits, 5 for 6) in its bits BITS f .. BITS f + BITS - 1, and bits 30,
- *   31 of the words, read as one stream (bit 2i + t at bit 30 + t of word i), hold the group's last weights (Q5:
- *   30, 31; Q6_K: 15), BITS bits each. So a field sits at bits 0 .. 22 of a word, or of the word shifted once,
- *   where a float trick turns it into a float without a convert (f_field, csrc/matmul_simd.inc). Q6_K's sc (i, n)
- *   = the file's int8 scale of the super-block's weights 16i .. 16i + 15 of row n.
+ *   weight 8g + i of row n and one shift brings any of them to a lane's low bits. The high bits go where a byte
+ *   SIMD op finds them for 64 nibble bytes (4 rows j) at once, with one shift for all:
+ *   Q5 qh byte (r, n), r < 4: bits 2a, 2a + 1 = bit 4 of the two weights of nibble row j = 4a + r.
+ *   Q6_K qh byte (r, n), r < 8: bits 0-3 hold nibble row j = 8 (r / 4) + r % 4, bits 4-7 row j + 4; each row as
+ *   bits 4, 5 of weight 2j in its bits 0-1 and of weight 2j + 1 in bits 2-3. sc (i, n) = the file's int8 scale
+ *   of the super-block's weights 16i .. 16i + 15 of row n.
  *   Q4_K / Q5_K scales: the file's 12 bytes of row n as they are; the 6-bit scales and mins are unpacked when
  *   a block is read (a few integer ops per 16 rows, csrc/gguf_blocks.h draws the packing).
  *   Panels come in groups of 8 (RINGSHM_PANEL_GROUP; the last group holds what is left: gw panels), stored one
@@ -43,10 +40,11 @@
  *   for floats), a row being block b of each of its panels, field by field (ringshm_block_at): a panel block's
  *   head (the fields before its first row of weights above: d, m, e, the K-quant scales; 0 to 288 bytes) of each of
  *   the gw panels side by side, then its body (the rest) unit by unit: unit 0 of each panel, unit 1 of each, ...
- *   A unit is 64 bytes (one 64-byte load: the kernels read a block 64 bytes at a time across the panels of a
- *   step), so a thread that runs a group through K at M = 1 on AVX-512
+ *   A unit is 64 bytes (one 64-byte load) where the kernels read a block 64 bytes at a time across the panels of a
+ *   step (Q4_0, Q4_1, Q4_K, MXFP4, Q8_0, floats), so a thread that runs a group through K at M = 1 on AVX-512
  *   (8 panels a step) reads its weights as one stream in the order they are stored (AVX2's 4 panels a step read
- *   half of each row's units, then the other half). M = 1 from memory, 2
+ *   half of each row's units, then the other half); the whole body for the Q5 types and Q6_K, whose bytes are
+ *   assembled panel by panel first (a unit of a block of 32 there read 1.2-1.4 x slower). M = 1 from memory, 2
  *   threads, 2048 -> 16384, AMD EPYC Zen 4, alternating processes against each panel block whole in a row (the
  *   layout before the units): Q8_0 0.80-1.63 against 2.11-3.11 ms, F16 2.45-2.91 against 4.21-6.95, BF16 2.09-2.73
  *   against 3.93-4.72, Q4_1 0.80-0.94 against 0.86-1.69; Q4_K, MXFP4, Q5_K, Q6_K within the noise (on one Zen 4,

@@ -20,21 +20,21 @@ struct ringshm_wtype_info {
     int quantized;         /* K must be whole blocks */
     int has_min;           /* the reduction adds fma(m, block sum of x) per block of 32 */
     int head_bytes;        /* a panel block's leading fields (scales), stored whole; the rest in units (below) */
+    int unit_bytes;        /* the rest (the body) is units of this many bytes, each read whole by a kernel step */
 };
-
-/* The body of a packed block (what follows its head) is units of 64 bytes, each read whole by a kernel step for
- * all the panels of a step (the nibble words, the Q5 / Q6_K words of fields, int8 and float rows). */
-#define RINGSHM_UNIT_BYTES 64
 
 /* The encoding of a ringshm_wtype, or NULL for an unknown type. */
 static inline const struct ringshm_wtype_info *ringshm_wtype_info(int type) {
-    static const struct ringshm_wtype_info f32 = {32, 128, 2048, 0, 0, 0}, f16 = {32, 64, 1024, 0, 0, 0};
-    static const struct ringshm_wtype_info q4_0 = {32, 18, 288, 1, 0, 32}, q4_1 = {32, 20, 320, 1, 1, 64};
-    static const struct ringshm_wtype_info q5_0 = {32, 22, 352, 1, 0, 32}, q5_1 = {32, 24, 384, 1, 1, 64};
-    static const struct ringshm_wtype_info q8_0 = {32, 34, 544, 1, 0, 32}, mxfp4 = {32, 17, 272, 1, 0, 16};
-    static const struct ringshm_wtype_info q4_k = {256, 144, 2304, 1, 1, 256};
-    static const struct ringshm_wtype_info q5_k = {256, 176, 2816, 1, 1, 256};
-    static const struct ringshm_wtype_info q6_k = {256, 210, 3360, 1, 0, 288};
+    /* units: 64 bytes where the kernels read a block 64 bytes at a time for all the panels of a step (the nibble
+     * words, int8 and float rows); the whole body where mm_prepare_t first assembles one panel's bytes block of 32
+     * by block of 32 (the Q5 types' qh | qs, Q6_K's ql | qh) */
+    static const struct ringshm_wtype_info f32 = {32, 128, 2048, 0, 0, 0, 64}, f16 = {32, 64, 1024, 0, 0, 0, 64};
+    static const struct ringshm_wtype_info q4_0 = {32, 18, 288, 1, 0, 32, 64}, q4_1 = {32, 20, 320, 1, 1, 64, 64};
+    static const struct ringshm_wtype_info q5_0 = {32, 22, 352, 1, 0, 32, 320}, q5_1 = {32, 24, 384, 1, 1, 64, 320};
+    static const struct ringshm_wtype_info q8_0 = {32, 34, 544, 1, 0, 32, 64}, mxfp4 = {32, 17, 272, 1, 0, 16, 64};
+    static const struct ringshm_wtype_info q4_k = {256, 144, 2304, 1, 1, 256, 64};
+    static const struct ringshm_wtype_info q5_k = {256, 176, 2816, 1, 1, 256, 2560};
+    static const struct ringshm_wtype_info q6_k = {256, 210, 3360, 1, 0, 288, 3072};
     switch (type) {
     case RINGSHM_W_F32: return &f32;
     case RINGSHM_W_F16:
@@ -61,32 +61,11 @@ struct ringshm_q8_block {
     int8_t q[32];
 };
 
-/* Q5_0, Q5_1, Q5_K (BITS 5) and Q6_K (BITS 6) hold each value whole in 32-bit words (matmul.h): a group of
- * RINGSHM_FIELD_GROUP(BITS) weights of a row (32 for 5 bits: a block; 16 for 6 bits: half a block) in
- * RINGSHM_FIELD_WORDS(BITS) words (5; 3), word i holding weight F i + f (f < F = RINGSHM_FIELDS(BITS): 6; 5) in
- * its bits BITS f .. BITS f + BITS - 1, and bits 30, 31 of the words, read as one stream (bit 2i + t of it at bit
- * 30 + t of word i), the group's last weights: weight F W + e its bits e BITS .. e BITS + BITS - 1. */
-#define RINGSHM_FIELDS(BITS) (30 / (BITS))
-#define RINGSHM_FIELD_WORDS(BITS) ((BITS) == 6 ? 3 : 5)
-#define RINGSHM_FIELD_GROUP(BITS) ((BITS) == 6 ? 16 : 32)
-
-/* The value of weight kk of a field group from its words w[0 .. RINGSHM_FIELD_WORDS(bits)) (one row's). */
-static inline uint32_t ringshm_field_value(const uint32_t *w, int bits, int kk) {
-    const int f = RINGSHM_FIELDS(bits), nw = RINGSHM_FIELD_WORDS(bits);
-    if (kk < f * nw) return w[kk / f] >> bits * (kk % f) & ((1u << bits) - 1);
-    uint32_t v = 0;
-    for (int t = 0; t < bits; t++) {
-        const int bit = (kk - f * nw) * bits + t; /* of the stream of spare bits */
-        v |= (w[bit / 2] >> (30 + bit % 2) & 1u) << t;
-    }
-    return v;
-}
-
 #define RINGSHM_PANEL_GROUP 8
 /* Where packed block b (nbk blocks per panel) of panel p among n_panels lives (matmul.h's layout): panels in
  * groups of RINGSHM_PANEL_GROUP (the last one shorter: gw panels), a group's blocks in rows [b], a row field by
  * field: the gw panels' heads (head_bytes each) side by side, then unit u of each of the gw panels' bodies for
- * u = 0, 1, ... (RINGSHM_UNIT_BYTES each). head / body: byte offsets of the panel's head and of its body's
+ * u = 0, 1, ... (unit_bytes each). head / body: byte offsets of the panel's head and of its body's
  * unit 0; unit u of the body is at body + u * stride. */
 struct ringshm_block_at {
     int64_t head, body, stride;
@@ -96,8 +75,8 @@ static inline struct ringshm_block_at ringshm_block_at(const struct ringshm_wtyp
     const int64_t g0 = p - p % RINGSHM_PANEL_GROUP, pi = p - g0;
     const int64_t gw = n_panels - g0 < RINGSHM_PANEL_GROUP ? n_panels - g0 : RINGSHM_PANEL_GROUP;
     const int64_t row = (g0 * nbk + b * gw) * t->panel_block_bytes;
-    return (struct ringshm_block_at){row + pi * t->head_bytes, row + gw * t->head_bytes + pi * RINGSHM_UNIT_BYTES,
-                                     gw * RINGSHM_UNIT_BYTES};
+    return (struct ringshm_block_at){row + pi * t->head_bytes, row + gw * t->head_bytes + pi * t->unit_bytes,
+                                     gw * t->unit_bytes};
 }
 
 /* One checked call of ringshm_qmat_matmul or ringshm_qmat_matmul_q8. */

@@ -20,40 +20,22 @@ _Static_assert(16 * sizeof(struct block_q4_K) == 2304 && 16 * sizeof(struct bloc
  * qs[i - 16]. */
 static inline unsigned nibble32(const uint8_t *qs, int i) { return i < 16 ? qs[i] & 15u : (unsigned)qs[i - 16] >> 4; }
 
-/* Packed nibble byte (j, l) of one block of 32: weight 2j | weight 2j + 1 << 4, from `low4(i)`. */
+/* Packed nibble bytes of one block of 32: byte (j, l) = weight 2j | weight 2j + 1 << 4, from `low4(i)`. */
 #define NIBBLE_PAIR(low4, j) (uint8_t)((low4(2 * (j))) | (low4(2 * (j) + 1)) << 4)
-/* The Q4 types' words: row l's nibble bytes of weights 8g .. 8g + 7 side by side (one little-endian 32-bit word:
- * nibble i = weight 8g + i), words of rows 0 .. 15 for g = 0 .. 3. */
+#define PUT_NIBBLES(o, l, low4) for (int j = 0; j < 16; j++) (o)[j * 16 + (l)] = NIBBLE_PAIR(low4, j)
+/* The Q4 types' words: the same bytes, row l's four of weights 8g .. 8g + 7 side by side (one little-endian
+ * 32-bit word: nibble i = weight 8g + i), words of rows 0 .. 15 for g = 0 .. 3. */
 #define PUT_NIBBLE_WORDS(o, l, low4)                                                                            \
     for (int j = 0; j < 16; j++) (o)[64 * (j / 4) + 4 * (l) + j % 4] = NIBBLE_PAIR(low4, j)
 
-/* The words of one block of 32 (Q5_*, BITS 5) or of a Q6_K sub-block (BITS 6) of row l: v[i] = the value of weight
- * i, its field groups (matmul_internal.h's RINGSHM_FIELD_*) one after another, each word a little-endian u32 of a
- * unit of 16 rows (64 bytes). */
-static void put_fields(uint8_t *o, int l, const int bits, const uint32_t v[32]) {
-    const int f = RINGSHM_FIELDS(bits), nw = RINGSHM_FIELD_WORDS(bits), group = RINGSHM_FIELD_GROUP(bits);
-    for (int g = 0; g < 32 / group; g++) {
-        uint32_t w[5] = {0};
-        for (int kk = 0; kk < group; kk++) {
-            const uint32_t x = v[g * group + kk];
-            if (kk < f * nw) {
-                w[kk / f] |= x << bits * (kk % f);
-            } else {
-                for (int t = 0; t < bits; t++) { /* the stream of spare bits: bit 2i + t at bit 30 + t of word i */
-                    const int bit = (kk - f * nw) * bits + t;
-                    w[bit / 2] |= (x >> t & 1u) << (30 + bit % 2);
-                }
-            }
-        }
-        for (int i = 0; i < nw; i++)
-            for (int t = 0; t < 4; t++) o[64 * (g * nw + i) + 4 * l + t] = (uint8_t)(w[i] >> 8 * t);
+/* The fifth bits of a block of 32 (bit i of h = weight i) as packed: byte (r, l), r < 4, holds in bits 2a and
+ * 2a + 1 those of weights 2 (4a + r) and 2 (4a + r) + 1, the two weights of nibble byte row j = 4a + r. */
+static void put_q5_high(uint8_t *o, int l, uint32_t h) {
+    for (int r = 0; r < 4; r++) {
+        unsigned v = 0;
+        for (int a = 0; a < 4; a++) v |= ((h >> 2 * (4 * a + r)) & 3u) << 2 * a;
+        o[r * 16 + l] = (uint8_t)v;
     }
-}
-
-/* Q5_0 / Q5_1: the 5-bit value of weight i of a block: its nibble and bit i of qh (a little-endian u32). */
-static void q5_values(const uint8_t *qh4, const uint8_t *qs, uint32_t v[32]) {
-    const uint32_t qh = qh4[0] | (uint32_t)qh4[1] << 8 | (uint32_t)qh4[2] << 16 | (uint32_t)qh4[3] << 24;
-    for (int i = 0; i < 32; i++) v[i] = nibble32(qs, i) | (qh >> i & 1u) << 4;
 }
 
 static void pack_legacy(int type, const uint8_t *blk, uint8_t *o, int l) {
@@ -75,16 +57,16 @@ static void pack_legacy(int type, const uint8_t *blk, uint8_t *o, int l) {
         return;
     }
     case RINGSHM_W_Q5_0: {
-        uint32_t v[32];
-        q5_values(blk + 2, blk + 6, v);
-        put_fields(o + 32, l, 5, v);
+        const uint8_t *qs = blk + 6;
+        put_q5_high(o + 32, l, blk[2] | (uint32_t)blk[3] << 8 | (uint32_t)blk[4] << 16 | (uint32_t)blk[5] << 24);
+        PUT_NIBBLES(o + 96, l, LOW4);
         return;
     }
     default: { /* Q5_1 */
-        uint32_t v[32];
+        const uint8_t *qs = blk + 8;
         memcpy(o + 32 + 2 * l, blk + 2, 2); /* m */
-        q5_values(blk + 4, blk + 8, v);
-        put_fields(o + 64, l, 5, v);
+        put_q5_high(o + 64, l, blk[4] | (uint32_t)blk[5] << 8 | (uint32_t)blk[6] << 16 | (uint32_t)blk[7] << 24);
+        PUT_NIBBLES(o + 128, l, LOW4);
         return;
     }
 #undef LOW4
@@ -101,8 +83,7 @@ static void pack_mxfp4(const uint8_t *blk, uint8_t *o, int l) {
 #undef LOW4
 }
 
-/* Q4_K / Q5_K: d | dmin | scales[12][16] at 0, 32, 64; sub-block s at 256 + s * (Q5_K ? 320 : 256): Q4_K's nibble
- * words, Q5_K's words of fields. */
+/* Q4_K / Q5_K: d | dmin | scales[12][16] at 0, 32, 64; sub-block s at 256 + s * (Q5_K ? 320 : 256). */
 static void pack_q45_k(int type, const uint8_t *blk, uint8_t *o, int l) {
     const int q5 = type == RINGSHM_W_Q5_K, sub_bytes = q5 ? 320 : 256;
     const uint8_t *qh = blk + 16, *qs = blk + (q5 ? 48 : 16);
@@ -115,9 +96,11 @@ static void pack_q45_k(int type, const uint8_t *blk, uint8_t *o, int l) {
         const int shift = 4 * (s & 1);
 #define LOW4(i) ((q[i] >> shift) & 15)
         if (q5) {
-            uint32_t v[32];
-            for (int i = 0; i < 32; i++) v[i] = (uint32_t)LOW4(i) | (uint32_t)(qh[i] >> s & 1) << 4;
-            put_fields(so, l, 5, v);
+            uint32_t h = 0;
+            for (int i = 0; i < 32; i++) h |= (uint32_t)((qh[i] >> s) & 1) << i;
+            put_q5_high(so, l, h);
+            so += 64;
+            PUT_NIBBLES(so, l, LOW4);
         } else {
             PUT_NIBBLE_WORDS(so, l, LOW4);
         }
@@ -125,16 +108,30 @@ static void pack_q45_k(int type, const uint8_t *blk, uint8_t *o, int l) {
     }
 }
 
-/* Q6_K: d | sc[16][16] at 0, 32; sub-block s (of 32) at 288 + 384 s: its two field groups of 16 weights (6
- * units of words). */
+/* Q6_K: d | sc[16][16] at 0, 32; sub-block s at 288 + 384 s: ql [16 j][16] | qh [8 r][16]. */
 static void pack_q6_k(const uint8_t *blk, uint8_t *o, int l) {
     const struct block_q6_K *b = (const struct block_q6_K *)blk;
     memcpy(o + 2 * l, blk + offsetof(struct block_q6_K, d), 2);
     for (int i = 0; i < 16; i++) o[32 + i * 16 + l] = (uint8_t)b->scales[i];
     for (int s = 0; s < 8; s++) {
-        uint32_t v[32];
-        for (int i = 0; i < 32; i++) v[i] = (uint32_t)ringshm_q6_k_value(b, 32 * s + i);
-        put_fields(o + 288 + 384 * s, l, 6, v);
+        uint8_t *so = o + 288 + s * 384;
+        const int h = s / 4, c = s % 4; /* weights 32 s + i = 128 h + 32 c + i */
+        const uint8_t *ql = b->ql + 64 * h + 32 * (c & 1), *qh = b->qh + 32 * h;
+        const int shift = 4 * (c >> 1);
+#define LOW4(i) ((ql[i] >> shift) & 15)
+        PUT_NIBBLES(so, l, LOW4);
+#undef LOW4
+        /* high pairs: byte (r, l) holds nibble rows j = 8 (r / 4) + r % 4 (bits 0-3) and j + 4 (bits 4-7), each
+         * as weight 2j in its bits 0-1 and weight 2j + 1 in bits 2-3 */
+        for (int r = 0; r < 8; r++) {
+            const int j = 8 * (r / 4) + r % 4;
+            unsigned v = 0;
+            for (int t = 0; t < 4; t++) { /* weights 2j, 2j + 1, 2 (j + 4), 2 (j + 4) + 1 */
+                const int i = t < 2 ? 2 * j + t : 2 * (j + 4) + t - 2;
+                v |= ((qh[i] >> 2 * c) & 3u) << 2 * t;
+            }
+            so[256 + r * 16 + l] = (uint8_t)v;
+        }
     }
 }
 
@@ -173,8 +170,8 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
             }
             const struct ringshm_block_at at = ringshm_block_at(t, n_panels, nb, p, b);
             memcpy(dst + at.head, o, (size_t)t->head_bytes);
-            for (int64_t u = 0; u * RINGSHM_UNIT_BYTES < pb - t->head_bytes; u++)
-                memcpy(dst + at.body + u * at.stride, o + t->head_bytes + u * RINGSHM_UNIT_BYTES, RINGSHM_UNIT_BYTES);
+            for (int64_t u = 0; u * t->unit_bytes < pb - t->head_bytes; u++)
+                memcpy(dst + at.body + u * at.stride, o + t->head_bytes + u * t->unit_bytes, (size_t)t->unit_bytes);
         }
     }
     return RINGSHM_MATMUL_OK;

@@ -300,11 +300,11 @@ def test_mxfp4_gives_the_bits_of_its_exact_f32_dequantization():
             assert torch.equal(mx.matmul(x[:m], isa=isa), f32.matmul(x[:m], isa=isa)), (qm.ISA_NAMES[isa], m)
 
 
-# matmul.h's layout: the bytes of a panel block's head (the fields before its first row of weights); the rest is
-# units of 64 bytes
+# matmul.h's layout: the bytes of a panel block's head (the fields before its first row of weights), and of each
+# unit of the rest (64, or the whole rest where it is assembled as bytes first: the Q5 types, Q6_K)
 HEAD_BYTES = {qm.F32: 0, qm.F16: 0, qm.BF16: 0, qm.Q4_0: 32, qm.Q4_1: 64, qm.Q5_0: 32, qm.Q5_1: 64, qm.Q8_0: 32,
               qm.MXFP4: 16, qm.Q4_K: 256, qm.Q5_K: 256, qm.Q6_K: 288}
-UNIT_BYTES = 64
+UNIT_BYTES = {qm.Q5_0: 320, qm.Q5_1: 320, qm.Q5_K: 2560, qm.Q6_K: 3072}
 
 
 def panel_blocks(packed: np.ndarray, qtype: int, n: int, k: int) -> np.ndarray:
@@ -313,7 +313,7 @@ def panel_blocks(packed: np.ndarray, qtype: int, n: int, k: int) -> np.ndarray:
     and then the bodies' units, unit u of every panel before unit u + 1."""
     bk = max(qm.block_k(qtype), 32)  # a float type's packed block: 32 k
     pbb, nb, n_panels, hb = lib.ringshm_qmat_packed_bytes(qtype, 16, bk), -(-k // bk), -(-n // 16), HEAD_BYTES[qtype]
-    ub = UNIT_BYTES
+    ub = UNIT_BYTES.get(qtype, 64)
     assert packed.size == n_panels * nb * pbb and (pbb - hb) % ub == 0
     out = np.zeros((n_panels, nb, pbb), dtype=np.uint8)
     for g0 in range(0, n_panels, 8):
@@ -363,59 +363,6 @@ def test_panels_pack_in_groups_of_8_each_row_field_by_field(qtype, n):
     if qtype in (qm.Q5_0, qm.Q8_0):  # the heads of row (group 0, block 0): d f16 of rows 0 .. 16 gw - 1
         gw = min(8, blocks.shape[0])  # every case fills its first group's rows
         assert (packed[:32 * gw].reshape(16 * gw, 2) == raw.reshape(n, k // 32, -1)[:16 * gw, 0, :2]).all()
-
-
-def _field_values(words: np.ndarray, bits: int) -> np.ndarray:
-    """matmul.h's words of fields, read back independently: words [..., W] (uint32) of one field group of a row ->
-    its values [..., G]: word i holds weight F i + f at bits bits f (F = 30 // bits), bits 30, 31 of the words in
-    order (bit 2i + t of the stream at bit 30 + t of word i) hold the last weights, bits each."""
-    f, nw = 30 // bits, words.shape[-1]
-    vals = [(words[..., kk // f] >> (bits * (kk % f))) & ((1 << bits) - 1) for kk in range(f * nw)]
-    stream = np.stack([(words[..., i] >> (30 + t)) & 1 for i in range(nw) for t in range(2)], axis=-1)
-    for e in range(2 * nw // bits):
-        vals.append(sum(stream[..., e * bits + t] << t for t in range(bits)))
-    return np.stack(vals, axis=-1)
-
-
-def _gguf_values(qtype: int, block: np.ndarray) -> np.ndarray:
-    """The integer values of one GGUF block's weights (ggml's dequantize_row_*: before offset and scale)."""
-    if qtype == qm.Q6_K:
-        ql, qh = block[:128].astype(np.int64), block[128:192].astype(np.int64)
-        i = np.arange(256)
-        h, c, l = i // 128, (i % 128) // 32, i % 32
-        return ((ql[64 * h + 32 * (c & 1) + l] >> (4 * (c >> 1))) & 15) | (((qh[32 * h + l] >> (2 * c)) & 3) << 4)
-    if qtype == qm.Q5_K:  # d dmin scales[12] qh[32] qs[128]: sub-block s, nibble s % 2 of qs[32 (s / 2) + l]
-        qh, qs = block[16:48].astype(np.int64), block[48:].astype(np.int64)
-        i = np.arange(256)
-        s, l = i // 32, i % 32
-        return ((qs[32 * (s // 2) + l] >> (4 * (s % 2))) & 15) | (((qh[l] >> s) & 1) << 4)
-    head = 2 if qtype == qm.Q5_0 else 4  # Q5_0: d; Q5_1: d m; then qh u32, qs[16]
-    qh = int.from_bytes(block[head:head + 4].tobytes(), "little")
-    qs = block[head + 4:].astype(np.int64)
-    i = np.arange(32)
-    return ((qs[i % 16] >> (4 * (i // 16))) & 15) | (((qh >> i) & 1) << 4)
-
-
-@pytest.mark.parametrize("qtype", [qm.Q5_0, qm.Q5_1, qm.Q5_K, qm.Q6_K], ids=qm.type_name)
-def test_q5_and_q6_k_values_pack_whole_into_words_of_fields(qtype):
-    """matmul.h's layout for the 5- and 6-bit types: after the head, each block of 32 of a panel is words of
-    fields (5 units for 5 bits; two groups of 3 for Q6_K's halves), and every weight's field holds the value the
-    GGUF block gives it (its nibble and high bits joined), read by an independent decoder of the rule."""
-    n, k = 16, kfit(qtype, 256)
-    raw = random_blocks(qtype, n, k, seed=12) if qtype in BLOCK else \
-        make_weight(qtype, n, k, seed=12)[0].data.numpy().reshape(n, -1)
-    packed = qm.PackedWeight(qm.RawWeight.from_bytes(qtype, n, k, raw.reshape(-1))).packed.numpy()
-    blocks = panel_blocks(packed, qtype, n, k)[0]  # [block, bytes]
-    bits, bk = (6 if qtype == qm.Q6_K else 5), max(qm.block_k(qtype), 32)
-    size = raw.shape[1] // (k // bk)
-    for b in range(k // bk):
-        want = np.stack([_gguf_values(qtype, raw[r, b * size:(b + 1) * size]) for r in range(16)])  # [row, weight]
-        units = blocks[b, HEAD_BYTES[qtype]:].reshape(-1, 16, 4)  # [unit, row, byte]
-        words = units.astype(np.uint32) @ (np.uint32(1) << np.arange(0, 32, 8, dtype=np.uint32))  # [unit, row]
-        nw = 3 if bits == 6 else 5
-        groups = words.reshape(-1, nw, 16).transpose(0, 2, 1)  # [group, row, word]
-        got = np.concatenate(list(_field_values(groups, bits)), axis=-1)  # [row, weight]
-        assert np.array_equal(got, want), (b, np.argwhere(got != want)[:4])
 
 
 def test_count_nonfinite_counts_the_mxfp4_blocks_whose_weights_overflow():
