@@ -3,7 +3,7 @@
  * Decode runs 30 layers per token, and calling ten kernels per layer from Python cost more than the layer's
  * own arithmetic apart from the matmuls. This strings the same kernels together (matmul.h, kernels.h), in the
  * same order, so a stage's per-layer overhead is one call. One loop serves every supported family: the
- * description (ringshm.config.ModelConfig) arrives as the shape's act / attn_scale and the weights' optional
+ * description (ringshm.model_config.ModelConfig) arrives as the shape's act / attn_scale and the weights' optional
  * parts (NULL: absent):
  *
  *     h    = rms_norm(x, attn_norm)                                     [T, hidden]
@@ -82,9 +82,9 @@
 #include "kernels.h"
 
 /* CDEF BEGIN */
-/* The MLP's gate (ringshm.config.ACTIVATIONS). */
+/* The MLP's gate (ringshm.model_config.ACTIVATIONS). */
 enum ringshm_act { RINGSHM_ACT_SILU = 0, RINGSHM_ACT_GELU_TANH = 1, RINGSHM_ACT_SWIGLU_OAI = 2 };
-/* How a routed MoE weighs its top-k experts (ringshm.config.EXPERT_GATINGS). */
+/* How a routed MoE weighs its top-k experts (ringshm.model_config.EXPERT_GATINGS). */
 enum ringshm_gating { RINGSHM_GATE_SOFTMAX = 0, RINGSHM_GATE_SOFTMAX_NORM = 1, RINGSHM_GATE_TOPK_SOFTMAX = 2 };
 #define RINGSHM_MAX_EXPERTS 1024
 #define RINGSHM_MAX_EXPERTS_USED 64

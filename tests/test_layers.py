@@ -2,7 +2,7 @@
 
     faces (ringshm/: __init__, __main__, cli, demo)
       → server → engine → runtime → model → transport
-        → base (ringshm/: errors, config, generation_params, version, the C extension _C)
+        → base (ringshm/: errors, config, model_config, generation_params, version, the C extension _C)
 
 A module may import its own folder and the folders below it, never one above or beside it (model may import
 transport: the op table a stage answers; transport may not import model). Every import in every module is
@@ -19,7 +19,8 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "ringshm"
 FACES = {"ringshm", "ringshm.__main__", "ringshm.cli", "ringshm.demo"}
-BASE = {"ringshm.errors", "ringshm.config", "ringshm.generation_params", "ringshm.version", "ringshm._C"}
+BASE = {"ringshm.errors", "ringshm.config", "ringshm.model_config", "ringshm.generation_params", "ringshm.version",
+        "ringshm._C"}
 RANK = {"transport": 1, "model": 2, "runtime": 3, "engine": 4, "server": 5}  # base 0, faces 6
 
 

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import numpy as np
 
-from ringshm.config import ModelConfig
 from ringshm.errors import InvalidCheckpoint, MissingTensor, RingshmError, UnsupportedArchitecture
 from ringshm.model import families, families_gguf, families_hf
 from ringshm.model.gguf_index import GGUFIndex
@@ -52,6 +51,7 @@ from ringshm.model.metadata_rules import (
     bad_value,
     int_in,
 )
+from ringshm.model_config import ModelConfig
 
 FLOATS = ("F32", "F16", "BF16")  # the types a norm, bias or (HF) weight may have
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ringshm.config import ModelConfig
 from ringshm.model import families
 from ringshm.model.qmatmul import MXFP4, RawWeight
 from ringshm.model.sources import Source
+from ringshm.model_config import ModelConfig
 
 # gpt-oss's interleaved gate / up rows (or columns): gate 0, up 0, gate 1, ...
 _INTERLEAVED = {"w_exp_gate": slice(0, None, 2), "w_exp_up": slice(1, None, 2)}

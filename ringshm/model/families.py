@@ -1,5 +1,5 @@
 """The supported families, as descriptions: what each one's checkpoint calls its tensors and settings, and the
-``ModelConfig`` (``ringshm.config``) they mean. One layer loop (``ringshm.model.stage_model``, csrc/layer.c)
+``ModelConfig`` (``ringshm.model_config``) they mean. One layer loop (``ringshm.model.stage_model``, csrc/layer.c)
 reads the description; nothing here computes.
 
     family   HF model_type   GGUF arch   differs from Llama by
@@ -53,8 +53,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ringshm.config import ModelConfig
 from ringshm.errors import UnsupportedArchitecture
+from ringshm.model_config import ModelConfig
 
 _refuse = UnsupportedArchitecture.setting  # "<where>: <field> = <value> is not supported (<why>)"
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ringshm.config import ModelConfig
 from ringshm.errors import InvalidCheckpoint, UnsupportedArchitecture
 from ringshm.model.families import MOE_FAMILIES, SUPPORTED_MOE, UNSUPPORTED_MOE, _f32, _refuse, unsupported_family
 from ringshm.model.rope_settings import YARN_GGUF_KEYS, gguf_rope
+from ringshm.model_config import ModelConfig
 
 HARMLESS_GGUF_KEYS = frozenset({
     "context_length", "embedding_length", "block_count", "feed_forward_length", "attention.head_count",

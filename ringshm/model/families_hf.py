@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 
-from ringshm.config import ModelConfig
 from ringshm.errors import InvalidCheckpoint, UnsupportedArchitecture
 from ringshm.model.families import (HARMLESS_HF_FIELDS, HF_TYPES, MOE_FAMILIES, UNSUPPORTED_MOE, _f32, _refuse,
                                     unsupported_family)
 from ringshm.model.rope_settings import hf_rope
+from ringshm.model_config import ModelConfig
 
 
 # What transformers' config classes take for a field a config.json leaves out, where it differs from the default

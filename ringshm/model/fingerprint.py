@@ -17,7 +17,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from ringshm.config import ModelConfig
+from ringshm.model_config import ModelConfig
 
 SAMPLE_BYTES = 4096
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from ringshm._C import ffi, lib
-from ringshm.config import ModelConfig
 from ringshm.model.attention import KVPool
 from ringshm.model.loader import LayerWeights
 from ringshm.model.qmatmul import PackedExperts, PackedWeight, RawWeight, concat_rows
+from ringshm.model_config import ModelConfig
 
 
 class Layer:

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from ringshm.config import ModelConfig
 from ringshm.errors import LayerRangeError
 from ringshm.model import families
 from ringshm.model.checkpoint_check import check_checkpoint
 from ringshm.model.expert_readers import ExpertReader
 from ringshm.model.qmatmul import RawWeight, count_nonfinite
 from ringshm.model.sources import GGUFSource, HFSource, Source
+from ringshm.model_config import ModelConfig
 
 log = logging.getLogger("ringshm.model.loader")
 

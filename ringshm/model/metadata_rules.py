@@ -16,9 +16,9 @@ import re
 import reprlib
 from collections.abc import Callable
 
-from ringshm.config import MAX_EXPERTS, MAX_EXPERTS_USED, ROPE_SCALINGS
 from ringshm.errors import InvalidCheckpoint
 from ringshm.model.gguf_index import MAX_ARRAY_LEN
+from ringshm.model_config import MAX_EXPERTS, MAX_EXPERTS_USED, ROPE_SCALINGS
 
 # Bounds on what a model may declare (each far above any released model; the README lists them).
 MAX_CONTEXT = 1 << 24  # positions (Llama 4 Scout: 10M)

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from ringshm.config import ModelConfig
+from ringshm.model_config import ModelConfig
 
 
 def default_inv_freq(head_dim: int, theta: float) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""What a checkpoint says about RoPE, read into ``RopeScaling`` (``ringshm.config``): transformers' RoPE dicts
+"""What a checkpoint says about RoPE, read into ``RopeScaling`` (``ringshm.model_config``): transformers' RoPE dicts
 (``rope_scaling`` / ``rope_parameters``, per layer type for Gemma 3) and a GGUF's ``<arch>.rope.*`` keys and
 ``rope_freqs.weight``. ``ringshm.model.rope`` turns the result into inverse frequencies; ``families`` calls these
 while it reads the rest of a config. A scaling ringshm does not compute is refused by name, never ignored.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from ringshm.config import ROPE_SCALINGS, RopeScaling
 from ringshm.errors import UnsupportedArchitecture
+from ringshm.model_config import ROPE_SCALINGS, RopeScaling
 
 _refuse = UnsupportedArchitecture.setting  # "<where>: <field> = <value> is not supported (<why>)"
 

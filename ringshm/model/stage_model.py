@@ -32,7 +32,7 @@ Layer math (Llama; Qwen2 adds q/k/v biases), per layer on the residual stream ``
     x += Wo · attention(rope(Wq · norm(x)), kv_append(rope(Wk · norm(x)), Wv · norm(x)))
     x += Wdown · (silu(Wgate · norm(x)) * (Wup · norm(x)))
 Q, K and V are one fused matmul (``wqkv``), gate and up another (``w_gate_up``): fewer, larger GEMMs. A routed MoE
-layer (``ModelConfig.moe``) replaces the last line with its router and experts (``ringshm.config.ModelConfig``'s
+layer (``ModelConfig.moe``) replaces the last line with its router and experts (``ringshm.model_config.ModelConfig``'s
 formula; csrc/layer.h for the order of every sum, which keeps each token's bits independent of its batch-mates).
 """
 
@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from ringshm._C import ffi, lib
-from ringshm.config import DEFAULT_BLOCK_SIZE, MATMUL_ACTIVATIONS, ModelConfig
+from ringshm.config import DEFAULT_BLOCK_SIZE, MATMUL_ACTIVATIONS
 from ringshm.errors import KVRangeError, check_status
 from ringshm.model import kernels
 from ringshm.model.attention import (
@@ -64,6 +64,7 @@ from ringshm.model.loader import Checkpoint, StageWeights, check_layer_range
 from ringshm.model.qmatmul import BEST_ISA, PackedWeight, embed_rows
 from ringshm.model.rope import rope_inv_freq, rope_scale
 from ringshm.model.stage_torch import TorchPath
+from ringshm.model_config import ModelConfig
 from ringshm.transport.messages import (
     MAX_TOP_LOGPROBS,
     WANT_ALL,

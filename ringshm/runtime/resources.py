@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ringshm.config import EngineConfig, ModelConfig
+from ringshm.config import EngineConfig
 from ringshm.errors import ResourceShortage
 from ringshm.generation_params import MAX_TOP_LOGPROBS
+from ringshm.model_config import ModelConfig
 from ringshm.transport.segment import SHM_DIR, shm_free_bytes
 
 RECORD_OVERHEAD = 4096  # a record's header, row table, tensor descriptors and alignment, rounded up
