@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -301,8 +302,10 @@ class Expect:
 
 def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
                      merged_gate_up_exps: bool = False, split_experts: bool = False,
-                     hf_mxfp4: bool = False) -> dict[str, Expect]:
-    """Every tensor the family description of ``cfg`` reads, by its GGUF (``gguf``) or HF name, with its shape.
+                     hf_mxfp4: bool = False) -> Iterator[tuple[str, Expect]]:
+    """Every tensor the family description of ``cfg`` reads, by its GGUF (``gguf``) or HF name, with its shape, one
+    ``(name, Expect)`` at a time, each name once: a caller that stops at the first name a checkpoint lacks does work
+    bounded by the checkpoint's own tensor count, whatever layer and expert counts its metadata claims.
 
     Layer ``i``'s fields are ``families.TENSOR_NAMES[cfg.arch]`` that ``families.wanted`` keeps; fused Phi-3
     tensors are ``[q + 2 kv, hidden]`` and ``[2 I, hidden]``; the LM head only when not tied; GGUF's
@@ -333,7 +336,6 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
         "b_exp_up": (n_e, ie), "b_exp_down": (n_e, h),
     }
     side = 0 if gguf else 1
-    out = {}
     for i in range(cfg.n_layers):
         prefix = f"blk.{i}." if gguf else f"model.layers.{i}."
         for field, pair in names.layer.items():
@@ -347,41 +349,41 @@ def expected_tensors(cfg: ModelConfig, gguf: bool, rope_freqs: bool = False,
                 what = f"layer {i} " + (field.replace("_gate", "_gate_up") if field.endswith("_gate") else field)
                 if field in ("w_exp_gate", "w_exp_down") and hf_mxfp4:  # [E, rows, cols / 32, 16] and [.., cols / 32]
                     rows, cols = (2 * ie, h) if field == "w_exp_gate" else (h, ie)
-                    out[prefix + pair[1] + "_blocks"] = Expect((n_e, rows, cols // 32, 16), True, what + " blocks",
-                                                               ("U8",))
-                    out[prefix + pair[1] + "_scales"] = Expect((n_e, rows, cols // 32), True, what + " scales",
-                                                               ("U8",))
+                    yield prefix + pair[1] + "_blocks", Expect((n_e, rows, cols // 32, 16), True, what + " blocks",
+                                                                ("U8",))
+                    yield prefix + pair[1] + "_scales", Expect((n_e, rows, cols // 32), True, what + " scales",
+                                                                ("U8",))
                 elif field in fused:
-                    out[prefix + pair[1]] = Expect(fused[field], field.startswith("w"), what)
+                    yield prefix + pair[1], Expect(fused[field], field.startswith("w"), what)
             elif field in families.EXPERT_FIELDS and not gguf and names.hf_fused_experts:  # 3-D, gate | up in one
                 if field != "w_exp_up":
-                    out[prefix + pair[1]] = Expect((n_e, 2 * ie, h) if field == "w_exp_gate" else shapes[field], True,
-                                                   f"layer {i} {'w_exp_gate_up' if field == 'w_exp_gate' else field}")
+                    shape = (n_e, 2 * ie, h) if field == "w_exp_gate" else shapes[field]
+                    yield prefix + pair[1], Expect(shape, True, f"layer {i} "
+                                                   f"{'w_exp_gate_up' if field == 'w_exp_gate' else field}")
             elif field in families.EXPERT_FIELDS and (not gguf or split_experts):  # one [rows, cols] per expert
                 name = pair[1] if not gguf else families.GGUF_SPLIT_EXPERTS[field]
-                out.update({prefix + name.format(e=e): Expect(shapes[field][1:], True, f"{what} expert {e}")
-                            for e in range(n_e)})
+                for e in range(n_e):
+                    yield prefix + name.format(e=e), Expect(shapes[field][1:], True, f"{what} expert {e}")
             elif field in ("w_shexp_gate", "w_shexp_up") and not gguf and names.hf_fused_shexp:  # [gate | up]
                 if field == "w_shexp_gate":
-                    out[prefix + pair[1]] = Expect((2 * si, h), True, f"layer {i} w_shexp_gate_up")
+                    yield prefix + pair[1], Expect((2 * si, h), True, f"layer {i} w_shexp_gate_up")
             elif field in ("w_exp_gate", "w_exp_up") and merged_gate_up_exps:
                 if field == "w_exp_gate":
-                    out[prefix + families.GGUF_MERGED_GATE_UP_EXPS] = Expect((n_e, 2 * ie, h), True,
-                                                                              f"layer {i} w_exp_gate_up")
+                    yield prefix + families.GGUF_MERGED_GATE_UP_EXPS, Expect((n_e, 2 * ie, h), True,
+                                                                             f"layer {i} w_exp_gate_up")
             elif field in ("b_exp_gate", "b_exp_up") and merged_gate_up_exps:
                 if field == "b_exp_gate":
-                    out[prefix + families.GGUF_MERGED_GATE_UP_EXPS_BIAS] = Expect((n_e, 2 * ie), False,
-                                                                                   f"layer {i} b_exp_gate_up")
+                    yield prefix + families.GGUF_MERGED_GATE_UP_EXPS_BIAS, Expect((n_e, 2 * ie), False,
+                                                                                  f"layer {i} b_exp_gate_up")
             else:
-                out[prefix + pair[side]] = Expect(shapes[field], field.startswith("w"), what)
+                yield prefix + pair[side], Expect(shapes[field], field.startswith("w"), what)
     roles = {role: pair[side] for role, pair in families.GLOBAL_TENSORS.items()}
-    out[roles["embed"]] = Expect((cfg.vocab, h), True, "token embedding")
-    out[roles["norm"]] = Expect((h,), False, "final norm")
+    yield roles["embed"], Expect((cfg.vocab, h), True, "token embedding")
+    yield roles["norm"], Expect((h,), False, "final norm")
     if not cfg.tie_embeddings:
-        out[roles["lm_head"]] = Expect((cfg.vocab, h), True, "LM head")
+        yield roles["lm_head"], Expect((cfg.vocab, h), True, "LM head")
     if rope_freqs:
-        out["rope_freqs.weight"] = Expect((d // 2,), False, "Llama 3 RoPE frequency factors")
-    return out
+        yield "rope_freqs.weight", Expect((d // 2,), False, "Llama 3 RoPE frequency factors")
 
 
 def _check_layer_count(where: str, label: str, n_layers: int, tensors, prefix: str) -> None:
@@ -418,11 +420,12 @@ def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tu
     """Every tensor of ``found`` (name -> (type name, torch-order shape)) against ``expected_tensors``."""
     merged = gguf and cfg.moe and f"blk.0.{families.GGUF_MERGED_GATE_UP_EXPS}" in found
     split = gguf and cfg.arch == "mixtral" and "blk.0." + families.GGUF_SPLIT_EXPERTS["w_exp_gate"].format(e=0) in found
-    want = expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found, merged_gate_up_exps=merged,
-                            split_experts=split, hf_mxfp4=hf_mxfp4)
-    for name, e in want.items():
-        if name not in found:
+    want: dict[str, Expect] = {}
+    for name, e in expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found,
+                                    merged_gate_up_exps=merged, split_experts=split, hf_mxfp4=hf_mxfp4):
+        if name not in found:  # first: a hostile layer x expert count costs at most the file's tensor count
             raise MissingTensor(f"{where}: tensor {name!r} ({e.what}) not found")
+        want[name] = e
         tname, shape = found[name]
         if shape != e.shape and not (name.endswith(ONE_ROW_VECTORS) and shape == (1, *e.shape)):
             raise InvalidCheckpoint(f"{where}: tensor {name!r} ({e.what}) has shape {list(shape)}: expected "
