@@ -293,6 +293,38 @@ def test_a_type_the_matmul_does_not_read_is_dequantized_counted_at_fp32_and_said
     assert greedy_generate(stages, torch.tensor(prompt), 4).numel() == 4
 
 
+def test_a_gate_and_up_of_two_types_are_counted_at_fp32_as_the_one_matmul_holds_them(zoo, tmp_path):
+    """A layer's gate and up run as one matmul (concat_rows): of two types, both are held in F32, and the memory
+    check must count that (a Q4_K gate beside a Q8_0 up was counted at its stored ~5 bits a weight)."""
+    import gguf
+    import numpy as np
+
+    from ringshm.model.qmatmul import PackedWeight
+    from zoo_convert import write_gguf
+    from zoo_quant import recipe_file_type
+
+    model = zoo("llama", "q4_k_m")
+    reader = gguf.GGUFReader(str(model.gguf_path))
+    tensors = []
+    for t in reader.tensors:
+        raw, qtype = np.array(t.data), gguf.GGMLQuantizationType(t.tensor_type)
+        if t.name.endswith("ffn_up.weight"):
+            assert qtype != gguf.GGMLQuantizationType.Q8_0
+            raw, qtype = gguf.quants.quantize(gguf.quants.dequantize(raw, qtype), gguf.GGMLQuantizationType.Q8_0), \
+                gguf.GGMLQuantizationType.Q8_0
+        tensors.append((t.name, raw, qtype))
+    path = tmp_path / "mixed.gguf"
+    write_gguf(path, "llama", model.config, recipe_file_type("q4_k_m"), "mixed gate / up", tensors)
+    ckpt = Checkpoint.open(path)
+    n = ckpt.config.n_layers
+    counted, expanded = ckpt.stage_bytes((0, n), True, True)
+    assert {f"blk.{i}.ffn_{r}.weight" for i in range(n) for r in ("gate", "up")} <= set(expanded)
+    stage = StageModel.from_path(path, max_rows=1, max_seq_len=64, checkpoint=ckpt)
+    held = sum(w.nbytes for layer in stage.layers for w in vars(layer).values() if isinstance(w, PackedWeight))
+    assert all(layer.w_gate_up.qtype == 0 for layer in stage.layers)  # F32: what the count must cover
+    assert counted >= held, f"the memory check counts {counted} bytes, the layers hold {held}"
+
+
 def test_a_field_a_config_leaves_out_means_what_transformers_config_class_takes():
     """Each family's config class has its own defaults (rms_norm_eps 1e-5 for Phi-3, OLMoE, Mixtral and gpt-oss,
     Mixtral's RoPE base 1e6, gpt-oss's YaRN and window, Mistral's window, Gemma 3's activation): a config.json that

@@ -172,7 +172,8 @@ class Checkpoint:
         ``native``: the stage runs the C matmul (CPU, fp32 activations), which reads a weight in its encoding
         when it can (``native_ok``): such a tensor counts its stored bytes (packed panels; the embedding is read
         through the file's map). Every other weight counts ``width`` bytes per parameter: 4 for a type the
-        matmul does not read (dequantized to fp32 at load), the dtype's width on a torch path. Counts what
+        matmul does not read (dequantized to fp32 at load), the dtype's width on a torch path; a layer's gate and
+        up (or its shared expert's) of two different types count 4 each, as one matmul holds them in F32. Counts what
         ``load_stage`` reads: the stage's layers, the embedding when first (or tied and last), the final norm
         and the LM head when last.
 
@@ -188,10 +189,21 @@ class Checkpoint:
             names.append(roles["embed"])
         if is_last:
             names += [roles["norm"]] + ([] if cfg.tie_embeddings else [roles["lm_head"]])
+        # gate and up run as one matmul (layer.py's concat_rows): of two types, both are held in F32
+        layer_names = families.TENSOR_NAMES[cfg.arch].layer
+        widened = set()
+        for i in r if native else ():
+            prefix = f"blk.{i}." if self.gguf else f"model.layers.{i}."
+            for gate, up in (("w_gate", "w_up"), ("w_shexp_gate", "w_shexp_up")):
+                pair = [prefix + layer_names[f][side] for f in (gate, up) if f in layer_names]
+                if (len(pair) == 2 and pair[0] != pair[1] and all(self.source.has(n) for n in pair)
+                        and self.source.type_name(pair[0]) != self.source.type_name(pair[1])):
+                    widened.update(pair)
         total, expanded = 0, []
         for name in names:
             if self.source.has(name):
-                n, grown = self.source.held_bytes(name, native, width)
+                n, grown = self.source.held_bytes(name, native and name not in widened, 4.0 if name in widened
+                                                  else width)
                 total += n
                 if grown:
                     expanded.append(name)
@@ -273,13 +285,15 @@ class Checkpoint:
 
     def _say_expanded(self, r: range, is_first: bool, is_last: bool) -> None:
         """One line on stderr naming the weights of this stage that the matmul does not read in their encoding
-        (GGUF Q2_K / Q3_K / IQ*), which are dequantized to fp32 at load, and the memory that costs."""
+        (GGUF Q2_K / Q3_K / IQ*, or a gate and up of two types), which are dequantized to fp32 at load, and the
+        memory that costs."""
         held, expanded = self.stage_bytes(r, is_first, is_last)
         if not expanded:
             return
-        grown = sum(self.source.held_bytes(n, True, 4.0)[0] for n in expanded)
+        grown = sum(self.source.held_bytes(n, False, 4.0)[0] for n in expanded)
         types = sorted({self.source.type_name(n) for n in expanded})
-        log.warning("layers %d-%d: %d weight tensors of type %s are not read in their encoding by the matmul and are "
+        log.warning("layers %d-%d: %d weight tensors of type %s are not read in their encoding by the matmul (a type "
+                    "it does not read, or a gate and up of two types, which one matmul cannot hold) and are "
                     "dequantized to fp32 at load (%.0f MiB, %.1fx their file size): %s", r.start, r.stop - 1,
                     len(expanded), "/".join(types), grown / 2**20,
                     grown / max(1, sum(self.source.stored_bytes(n) for n in expanded)),
