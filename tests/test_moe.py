@@ -234,6 +234,20 @@ def test_a_shared_expert_checkpoint_that_lies_is_refused_naming_what(zoo, tmp_pa
         Checkpoint.open(tmp_path / "mixed.gguf")
 
 
+def test_a_mixture_of_experts_runs_native_whatever_its_unused_dense_ffn_width(zoo):
+    """A MoE has no dense FFN: an odd ``feed_forward_length`` some files carry must not send it to the torch path
+    (fp32 dense weights, no batch invariance, int8 refused), while a dense model of that width does go there."""
+    from dataclasses import replace
+
+    from ringshm.model.stage_model import runs_native
+
+    moe = Checkpoint.open(zoo("qwen3moe").gguf_path).config
+    dense = Checkpoint.open(zoo("qwen3").gguf_path).config
+    assert runs_native(replace(moe, intermediate=7), "cpu", torch.float32)
+    assert runs_native(dense, "cpu", torch.float32) and not runs_native(replace(dense, intermediate=7), "cpu",
+                                                                         torch.float32)
+
+
 def test_the_memory_check_counts_a_shared_expert_of_odd_width_as_the_dense_weights_the_torch_path_holds(zoo):
     from ringshm.config import EngineConfig
     from ringshm.errors import ResourceShortage

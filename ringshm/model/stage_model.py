@@ -114,9 +114,11 @@ def check_int8_runs_native(config: ModelConfig, activations: str) -> None:
 
 def runs_native(config: ModelConfig, device: str, dtype: torch.dtype) -> bool:
     """Whether a stage of ``config`` on ``device`` in ``dtype`` runs the C path (module docstring): fp32 on the CPU,
-    and dims the kernels take as whole 16-float vectors; else the torch path, its weights dense in ``dtype``."""
+    and dims the kernels take as whole 16-float vectors; else the torch path, its weights dense in ``dtype``. A
+    mixture of experts has no dense FFN: its ``intermediate`` (a key some files carry anyway) is not a dim."""
     return (device == "cpu" and dtype == torch.float32 and config.hidden % 16 == 0
-            and config.intermediate % 8 == 0 and config.head_dim % 16 == 0 and config.head_dim <= MAX_HEAD_DIM
+            and (config.moe or config.intermediate % 8 == 0) and config.head_dim % 16 == 0
+            and config.head_dim <= MAX_HEAD_DIM
             and config.expert_intermediate % 16 == 0 and config.shared_expert_intermediate % 16 == 0)
 
 
