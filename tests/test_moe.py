@@ -248,6 +248,20 @@ def test_a_mixture_of_experts_runs_native_whatever_its_unused_dense_ffn_width(zo
                                                                          torch.float32)
 
 
+def test_the_memory_check_covers_a_layer_of_experts_dequantized_at_load_twice(zoo):
+    """Q3_K experts are dequantized to fp32 at load and a layer is packed at once: while it packs, all of that
+    layer's expanded experts exist twice (a hostile review saw 4 layers of 64 Q2_K experts peak at 1.26 x a count
+    that added only the largest tensor once), plus the dequantizer's ~3 x of one tensor."""
+    from ringshm.runtime.resources import load_transient_bytes
+
+    ckpt = Checkpoint.open(zoo("qwen3moe", "q3_k").gguf_path)
+    _, grown = ckpt.stage_bytes((0, ckpt.config.n_layers), True, True)
+    layer0 = [n for n in grown if n.startswith("blk.0.ffn_") and "_exps" in n]
+    assert len(layer0) == 3, grown
+    fp32 = [ckpt.source.held_bytes(n, True, 4.0)[0] for n in layer0]
+    assert load_transient_bytes(ckpt, grown, True, 4.0) >= sum(fp32) + 2 * max(fp32)
+
+
 def test_the_memory_check_counts_a_shared_expert_of_odd_width_as_the_dense_weights_the_torch_path_holds(zoo):
     from ringshm.config import EngineConfig
     from ringshm.errors import ResourceShortage

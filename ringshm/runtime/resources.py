@@ -5,6 +5,7 @@ refusal is a ``ResourceShortage`` with the numbers and what to change.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ringshm.config import EngineConfig
@@ -101,14 +102,31 @@ def available_memory_bytes() -> int:
     return avail
 
 
+def load_transient_bytes(ckpt, grown: list[str], native: bool, width: float) -> int:
+    """Bytes a stage holds only while it loads, beyond the count of its weights, when ``grown`` tensors are
+    dequantized at load: a layer is packed at once (its expanded tensors exist twice until the layer's read copies
+    are dropped: the largest layer's share), and ``gguf.quants`` holds about 3 x one tensor's fp32 output while it
+    dequantizes it (2 x the largest more). Measured by a hostile review: 4 layers of 64 Q2_K experts counted at the
+    largest tensor once peaked at 1.26 x the count."""
+    by_layer: dict[str, int] = {}
+    largest = 0
+    for name in grown:
+        n = ckpt.source.held_bytes(name, native, width)[0]
+        layer = re.match(r"(blk|model\.layers)\.\d+\.", name)
+        key = layer.group(0) if layer else name
+        by_layer[key] = by_layer.get(key, 0) + n
+        largest = max(largest, n)
+    return max(by_layer.values()) + 2 * largest
+
+
 def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], max_seq_len: int,
                  model_path: str | Path, available_bytes: int | None = None, local: range | None = None) -> None:
     """Refuse, before any stage starts, weights + KV caches that do not fit the available memory.
 
     Weights are counted per stage from the checkpoint's own tensor table (``Checkpoint.stage_bytes``): on CPU
     fp32 stages a tensor the matmul reads in its encoding counts its stored bytes, and one that is dequantized
-    at load counts 4 bytes per weight, plus the largest such tensor once more (its fp32 copy exists twice while
-    it is packed); and each such stage holds the C layers' scratch for an op of ``cfg.max_op_tokens`` tokens
+    at load counts 4 bytes per weight, plus what exists only while it loads (``load_transient_bytes``); and each
+    such stage holds the C layers' scratch for an op of ``cfg.max_op_tokens`` tokens
     (``layer_scratch_bytes``, reserved at start). With ``device="cuda"`` the KV cache and weights live on the GPU
     and only the per-process base is checked here. ``local``: the stages this host runs (a node of a multi-host
     engine); None = all.
@@ -135,7 +153,7 @@ def check_memory(cfg: EngineConfig, mc: ModelConfig, layer_ranges: list[range], 
         first, last = i == 0, i == len(layer_ranges) - 1
         held, grown = ckpt.stage_bytes(layer_ranges[i], first, last, native, width)
         if grown:
-            held += max(ckpt.source.held_bytes(n, native, width)[0] for n in grown)  # the packing's second copy
+            held += load_transient_bytes(ckpt, grown, native, width)
         expanded += grown
         if native:
             scratch = layer_scratch_bytes(mc, cfg.max_op_tokens, cfg.matmul_activations)
