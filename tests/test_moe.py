@@ -234,6 +234,39 @@ def test_a_shared_expert_checkpoint_that_lies_is_refused_naming_what(zoo, tmp_pa
         Checkpoint.open(tmp_path / "mixed.gguf")
 
 
+def _copy_gguf(src, dst, drop_key: str | None = None, extra: tuple = ()) -> None:
+    """``src`` rewritten to ``dst`` without metadata key ``drop_key``, with tensors ``extra`` (name, array) added."""
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for f in reader.fields.values():
+        if f.name.startswith("GGUF.") or f.name in ("general.architecture", drop_key):
+            continue
+        vt = f.types[0]
+        w.add_key_value(f.name, f.contents(), vt, sub_type=f.types[1] if vt == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    for name, a in extra:
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_a_missing_expert_key_and_a_tensor_a_family_lacks_are_refused_naming_them(zoo, tmp_path):
+    from ringshm.errors import InvalidCheckpoint
+
+    src = zoo("qwen3moe").gguf_path
+    _copy_gguf(src, tmp_path / "no_count.gguf", drop_key="qwen3moe.expert_count")
+    with pytest.raises(InvalidCheckpoint, match=r"'qwen3moe\.expert_count' is missing"):
+        Checkpoint.open(tmp_path / "no_count.gguf")
+    n_e = Checkpoint.open(src).config.n_experts
+    _copy_gguf(src, tmp_path / "bias.gguf", extra=(("blk.0.exp_probs_b.bias", np.zeros(n_e, np.float32)),))
+    with pytest.raises(UnsupportedArchitecture, match=r"'blk\.0\.exp_probs_b\.bias'"):
+        Checkpoint.open(tmp_path / "bias.gguf")
+
+
 def test_a_mixture_of_experts_runs_native_whatever_its_unused_dense_ffn_width(zoo):
     """A MoE has no dense FFN: an odd ``feed_forward_length`` some files carry must not send it to the torch path
     (fp32 dense weights, no batch invariance, int8 refused), while a dense model of that width does go there."""

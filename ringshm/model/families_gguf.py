@@ -50,7 +50,7 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
     def need(key: str):
         value = meta.get(f"{arch}.{key}")
         if value is None:
-            raise UnsupportedArchitecture(f"{where}: GGUF metadata key '{arch}.{key}' is missing")
+            raise InvalidCheckpoint(f"{where}: GGUF metadata key '{arch}.{key}' is missing: a {arch} file must say it")
         return value
 
     n_heads = int(need("attention.head_count"))
@@ -164,9 +164,11 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
                 *(() if shared else ("expert_shared_feed_forward_length",))):
         if f"{arch}.{key}" in meta:
             raise _refuse(where, f"{arch}.{key}", meta[f"{arch}.{key}"], f"llama.cpp's {arch} does not read it")
-    if any(".exp_probs_b." in n or not shared and (".ffn_gate_shexp." in n or ".ffn_up_shexp." in n)
-           for n in tensor_names):
-        raise _refuse(where, "shared expert / expert bias tensors", "present", f"a {arch} file has none")
+    odd = next((n for n in tensor_names if ".exp_probs_b." in n
+                or not shared and (".ffn_gate_shexp." in n or ".ffn_up_shexp." in n)), None)
+    if odd is not None:
+        raise _refuse(where, f"tensor {odd!r} (a shared expert or an expert bias)", "present",
+                      f"a {arch} file has none")
     if need("expert_used_count") > need("expert_count"):
         raise InvalidCheckpoint(f"{where}: GGUF metadata {arch}.expert_used_count = {need('expert_used_count')} is "
                                 f"more than {arch}.expert_count = {need('expert_count')}")
