@@ -472,6 +472,10 @@ GGUF_CASES: dict[str, Case] = {
     # 1024 layers x 1024 experts a tensor each (Mixtral's old layout) claimed by a file of a few tensors: 3 M names
     # the check must not build before it finds the first one missing
     "experts_claimed_by_the_million": Case(_g(_claim_experts), MissingTensor, ("blk.0.ffn_gate_inp.weight",)),
+    # a dense Llama with a stray expert count reads as a Mixtral: the refusal says which key did that
+    "stray_expert_count": Case(_g(lambda f: (_set("llama.expert_count", VT.UINT32, 4)(f),
+                                             _set("llama.expert_used_count", VT.UINT32, 2)(f))), MissingTensor,
+                               ("blk.0.ffn_gate_inp.weight", "llama.expert_count = 4", "Mixtral")),
 }
 
 

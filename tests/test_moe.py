@@ -184,13 +184,20 @@ def test_a_gguf_with_one_tensor_per_expert_gives_the_3d_files_bits(zoo, tmp_path
 
 
 def test_a_per_expert_gguf_missing_one_expert_is_refused_naming_it(zoo, tmp_path):
-    from ringshm.errors import MissingTensor
+    from ringshm.errors import InvalidCheckpoint, MissingTensor
 
     model = zoo("mixtral")
     path = tmp_path / "split.gguf"
     tensors = [t for t in _per_expert_tensors(model) if t[0] != "blk.2.ffn_up.9.weight"]
     write_gguf(path, "llama", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "split", tensors)
     with pytest.raises(MissingTensor, match=r"blk\.2\.ffn_up\.9\.weight"):
+        Checkpoint.open(path)
+    # one expert more than the metadata counts: said as that, not as a tensor nothing reads
+    n_e = model.config.num_local_experts
+    extra = next((f"blk.2.ffn_up.{n_e}.weight", raw, t) for n, raw, t in tensors if n == "blk.2.ffn_up.0.weight")
+    write_gguf(path, "llama", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "split",
+               _per_expert_tensors(model) + [extra])
+    with pytest.raises(InvalidCheckpoint, match=rf"blk\.2\.ffn_up\.{n_e}\.weight.*past the config's {n_e} experts"):
         Checkpoint.open(path)
 
 

@@ -424,7 +424,9 @@ def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tu
     for name, e in expected_tensors(cfg, gguf, rope_freqs=gguf and "rope_freqs.weight" in found,
                                     merged_gate_up_exps=merged, split_experts=split, hf_mxfp4=hf_mxfp4):
         if name not in found:  # first: a hostile layer x expert count costs at most the file's tensor count
-            raise MissingTensor(f"{where}: tensor {name!r} ({e.what}) not found")
+            why = (f" (the file's llama.expert_count = {cfg.n_experts} makes it a Mixtral, whose every layer routes "
+                   f"experts)" if gguf and cfg.arch == "mixtral" and e.what.endswith("w_router") else "")
+            raise MissingTensor(f"{where}: tensor {name!r} ({e.what}) not found{why}")
         want[name] = e
         tname, shape = found[name]
         if shape != e.shape and not (name.endswith(ONE_ROW_VECTORS) and shape == (1, *e.shape)):
@@ -451,6 +453,11 @@ def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tu
         if beyond:
             raise InvalidCheckpoint(f"{where}: tensor {beyond[0]!r} belongs to a layer past the config's "
                                     f"{cfg.n_layers} layers")
+        expert_of = re.compile(r"\.(?:experts|ffn_gate|ffn_up|ffn_down)\.(\d+)\.")
+        past = [n for n in extra if cfg.moe and (m := expert_of.search(n)) and int(m.group(1)) >= cfg.n_experts]
+        if past:
+            raise InvalidCheckpoint(f"{where}: tensor {past[0]!r} is an expert past the config's {cfg.n_experts} "
+                                    f"experts (they are numbered from 0)")
         raise UnsupportedArchitecture(f"{where}: tensor(s) {', '.join(extra[:6])}{', ...' if len(extra) > 6 else ''} "
                                       f"are not read by the {cfg.arch} description (its config does not say what "
                                       f"they do): refusing rather than ignoring them")
