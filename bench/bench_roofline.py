@@ -4,9 +4,8 @@ Two bounds, measured in the same run, with 1 thread and with a thread per core:
 
 - **bandwidth**: the bytes per second a stage can stream from memory: ``qmatmul.read_probe`` (each thread reads
   its part of the buffer as 4 streams into 8 independent 16-lane add chains, the ISA path in use) over a fp32
-  buffer the size of a case's ring of weight copies (``bench_matmul.RING_BYTES``: 4 x the last-level cache), in
-  the memory packed weights live in (``ringshm.model.weight_memory``: transparent huge pages), the best of rounds
-  (``torch.sum`` read 8 GB/s on one Xeon core where a Q8_0 matmul streamed 10);
+  buffer the size of a case's ring of weight copies (``bench_matmul.RING_BYTES``: 4 x the last-level cache), the
+  best of rounds (``torch.sum`` read 8 GB/s on one Xeon core where a Q8_0 matmul streamed 10);
 - **peak**: the fp32 FMA flop/s of the ISA path in use (``qmatmul.fma_probe``: independent 16-lane fma chains on
   every thread, csrc/matmul.h), the best of rounds.
 
@@ -35,7 +34,6 @@ import torch
 from bench_matmul import RING_BYTES, Ring, type_weight
 from conftest import cpu_label
 from ringshm.model import qmatmul as qm
-from ringshm.model.weight_memory import weight_buffer
 
 STREAM_BYTES = RING_BYTES // (128 * 4) * (128 * 4)
 SHAPE = "gate_up 2048->16384"
@@ -58,7 +56,7 @@ def _best_time(fn, rounds: int) -> float:
 def bounds(threads: int) -> tuple[float, float]:
     """(bandwidth bytes/s, fp32 FMA peak flop/s) with ``threads`` threads, measured once per run."""
     if threads not in BOUNDS:
-        buf = weight_buffer(STREAM_BYTES).view(torch.float32).fill_(1.0)  # the memory packed weights live in
+        buf = torch.ones(STREAM_BYTES // 4)
         qm.read_probe(buf, threads)  # the pages are in
         bandwidth = STREAM_BYTES / _best_time(lambda: qm.read_probe(buf, threads), 9)
         del buf
