@@ -7,12 +7,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ringshm.config import EngineConfig
 from ringshm.errors import ResourceShortage
 from ringshm.generation_params import MAX_TOP_LOGPROBS
 from ringshm.model_config import ModelConfig
 from ringshm.transport.segment import SHM_DIR, shm_free_bytes
+
+if TYPE_CHECKING:
+    from ringshm.model.loader import Checkpoint
 
 RECORD_OVERHEAD = 4096  # a record's header, row table, tensor descriptors and alignment, rounded up
 MIN_RING_BYTES = 1 << 16
@@ -102,12 +106,13 @@ def available_memory_bytes() -> int:
     return avail
 
 
-def load_transient_bytes(ckpt, grown: list[str], native: bool, width: float) -> int:
-    """Bytes a stage holds only while it loads, beyond the count of its weights, when ``grown`` tensors are
-    dequantized at load: a layer is packed at once (its expanded tensors exist twice until the layer's read copies
-    are dropped: the largest layer's share), and ``gguf.quants`` holds about 3 x one tensor's fp32 output while it
-    dequantizes it (2 x the largest more). Measured by a hostile review: 4 layers of 64 Q2_K experts counted at the
-    largest tensor once peaked at 1.26 x the count."""
+def load_transient_bytes(ckpt: "Checkpoint", grown: list[str], native: bool, width: float) -> int:
+    """Bytes (int) a stage holds only while it loads, beyond the count of its weights, when the ``grown`` tensors
+    (names, from ``Checkpoint.stage_bytes``; at least one) are dequantized at load: a layer is packed at once (its
+    expanded tensors exist twice until the layer's read copies are dropped: the largest layer's share), and
+    ``gguf.quants`` holds about 3 x one tensor's fp32 output while it dequantizes it (2 x the largest more). A hostile
+    review measured 4 layers of 64 Q2_K experts, counted with the largest tensor once, at 1.26 x the count's peak
+    (2026-12-06); with this rule 0.96 x."""
     by_layer: dict[str, int] = {}
     largest = 0
     for name in grown:
