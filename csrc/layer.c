@@ -14,7 +14,8 @@ static int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 #include "layer_internal.h"
 
 static int layout_of(const struct ringshm_layer_shape *s, int64_t t, struct layout *l) {
-    if (!s || t <= 0 || s->hidden <= 0 || s->hidden % 16 || s->inter <= 0 || s->inter % 8 || s->n_heads <= 0 ||
+    if (!s || t <= 0 || s->hidden <= 0 || s->hidden % 16 || (!s->n_experts && (s->inter <= 0 || s->inter % 8)) ||
+        s->n_heads <= 0 ||
         s->n_kv_heads <= 0 || s->head_dim <= 0 || s->n_pos <= 0 ||
         s->n_heads % s->n_kv_heads || s->head_dim % RINGSHM_ATTN_HEAD_DIM_MULTIPLE ||
         s->head_dim > RINGSHM_ATTN_MAX_HEAD_DIM ||

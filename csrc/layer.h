@@ -71,8 +71,8 @@
  * bounds. KV: this layer's pool [n_blocks, Hkv, B, D] fp32. cos, sin: [n_pos, D / 2]. work: at least
  * ringshm_layer_work_floats(shape, T) floats of scratch. Every step is batch-invariant (each row reduced in a
  * fixed order), so the result for a segment does not depend on the other segments of the op, and the matmuls
- * split output rows over n_threads. Limits: hidden % 16 == 0 and inter % 8 == 0 (rows of the intermediates are
- * whole 16-float vectors).
+ * split output rows over n_threads. Limits: hidden % 16 == 0 and, for a dense FFN, inter % 8 == 0 (rows of the
+ * intermediates are whole 16-float vectors; a mixture of experts reads expert_inter instead, a multiple of 16).
  */
 #ifndef RINGSHM_LAYER_H
 #define RINGSHM_LAYER_H

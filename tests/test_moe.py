@@ -276,14 +276,23 @@ def test_a_missing_expert_key_and_a_tensor_a_family_lacks_are_refused_naming_the
 
 def test_a_mixture_of_experts_runs_native_whatever_its_unused_dense_ffn_width(zoo):
     """A MoE has no dense FFN: an odd ``feed_forward_length`` some files carry must not send it to the torch path
-    (fp32 dense weights, no batch invariance, int8 refused), while a dense model of that width does go there."""
+    (fp32 dense weights, no batch invariance, int8 refused), nor make the C layer refuse its shape: it runs natively
+    and gives the bits of the same weights with the usual width, while a dense model of that width does go to the
+    torch path."""
     from dataclasses import replace
 
     from ringshm.model.stage_model import runs_native
 
-    moe = Checkpoint.open(zoo("qwen3moe").gguf_path).config
+    odd = zoo("qwen3moe", intermediate_size=100)  # Qwen3MoeConfig's dense width: no layer of this model reads it
+    moe = Checkpoint.open(odd.gguf_path).config
+    assert moe.intermediate == 100 and runs_native(moe, "cpu", torch.float32)
+    prompts = [prompt_ids(12, moe.vocab, 3), prompt_ids(5, moe.vocab, 4)]
+    for activations in ("float32", "int8"):
+        got = _stage(odd.gguf_path, activations=activations)
+        assert got.native
+        want = _stage(zoo("qwen3moe").gguf_path, activations=activations)
+        assert _run(got, prompts, 3) == _run(want, prompts, 3), activations
     dense = Checkpoint.open(zoo("qwen3").gguf_path).config
-    assert runs_native(replace(moe, intermediate=7), "cpu", torch.float32)
     assert runs_native(dense, "cpu", torch.float32) and not runs_native(replace(dense, intermediate=7), "cpu",
                                                                          torch.float32)
 
