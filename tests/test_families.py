@@ -323,6 +323,11 @@ def test_a_gate_and_up_of_two_types_are_counted_at_fp32_as_the_one_matmul_holds_
     held = sum(w.nbytes for layer in stage.layers for w in vars(layer).values() if isinstance(w, PackedWeight))
     assert all(layer.w_gate_up.qtype == 0 for layer in stage.layers)  # F32: what the count must cover
     assert counted >= held, f"the memory check counts {counted} bytes, the layers hold {held}"
+    # while a layer packs, its widened gate and up exist in fp32 beside their concatenation: the load margin too
+    from ringshm.runtime.resources import load_transient_bytes
+
+    fp32 = sum(ckpt.source.held_bytes(f"blk.0.ffn_{r}.weight", False, 4.0)[0] for r in ("gate", "up"))
+    assert load_transient_bytes(ckpt, expanded, True, 4.0) >= fp32
 
 
 def test_a_field_a_config_leaves_out_means_what_transformers_config_class_takes():

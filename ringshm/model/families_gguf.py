@@ -35,8 +35,9 @@ def gguf_config(meta: dict, tensor_names: set[str], arch: str, where: str, vocab
     ``rope_freqs``: the values of ``rope_freqs.weight`` (llama.cpp's Llama 3 per-frequency factors) or None.
 
     Raises:
-        UnsupportedArchitecture: another arch, a missing key, an ``<arch>.*`` key not read here and not known to
-            be harmless, or a value ringshm does not compute (each named).
+        UnsupportedArchitecture: another arch, an ``<arch>.*`` key not read here and not known to be harmless, or a
+            value ringshm does not compute (each named). InvalidCheckpoint: a key the family needs is missing, or
+            values that contradict each other.
     """
     family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3", "phi3": "phi3",
               "qwen3moe": "qwen3moe", "olmoe": "olmoe", "granitemoe": "granitemoe", "qwen2moe": "qwen2moe",
@@ -164,8 +165,8 @@ def _gguf_experts(meta: dict, tensor_names: set[str], arch: str, family: str, wh
                 *(() if shared else ("expert_shared_feed_forward_length",))):
         if f"{arch}.{key}" in meta:
             raise _refuse(where, f"{arch}.{key}", meta[f"{arch}.{key}"], f"llama.cpp's {arch} does not read it")
-    odd = next((n for n in tensor_names if ".exp_probs_b." in n
-                or not shared and (".ffn_gate_shexp." in n or ".ffn_up_shexp." in n)), None)
+    odd = min((n for n in tensor_names if ".exp_probs_b." in n
+               or not shared and (".ffn_gate_shexp." in n or ".ffn_up_shexp." in n)), default=None)
     if odd is not None:
         raise _refuse(where, f"tensor {odd!r} (a shared expert or an expert bias)", "present",
                       f"a {arch} file has none")

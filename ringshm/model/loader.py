@@ -205,7 +205,7 @@ class Checkpoint:
                 n, grown = self.source.held_bytes(name, native and name not in widened, 4.0 if name in widened
                                                   else width)
                 total += n
-                if grown:
+                if grown or name in widened:
                     expanded.append(name)
         return total, expanded
 

@@ -1,7 +1,7 @@
 """The torch path's layer loop (``StageModel`` on a GPU, in bf16, or where csrc/layer.c refuses the shape): one
 decoder layer as ``ringshm.model_config.ModelConfig`` describes it, in torch ops, the same function csrc/layer.h
-computes on the native path (``StageModel._native_layers``). A mixin of ``ringshm.model.stage_model.StageModel``: it reads the
-stage's ``config``, ``dtype``, ``layers``, ``kv``, ``rope``, ``windows`` and its ``_rms_norm``.
+computes on the native path (``StageModel._native_layers``). A mixin of ``ringshm.model.stage_model.StageModel``: it
+reads the stage's ``config``, ``dtype``, ``layers``, ``kv``, ``rope``, ``windows`` and its ``_rms_norm``.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def load_transient_bytes(ckpt: "Checkpoint", grown: list[str], native: bool, wid
     by_layer: dict[str, int] = {}
     largest = 0
     for name in grown:
-        n = ckpt.source.held_bytes(name, native, width)[0]
+        n = ckpt.source.held_bytes(name, False, 4.0 if native else width)[0]  # as held: fp32 on a native stage
         layer = re.match(r"(blk|model\.layers)\.\d+\.", name)
         key = layer.group(0) if layer else name
         by_layer[key] = by_layer.get(key, 0) + n
