@@ -183,6 +183,23 @@ def test_a_gguf_with_one_tensor_per_expert_gives_the_3d_files_bits(zoo, tmp_path
     assert _run(_stage(path), prompts, 4) == _run(_stage(model.gguf_path), prompts, 4)
 
 
+def test_a_gguf_mixing_expert_layouts_is_refused_saying_so(zoo, tmp_path):
+    from ringshm.errors import MissingTensor
+
+    model = zoo("mixtral")
+    stacked = [(t.name, np.array(t.data), t.tensor_type) for t in gguf.GGUFReader(str(model.gguf_path)).tensors]
+    mixed = [t for t in _per_expert_tensors(model) if t[0].startswith("blk.0.")] + \
+        [t for t in stacked if not t[0].startswith("blk.0.")]  # layer 0 a tensor per expert, the others 3-D
+    write_gguf(tmp_path / "mixed.gguf", "llama", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "mixed", mixed)
+    with pytest.raises(MissingTensor, match=r"blk\.1\.ffn_gate\.0\.weight.*another layout than layer 0's"):
+        Checkpoint.open(tmp_path / "mixed.gguf")
+    mixed = [t for t in stacked if t[0].startswith("blk.0.")] + \
+        [t for t in _per_expert_tensors(model) if not t[0].startswith("blk.0.")]  # the reverse
+    write_gguf(tmp_path / "mixed.gguf", "llama", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "mixed", mixed)
+    with pytest.raises(MissingTensor, match=r"blk\.1\.ffn_gate_exps\.weight.*another layout than layer 0's"):
+        Checkpoint.open(tmp_path / "mixed.gguf")
+
+
 def test_a_per_expert_gguf_missing_one_expert_is_refused_naming_it(zoo, tmp_path):
     from ringshm.errors import InvalidCheckpoint, MissingTensor
 
@@ -190,7 +207,7 @@ def test_a_per_expert_gguf_missing_one_expert_is_refused_naming_it(zoo, tmp_path
     path = tmp_path / "split.gguf"
     tensors = [t for t in _per_expert_tensors(model) if t[0] != "blk.2.ffn_up.9.weight"]
     write_gguf(path, "llama", model.config, gguf.LlamaFileType.MOSTLY_Q4_K_M, "split", tensors)
-    with pytest.raises(MissingTensor, match=r"blk\.2\.ffn_up\.9\.weight"):
+    with pytest.raises(MissingTensor, match=r"blk\.2\.ffn_up\.9\.weight' \(layer 2 w_exp_up expert 9\) not found$"):
         Checkpoint.open(path)
     # one expert more than the metadata counts: said as that, not as a tensor nothing reads
     n_e = model.config.num_local_experts

@@ -415,6 +415,16 @@ def _check_one_type_per_role(where: str, want: dict[str, Expect], found: dict) -
                                     f"one type for every expert of a role")
 
 
+def _other_expert_layout(name: str, found: dict) -> bool:
+    """Whether the GGUF layer of the missing expert tensor ``name`` holds routed experts in the other layout: one 2-D
+    ``ffn_*.{e}`` per expert where ``name`` is 3-D (``ffn_*_exps``, ``ffn_gate_up_exps``), or the reverse."""
+    layer = re.match(r"blk\.\d+\.", name)
+    split = re.compile(r"ffn_(?:gate|up|down)\.\d+\.weight$")
+    stacked = re.compile(r"ffn_(?:gate|up|down|gate_up)_exps\.weight$")
+    other = stacked if split.search(name) else split
+    return bool(layer) and any(n.startswith(layer.group(0)) and other.search(n) for n in found)
+
+
 def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tuple[str, tuple[int, ...]]],
                    hf_mxfp4: bool = False) -> None:
     """Every tensor of ``found`` (name -> (type name, torch-order shape)) against ``expected_tensors``."""
@@ -426,6 +436,8 @@ def _check_tensors(where: str, cfg: ModelConfig, gguf: bool, found: dict[str, tu
         if name not in found:  # first: a hostile layer x expert count costs at most the file's tensor count
             why = (f" (the file's llama.expert_count = {cfg.n_experts} makes it a Mixtral, whose every layer routes "
                    f"experts)" if gguf and cfg.arch == "mixtral" and e.what.endswith("w_router") else "")
+            if gguf and cfg.moe and "w_exp_" in e.what and _other_expert_layout(name, found):
+                why = " (its layer stores its experts in another layout than layer 0's: one layout a file)"
             raise MissingTensor(f"{where}: tensor {name!r} ({e.what}) not found{why}")
         want[name] = e
         tname, shape = found[name]
