@@ -126,8 +126,9 @@ def _raw_q8_0_with_minus_128(n: int, k: int) -> qm.RawWeight:
                          qm.type_name(t))
 def test_every_path_and_thread_count_gives_the_portable_bits_and_each_row_its_bits_alone(qtype):
     """Every ISA copy named explicitly (isa 2 is the AVX-512BW copy even where VNNI + VBMI exist: the default picks
-    those)."""
-    n, k = 80, kfit(qm.Q8_0 if qtype == "Q8_0-128" else qtype, 256)  # 5 panels: a group of 4 and one alone
+    those), at 40 rows (the slab) and at 1-3 rows, where a full group of 8 panels takes the register path (AVX-512 to
+    3 rows, AVX2 one; the portable copy, the base, always the slab)."""
+    n, k = 208, kfit(qm.Q8_0 if qtype == "Q8_0-128" else qtype, 256)  # 13 panels: a full group of 8, then 5
     raw = _raw_q8_0_with_minus_128(n, k) if qtype == "Q8_0-128" else make_weight(qtype, n, k, seed=6)[0]
     pw = qm.PackedWeight(raw)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(7))
@@ -135,6 +136,10 @@ def test_every_path_and_thread_count_gives_the_portable_bits_and_each_row_its_bi
     for isa in Q8_ISAS:
         for threads in (1, 2, 3):
             assert torch.equal(pw.matmul(x, activations="int8", isa=isa, threads=threads), base), (isa, threads)
+        for m in (1, 2, 3):
+            for threads in (1, 2):
+                got = pw.matmul(x[m:2 * m], activations="int8", isa=isa, threads=threads)
+                assert torch.equal(got, base[m:2 * m]), (isa, m, threads)
     for m in (1, 2, 3, 4, 5, 7, 8, 17, 33):
         got = pw.matmul(x[:m], activations="int8", threads=2)
         assert torch.equal(got, base[:m]), m
@@ -143,12 +148,13 @@ def test_every_path_and_thread_count_gives_the_portable_bits_and_each_row_its_bi
 
 
 def test_bias_and_residual_are_one_rounded_add_each_after_the_sum():
-    raw, _, _ = make_weight(qm.Q4_K, 48, 256, seed=8)
-    bias = torch.randn(48)
+    raw, _, _ = make_weight(qm.Q4_K, 144, 256, seed=8)  # 9 panels: one row takes the register path, then the slab
+    bias = torch.randn(144)
     plain, with_bias = qm.PackedWeight(raw), qm.PackedWeight(raw, bias)
-    x, res = torch.randn(5, 256), torch.randn(5, 48)
-    want = (plain.matmul(x, activations="int8") + bias) + res
-    assert torch.equal(with_bias.matmul(x, residual=res, activations="int8"), want)
+    for m in (1, 5):
+        x, res = torch.randn(m, 256), torch.randn(m, 144)
+        want = (plain.matmul(x, activations="int8") + bias) + res
+        assert torch.equal(with_bias.matmul(x, residual=res, activations="int8"), want), m
 
 
 def test_a_non_finite_input_row_poisons_its_own_outputs_only():
