@@ -127,7 +127,7 @@ def _raw_q8_0_with_minus_128(n: int, k: int) -> qm.RawWeight:
 def test_every_path_and_thread_count_gives_the_portable_bits_and_each_row_its_bits_alone(qtype):
     """Every ISA copy named explicitly (isa 2 is the AVX-512BW copy even where VNNI + VBMI exist: the default picks
     those), at 40 rows (the slab) and at 1-3 rows, where a full group of 8 panels takes the register path (AVX-512 to
-    3 rows, AVX2 one; the portable copy, the base, always the slab)."""
+    3 rows; the AVX2 and portable copies, the base, always the slab)."""
     n, k = 208, kfit(qm.Q8_0 if qtype == "Q8_0-128" else qtype, 256)  # 13 panels: a full group of 8, then 5
     raw = _raw_q8_0_with_minus_128(n, k) if qtype == "Q8_0-128" else make_weight(qtype, n, k, seed=6)[0]
     pw = qm.PackedWeight(raw)
