@@ -128,7 +128,9 @@ def test_every_path_and_thread_count_gives_the_portable_bits_and_each_row_its_bi
     """Every ISA copy named explicitly (isa 2 is the AVX-512BW copy even where VNNI + VBMI exist: the default picks
     those), at 40 rows (the slab) and at 1-3 rows, where a full group of 8 panels takes the register path (AVX-512 to
     3 rows; the AVX2 and portable copies, the base, always the slab)."""
-    n, k = 208, kfit(qm.Q8_0 if qtype == "Q8_0-128" else qtype, 256)  # 13 panels: a full group of 8, then 5
+    # 25 panels, the last one half-filled: 3 full groups of 8 (each group's output at its own columns), then one
+    # alone; K of 4 super-blocks
+    n, k = 392, kfit(qm.Q8_0 if qtype == "Q8_0-128" else qtype, 1024)
     raw = _raw_q8_0_with_minus_128(n, k) if qtype == "Q8_0-128" else make_weight(qtype, n, k, seed=6)[0]
     pw = qm.PackedWeight(raw)
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(7))
