@@ -154,9 +154,11 @@ def test_bias_and_residual_are_one_rounded_add_each_after_the_sum():
     bias = torch.randn(144)
     plain, with_bias = qm.PackedWeight(raw), qm.PackedWeight(raw, bias)
     for m in (1, 5):
-        x, res = torch.randn(m, 256), torch.randn(m, 144)
-        want = (plain.matmul(x, activations="int8") + bias) + res
-        assert torch.equal(with_bias.matmul(x, residual=res, activations="int8"), want), m
+        x = torch.randn(m, 256)
+        res = torch.randn(m, 144 + 7)[:, :144]  # a row stride past n (ldr = 151)
+        for isa in Q8_ISAS:
+            want = (plain.matmul(x, activations="int8", isa=isa) + bias) + res
+            assert torch.equal(with_bias.matmul(x, residual=res, activations="int8", isa=isa), want), (m, isa)
 
 
 @pytest.mark.parametrize("m", [3, 4])  # 3 rows: the register path (a full group of 8 panels); 4: the slab
