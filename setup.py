@@ -18,7 +18,7 @@ class ParallelBuildExt(build_ext):
     2-vCPU VM, the attention kernels most of it). Here the compiler's own steps (distutils'
     ``CCompiler.compile``: ``_setup_compile``, ``_get_cc_args``, ``_compile``) run for every unit from a thread
     pool, the largest units first; ``--parallel N`` (``-j N``) sets the jobs, default the usable cores.
-    Measured: README, "Build".
+    Measured: the README's opening (the build's times).
     """
 
     def build_extension(self, ext):
