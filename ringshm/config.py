@@ -76,8 +76,8 @@ class EngineConfig(KeywordsNamed):
             from fp32's and greedy may leave the oracle's tokens where its margin is small; every byte-identity
             (batch-mates, depth, chunking, stages, cache hits) still holds. Faster where the multiply-adds hold a
             matmul: prefill, batched decode, verify and MoE experts; one stream's decode reads the same bytes and gains
-            only where the fp32 decode runs out of vector ops first (AMD Zen 4: 1.14 x on the default model and the
-            1B shape; README, Performance, "Against llama.cpp and the machine, per CPU kind"). Float weights (F32 /
+            only where the fp32 decode runs out of vector ops first (AMD Zen 4: 1.13-1.14 x on the default model and
+            the 1B shape; bench/HISTORY.md, Zen 4, 2026-12-06 16:27). Float weights (F32 /
             F16 / BF16, a GGUF's MoE router) stay fp32. Refused with device "cuda" or dtype "bfloat16" (the torch
             path has no 8-bit matmul).
         op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.

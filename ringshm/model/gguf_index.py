@@ -20,8 +20,8 @@ array of strings costs one length check (and a UTF-8 check) per element; arrays 
 element type and length. The
 ``gguf`` package still gives the value and tensor types and the block sizes, and ``transformers`` (through
 ``gguf.GGUFReader``) still parses the tokenizer, once this index has checked the header's bounds. The walk
-is fast enough to run at every open (SmolLM2's 49k tokens and 49k merges: ~40 ms; the README has the
-numbers), so there is no index cache to go stale.
+is fast enough to run at every open (SmolLM2's 49k tokens and 49k merges: ~40 ms; the README's "What a checkpoint
+must satisfy" times whole headers), so there is no index cache to go stale.
 
 Everything this module refuses is an ``InvalidCheckpoint`` naming the file and what broke; what the values
 mean (ranges, shapes against the model's description) is ``ringshm.model.checkpoint_check``'s job.
