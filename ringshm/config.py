@@ -77,9 +77,8 @@ class EngineConfig(KeywordsNamed):
             (batch-mates, depth, chunking, stages, cache hits) still holds. Faster where the multiply-adds hold a
             matmul: prefill, batched decode, verify and MoE experts; one stream's decode reads the same bytes and gains
             only where the fp32 decode runs out of vector ops first (AMD Zen 4: 1.13-1.14 x on the default model and
-            the 1B shape; bench/HISTORY.md, Zen 4, 2026-12-06 16:27). Float weights (F32 /
-            F16 / BF16, a GGUF's MoE router) stay fp32. Refused with device "cuda" or dtype "bfloat16" (the torch
-            path has no 8-bit matmul).
+            the 1B shape; bench/HISTORY.md, Zen 4, 2026-12-06 16:27). Float weights (F32 / F16 / BF16, a GGUF's MoE
+            router) stay fp32. Refused with device "cuda" or dtype "bfloat16" (the torch path has no 8-bit matmul).
         op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.
         link_latency_ms: simulated latency of every hop (0: none), standing in for the slow links the seed
