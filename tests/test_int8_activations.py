@@ -126,8 +126,10 @@ def _raw_q8_0_with_minus_128(n: int, k: int) -> qm.RawWeight:
                          qm.type_name(t))
 def test_every_path_and_thread_count_gives_the_portable_bits_and_each_row_its_bits_alone(qtype):
     """Every ISA copy named explicitly (isa 2 is the AVX-512BW copy even where VNNI + VBMI exist: the default picks
-    those), at 40 rows (the slab) and at 1-3 rows, where a full group of 8 panels takes the register path (AVX-512 to
-    3 rows; the AVX2 and portable copies, the base, always the slab)."""
+    those), at 40 rows (the slab) and at 1-17 rows, where a full group of 8 panels takes the register path on
+    AVX-512 (one tile of up to 3 rows, or several: to 16 rows for the 4-bit nibble types, 8 for the assembled bytes
+    and MXFP4, 3 for Q8_0; csrc/matmul_q8.inc's q8_rows_max) and the slab past it (the AVX2 and portable copies,
+    the base, always the slab)."""
     # 25 panels, the last one half-filled: 3 full groups of 8 (each group's output at its own columns), then one
     # alone; K of 4 super-blocks
     n, k = 392, kfit(qm.Q8_0 if qtype == "Q8_0-128" else qtype, 1024)
@@ -138,7 +140,7 @@ def test_every_path_and_thread_count_gives_the_portable_bits_and_each_row_its_bi
     for isa in Q8_ISAS:
         for threads in (1, 2, 3):
             assert torch.equal(pw.matmul(x, activations="int8", isa=isa, threads=threads), base), (isa, threads)
-        for m in (1, 2, 3):
+        for m in (1, 2, 3, 4, 5, 6, 8, 9, 16, 17):
             for threads in (1, 2):
                 got = pw.matmul(x[m:2 * m], activations="int8", isa=isa, threads=threads)
                 assert torch.equal(got, base[m:2 * m]), (isa, m, threads)
@@ -161,7 +163,7 @@ def test_bias_and_residual_are_one_rounded_add_each_after_the_sum():
             assert torch.equal(with_bias.matmul(x, residual=res, activations="int8", isa=isa), want), (m, isa)
 
 
-@pytest.mark.parametrize("m", [3, 4])  # 3 rows: the register path (a full group of 8 panels); 4: the slab
+@pytest.mark.parametrize("m", [3, 4, 9])  # Q6_K on AVX-512: 3 rows one tile of the register path, 4 two, 9 the slab
 def test_a_non_finite_input_row_poisons_its_own_outputs_only(m):
     raw, _, _ = make_weight(qm.Q6_K, 128, 256, seed=9)
     pw = qm.PackedWeight(raw)
