@@ -127,9 +127,9 @@ def _raw_q8_0_with_minus_128(n: int, k: int) -> qm.RawWeight:
 def test_every_path_and_thread_count_gives_the_portable_bits_and_each_row_its_bits_alone(qtype):
     """Every ISA copy named explicitly (isa 2 is the AVX-512BW copy even where VNNI + VBMI exist: the default picks
     those), at 40 rows (the slab) and at 1-17 rows, where a full group of 8 panels takes the register path on
-    AVX-512 (one tile of up to 3 rows, or several: to 16 rows for the 4-bit nibble types, 8 for the assembled bytes
-    and MXFP4, 3 for Q8_0; csrc/matmul_q8.inc's q8_rows_max) and the slab past it (the AVX2 and portable copies,
-    the base, always the slab)."""
+    AVX-512 (one tile of up to 3 rows, or on the VNNI copy several: to 16 rows for the 4-bit nibble types, 8 for
+    the assembled bytes and MXFP4, 3 for Q8_0; csrc/matmul_q8.inc's q8_rows_max) and the slab past it (the AVX2 and
+    portable copies, the base, always the slab)."""
     # 25 panels, the last one half-filled: 3 full groups of 8 (each group's output at its own columns), then one
     # alone; K of 4 super-blocks
     n, k = 392, kfit(qm.Q8_0 if qtype == "Q8_0-128" else qtype, 1024)
