@@ -102,15 +102,19 @@ def _contract(raw: qm.RawWeight, exact: torch.Tensor, qtype: int, x: torch.Tenso
 
 @pytest.mark.parametrize("qtype", QUANT_TYPES, ids=qm.type_name)
 def test_the_product_is_the_8_bit_contracts_sum_and_near_the_fp32_product(qtype):
-    n, k = 80, kfit(qtype, 512)
+    # 9 panels: a full group of 8 (the register path at 1 and 3 rows, AVX-512) and a group of one (the slab), each
+    # checked against the contract by itself, not against another copy of the same loops
+    n, k = 144, kfit(qtype, 512)
     raw, exact, _ = make_weight(qtype, n, k, seed=4)
     pw = qm.PackedWeight(raw)
-    x = torch.randn(7, k, generator=torch.Generator().manual_seed(5))
-    got = pw.matmul(x, activations="int8").double()
-    want = _contract(raw, exact, qtype, x)
-    assert float((got - want).norm() / want.norm()) < 1e-6
-    fp32 = pw.matmul(x).double()
-    assert float((got - fp32).norm() / fp32.norm()) < 1e-2  # 8-bit rows: ~5e-3 on random data, every type
+    for m in (1, 3, 7):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(5 + m))
+        got = pw.matmul(x, activations="int8").double()
+        want = _contract(raw, exact, qtype, x)
+        for cols in (slice(0, 128), slice(128, n)):
+            assert float((got[:, cols] - want[:, cols]).norm() / want[:, cols].norm()) < 1e-6, (m, cols)
+        fp32 = pw.matmul(x).double()
+        assert float((got - fp32).norm() / fp32.norm()) < 1e-2  # 8-bit rows: ~5e-3 on random data, every type
 
 
 def _raw_q8_0_with_minus_128(n: int, k: int) -> qm.RawWeight:
