@@ -96,9 +96,9 @@ def cpu_info() -> dict:
     if any(f.startswith("amx") for f in flags):
         simd.append("amx")
     try:
-        from ringshm.model.qmatmul import BEST_ISA, ISA_NAMES
+        from ringshm.model.qmatmul import BEST_ISA, ISA_NAMES, row_prefetch
 
-        isa = ISA_NAMES[BEST_ISA]
+        isa = f"{ISA_NAMES[BEST_ISA]}, row prefetch {'on' if row_prefetch() else 'off'}"
     except ImportError:  # the C extension is not built
         isa = "?"
     return {"model_name": first.get("model name") or platform.processor() or platform.machine(), "simd": simd,
@@ -108,7 +108,8 @@ def cpu_info() -> dict:
 
 
 def cpu_label(cpu: dict | None = None) -> str:
-    """One line naming the CPU for a table: model name, vendor family / model, cores, SIMD flags, ISA path."""
+    """One line naming the CPU for a table: model name, vendor family / model, cores, SIMD flags, ISA path and whether
+    the matmuls prefetch the rows ahead (``qmatmul.row_prefetch``)."""
     cpu = cpu or cpu_info()
     return (f"{cpu['model_name']} ({cpu['vendor']} family {cpu['family']} model {cpu['model']}, {cpu['machine']}, "
             f"{cpu['cores']} cores; SIMD: {', '.join(cpu['simd']) or 'none of avx2/avx512f/amx'}; "

@@ -5,6 +5,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -82,6 +85,47 @@ int ringshm_mm_slab_blocks(void) {
         blocks = b < 1 ? 1 : b > 4 ? 4 : (int)b;
     }
     return blocks;
+}
+
+/* The CPU's choice of ringshm_mm_row_prefetch (matmul.h): on for AMD family 26 (0x1A, Zen 5) and later, off for
+ * the rest. Measured with the packed layout of matmul.h (2048 -> 16384 from a 400 MiB ring, the two settings
+ * alternating in one process, medians of 4-6 rounds, fp32 activations unless named):
+ *   AMD EPYC Zen 5 (family 26 model 2), 2026-12-06: off / on, 2 threads, GB/s of weights at M = 1: Q4_0 34.3 / 38.7,
+ *   Q4_1 31.4 / 45.9, Q4_K 38.6 / 45.8, MXFP4 38.9 / 47.3, F16 38.6 / 48.1, Q8_0 and BF16 even; at M = 16 Q4_0
+ *   3.9 / 5.2, Q4_K 4.0 / 6.1, Q8_0 6.5 / 8.6, MXFP4 3.7 / 5.3; M = 64 and 256 even; one thread Q4_K 19.0 / 22.5,
+ *   F16 15.2 / 20.5. 8-bit activations, M = 1: Q4_K 20.6 / 49.1, Q4_1 37.1 / 52.8, Q8_0 31.2 / 36.0, MXFP4 32.3 /
+ *   37.9 (one thread Q4_K 11.1 / 28.9); M = 3 Q4_K 18.6 / 38.3; M = 16 Q4_K 7.7 / 11.8, MXFP4 7.0 / 10.8.
+ *   AMD EPYC Zen 4 (family 25 model 17), 2026-12-06, the same process alternating: on took 1.36-1.65 x the time of
+ *   off at M = 1, 2 threads (matmul_dequant.inc has the figures); the 8-bit Q4_K at M = 1 on one thread read 10 GB/s
+ *   on, 16.8 off. Its 8-bit slab asks for Q4_K's rows either way (0.92-0.97 x the time there).
+ * Intel CPUs and older AMD ones were not measured with this layout: off, as on Zen 4. */
+static int row_prefetch_of_cpu(void) {
+#if RINGSHM_HAVE_X86_ISAS
+    unsigned eax, ebx, ecx, edx;
+    if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 0;
+    const int amd = ebx == 0x68747541u && edx == 0x69746e65u && ecx == 0x444d4163u; /* "AuthenticAMD" */
+    if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+    unsigned family = (eax >> 8) & 15;
+    if (family == 15) family += (eax >> 20) & 255; /* the extended family */
+    return family >= 26;
+#else
+    return 0;
+#endif
+}
+
+static int row_prefetch_mode = -1; /* ringshm_mm_set_row_prefetch's mode: -1 the CPU's choice */
+
+int ringshm_mm_row_prefetch(void) {
+    static int cpu = -1; /* a pure function of the CPU: computed once, the same answer from any thread */
+    if (cpu < 0) cpu = row_prefetch_of_cpu();
+    const int mode = __atomic_load_n(&row_prefetch_mode, __ATOMIC_RELAXED);
+    return mode < 0 ? cpu : mode;
+}
+
+int ringshm_mm_set_row_prefetch(int mode) {
+    if (mode < -1 || mode > 1) return RINGSHM_MATMUL_ERR_SHAPE;
+    __atomic_store_n(&row_prefetch_mode, mode, __ATOMIC_RELAXED);
+    return ringshm_mm_row_prefetch();
 }
 
 typedef void (*mm_panels_fn)(const struct ringshm_mm_args *, int64_t, int64_t);
@@ -279,7 +323,8 @@ static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int
         .type = type, .packed = packed, .n = n, .k = k, .m = m, .nb = (k + 31) / 32, .block_k = bk,
         .block_bytes = ti->panel_block_bytes, .panel_bytes = (k + bk - 1) / bk * ti->panel_block_bytes, .x = x,
         .out = out, .ldo = ldo, .bias = bias, .residual = residual, .ldr = ldr,
-        .slab_blocks = ringshm_mm_slab_blocks(), .xq = (const struct ringshm_q8_block *)xq};
+        .slab_blocks = ringshm_mm_slab_blocks(), .xq = (const struct ringshm_q8_block *)xq,
+        .row_prefetch = ringshm_mm_row_prefetch()};
     const int64_t n_groups = (n_panels + RINGSHM_PANEL_GROUP - 1) / RINGSHM_PANEL_GROUP;
     int nt = n_threads < 1 ? 1 : n_threads;
     if (nt > n_groups) nt = (int)n_groups;

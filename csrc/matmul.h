@@ -221,6 +221,17 @@ int ringshm_qmat_matmul_q8(int type, const uint8_t *packed, int64_t packed_bytes
  * VBMI (AMD Zen 4 / 5, Intel Ice Lake and later; not Cascade Lake), else isa. */
 int ringshm_q8_isa(int isa);
 
+/* Software prefetch of the packed rows ahead (matmul_dequant.inc) for the types whose loops read a group's rows in the
+ * order they are stored (Q4_0, Q4_1, Q4_K, MXFP4, Q8_0 and the float types; Q5_0, Q5_1, Q5_K and Q6_K always ask):
+ * on where the CPU streams them faster with it, off where its hardware prefetcher does better alone. The CPU's
+ * choice (cpuid, once): on for AMD family 26 and later (Zen 5), off elsewhere (matmul.c gives the measurements). No
+ * bit of any result depends on it. ringshm_mm_row_prefetch: 1 when on for the matmuls started from now on, else 0.
+ * ringshm_mm_set_row_prefetch, for tests and benches: mode 1 on, 0 off, -1 the CPU's choice again, for every later
+ * matmul of the process (not while another thread runs one); returns ringshm_mm_row_prefetch() after it, or
+ * RINGSHM_MATMUL_ERR_SHAPE (nothing changed) for another mode. */
+int ringshm_mm_row_prefetch(void);
+int ringshm_mm_set_row_prefetch(int mode);
+
 /* ringshm_fma_probe: the fp32 FMA peak of one ISA path (the roofline of bench/bench_roofline.py). Each of
  * `n_threads` OpenMP threads runs `iters` rounds of independent 16-lane fma chains (enough chains to cover the
  * fma latency on two ports: 12 zmm on AVX-512, 6 pairs of ymm on AVX2, 6 on the portable path), on values that

@@ -346,6 +346,7 @@ int main(void) {
         for (int64_t i = 0; i < n; i++) bias[i] = uniform();
         for (int64_t i = 0; i < (m - 1) * ldr + n; i++) res[i] = uniform();
         const int use_bias = it % 2, use_res = (it / 2) % 2, threads = 1 + it % 3;
+        if (ringshm_mm_set_row_prefetch((it / 4) % 2) != (it / 4) % 2) FAIL("row prefetch not set\n"); /* half on */
         if (ringshm_qmat_matmul(type, packed, pbytes, n, k, x, m, out, ldo, use_bias ? bias : NULL, use_bias ? n : 0,
                                 use_res ? res : NULL, ldr, threads, RINGSHM_ISA_PORTABLE))
             FAIL("matmul refused\n");
@@ -407,10 +408,13 @@ int main(void) {
         free(src), free(packed), free(x), free(out), free(one), free(bias), free(res);
         cases++;
     }
+    if (ringshm_mm_set_row_prefetch(2) != RINGSHM_MATMUL_ERR_SHAPE || ringshm_mm_set_row_prefetch(-1) != 0)
+        FAIL("row prefetch: mode 2 not refused, or the portable build's CPU choice not off\n");
     check_mxfp4_dequant_edges();
     check_mxfp4_every_scale_in_the_matmul();
     printf("test_matmul: %d cases over %d types, every element bitwise the contract's, alone and batched (%d of "
-           "them also with 8-bit activations); %d dequantized rows bitwise the reference decode; MXFP4 at every "
-           "E8M0 byte, dequantized and multiplied\n", cases, n_types, q8_cases, dequant_rows);
+           "them also with 8-bit activations; half of all with the row prefetch on); %d dequantized rows bitwise the "
+           "reference decode; MXFP4 at every E8M0 byte, dequantized and multiplied\n", cases, n_types, q8_cases,
+           dequant_rows);
     return 0;
 }

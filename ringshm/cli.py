@@ -76,6 +76,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="what the CPU matmuls multiply the quantized weights by: float32 (default; greedy equals "
                         "the fp32 oracle) or int8 (opt-in: each row quantized per block of 32, faster prefill and "
                         "batched decode, outputs ~5e-3 off fp32's; every byte-identity still holds)")
+    p.add_argument("--row-prefetch", default="auto", choices=("auto", "on", "off"),
+                   help="software prefetch of the weight rows ahead in the CPU matmuls: auto (default) the CPU's "
+                        "choice, on for AMD Zen 5 and later; on / off force it (speed only, the same output bytes)")
     p.add_argument("--kv-cache-dtype", default="float16", choices=("float32", "float16", "bfloat16"),
                    help="what the KV blocks store: 16-bit halves the bytes per token (attention still sums in fp32)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, choices=(32, 64, 128),
@@ -153,6 +156,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict:
                 **({"prefill_stall_ratio": a.prefill_stall_ratio} if "prefill_stall_ratio" in a else {}),  # serve
                 max_rows=a.max_rows, kv_cache_memory=a.kv_cache_memory, block_size=a.block_size,
                 kv_cache_dtype=a.kv_cache_dtype, matmul_activations=a.matmul_activations,
+                row_prefetch={"auto": None, "on": True, "off": False}[a.row_prefetch],
                 prefix_cache=getattr(a, "prefix_cache", True), op_timeout_s=a.op_timeout,
                 link_latency_ms=a.link_latency_ms,
                 startup_timeout_s=a.startup_timeout, nnodes=a.nnodes, node_stages=node_stages,

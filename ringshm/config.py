@@ -79,6 +79,11 @@ class EngineConfig(KeywordsNamed):
             only where the fp32 decode runs out of vector ops first (AMD Zen 4: 1.13-1.14 x on the default model and
             the 1B shape; bench/HISTORY.md, Zen 4, 2026-12-06 16:27). Float weights (F32 / F16 / BF16, a GGUF's MoE
             router) stay fp32. Refused with device "cuda" or dtype "bfloat16" (the torch path has no 8-bit matmul).
+        row_prefetch: whether the stages' C matmuls ask for the packed weight rows ahead (software prefetch) of the
+            types read in the order they are stored: None (the default) the CPU's choice, on for AMD Zen 5 and later
+            and off elsewhere (``ringshm.model.qmatmul.row_prefetch``; csrc/matmul.c has the measurements: on Zen 5
+            it streamed Q4_K 1.2 x and the 8-bit Q4_K 2.4 x as fast at one row; on Zen 4 it cost 1.4-1.7 x the
+            time); True or False forces it, for a CPU not measured. Speed only: no byte of any output changes.
         op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.
         link_latency_ms: simulated latency of every hop (0: none), standing in for the slow links the seed
@@ -110,6 +115,7 @@ class EngineConfig(KeywordsNamed):
     max_rows: int = 8
     dtype: str = "float32"
     matmul_activations: str = "float32"
+    row_prefetch: bool | None = None
     op_timeout_s: float = 120.0
     startup_timeout_s: float = 600.0
     link_latency_ms: float = 0.0
@@ -144,6 +150,8 @@ class EngineConfig(KeywordsNamed):
             raise ValueError(f"matmul_activations='int8' runs on the CPU stages' C matmuls in float32: use "
                              f"device='cpu' and dtype='float32' with it, or matmul_activations='float32' (got "
                              f"device={self.device!r}, dtype={self.dtype!r})")
+        if self.row_prefetch is not None and not isinstance(self.row_prefetch, bool):
+            raise ValueError(f"row_prefetch must be True, False or None (the CPU's choice), got {self.row_prefetch!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.layer_split is not None:

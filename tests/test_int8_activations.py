@@ -209,6 +209,8 @@ def test_int8_is_refused_for_a_model_whose_stages_run_the_torch_path(zoo):
 def test_the_engine_config_refuses_an_unknown_value_and_int8_off_the_cpu_float32_path():
     with pytest.raises(ValueError, match="matmul_activations must be one of"):
         EngineConfig(matmul_activations="fp16")
+    with pytest.raises(ValueError, match="row_prefetch must be True, False or None"):
+        EngineConfig(row_prefetch="on")
     for bad in (dict(dtype="bfloat16"), dict(device="cuda")):  # the torch path would ignore it silently
         with pytest.raises(ValueError, match="device='cpu' and dtype='float32'"):
             EngineConfig(matmul_activations="int8", **bad)
@@ -243,7 +245,9 @@ def test_a_streams_int8_tokens_are_the_same_alone_beside_batch_mates_chunked_and
 
 
 def test_the_engine_serves_int8_over_two_stage_processes_as_the_in_process_stage_computes(zoo):
+    """... with the stages' row prefetch forced the other way from this process's (the CPU's choice): speed only."""
     from ringshm.engine.engine import Engine
+    from ringshm.model import qmatmul as qm
 
     model = zoo("qwen3")
     stages = _stages_int8(model.gguf_path)
@@ -253,7 +257,8 @@ def test_the_engine_serves_int8_over_two_stage_processes_as_the_in_process_stage
         stages[0].reset()
         want.append(greedy_generate(stages, torch.tensor(p), N_NEW).tolist())
     with Engine(model=str(model.gguf_path), stages=2, max_rows=4, max_seq_len=MAX_SEQ, prefill_chunk=8,
-                progress=False, kv_cache_dtype="float32", matmul_activations="int8") as engine:
+                progress=False, kv_cache_dtype="float32", matmul_activations="int8",
+                row_prefetch=not qm.row_prefetch()) as engine:
         out = engine.generate_batch(prompts, max_new_tokens=N_NEW, ignore_eos=True)
         again = engine.generate(prompts[1], max_new_tokens=N_NEW, ignore_eos=True)  # a prefix-cache hit
     assert [r.token_ids for r in out.results] == want

@@ -166,6 +166,48 @@ def test_every_isa_path_gives_the_portable_bits(qtype, isa):
     assert torch.equal(pw.matmul(x, isa=isa), pw.matmul(x, isa=lib.RINGSHM_ISA_PORTABLE))
 
 
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
+def test_the_row_prefetch_changes_no_bit_on_any_path(qtype):
+    """The prefetch of the rows ahead (on for AMD Zen 5, off elsewhere: ``qm.set_row_prefetch``) only asks for
+    bytes: forced on and forced off, every ISA path this CPU runs (the 8-bit VNNI one too), M = 1 and 3 (one tile of
+    the register decode), 8 and 16 (its tiles; the 8-bit slab) and 40 (the slab), 1 and 2 threads, fp32 and, for
+    the quantized types, 8-bit activations, give the same bits; over 3 groups of panels, the last one short."""
+    k = kfit(qtype, 512)
+    raw, _, _ = make_weight(qtype, 16 * 8 * 2 + 16 * 3 - 5, k, seed=5)
+    pw = qm.PackedWeight(raw, torch.randn(raw.n))
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(6))
+    isas = ISAS + [lib.RINGSHM_ISA_AVX512_VNNI] * bool(lib.ringshm_isa_supported(lib.RINGSHM_ISA_AVX512_VNNI))
+    acts = ("float32", "int8") if qtype in qm.QUANTIZED else ("float32",)
+    runs = {}
+    try:
+        for on in (False, True):
+            assert qm.set_row_prefetch(on) is on and qm.row_prefetch() is on
+            runs[on] = [pw.matmul(x[:m], threads=t, isa=isa, activations=act)
+                        for isa in isas for act in acts for t in (1, 2) for m in (1, 3, 8, 16, 40)]
+    finally:
+        qm.set_row_prefetch(None)
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
+
+
+def test_the_row_prefetch_is_the_cpus_choice_unless_forced():
+    """On for AMD family 26 (Zen 5) and later, off for every other CPU (csrc/matmul.c); a forced setting lasts until
+    None gives it back; anything but a bool or None is refused, in Python and in C."""
+    info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
+                if ":" in line)
+    info = {key.strip(): value.strip() for key, value in info.items()}
+    zen5_or_later = info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", 0)) >= 26
+    try:
+        assert qm.set_row_prefetch(None) is zen5_or_later and qm.row_prefetch() is zen5_or_later
+        assert qm.set_row_prefetch(not zen5_or_later) is (not zen5_or_later)
+        with pytest.raises(TypeError, match="True, False or None"):
+            qm.set_row_prefetch(1)
+        assert lib.ringshm_mm_set_row_prefetch(2) == lib.RINGSHM_MATMUL_ERR_SHAPE
+        assert qm.row_prefetch() is (not zen5_or_later)  # a refused mode changes nothing
+    finally:
+        qm.set_row_prefetch(None)
+    assert qm.row_prefetch() is zen5_or_later
+
+
 M_SWEEP_NEW = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17, 33, 100)
 
 

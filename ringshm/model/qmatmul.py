@@ -374,6 +374,27 @@ class PackedExperts:
                 f"{self.packed.numel()} bytes)")
 
 
+def row_prefetch() -> bool:
+    """Whether the matmuls started from now on ask for the packed rows ahead (software prefetch) of the types read in
+    the order they are stored: the CPU's choice (on for AMD Zen 5 and later, where it streams Q4_K 1.2 x and the 8-bit
+    Q4_K 2.4 x as fast at M = 1; off elsewhere, measured on Zen 4: csrc/matmul.c), unless ``set_row_prefetch``
+    forced it. No bit of any result depends on it."""
+    return bool(lib.ringshm_mm_row_prefetch())
+
+
+def set_row_prefetch(on: bool | None) -> bool:
+    """Force the row prefetch on (True) or off (False) for every later matmul of this process, or give it back to
+    the CPU's choice (None); returns ``row_prefetch()`` after it. For tests and benches that compare the two (the
+    bits never change); not while another thread runs a matmul.
+
+    Raises:
+        TypeError: ``on`` not a bool or None.
+    """
+    if on is not None and not isinstance(on, bool):
+        raise TypeError(f"set_row_prefetch takes True, False or None, got {on!r}")
+    return bool(check_status(lib.ringshm_mm_set_row_prefetch(-1 if on is None else int(on)), "set_row_prefetch"))
+
+
 def fma_probe(iters: int, threads: int = 1, isa: int = BEST_ISA) -> int:
     """Run the fp32 FMA peak probe of an ISA path (``ringshm_fma_probe``, csrc/matmul.h): ``threads`` OpenMP
     threads each run ``iters`` rounds of independent 16-lane fma chains. Time the call to get the peak in

@@ -55,6 +55,7 @@ class StageSpec:
     n_blocks: int | None = None  # KV blocks in each layer's pool (the engine's KV budget); None: max_rows full rows
     kv_dtype: str = "float32"  # what the KV blocks store (EngineConfig.kv_cache_dtype)
     matmul_activations: str = "float32"  # what the C matmuls multiply (EngineConfig.matmul_activations)
+    row_prefetch: bool | None = None  # the C matmuls' row prefetch (EngineConfig.row_prefetch): None the CPU's choice
     node: int = 0  # the host it runs on (ringshm.transport.cluster): set explicitly, never inferred from shared memory
     gpu: int | None = None  # device="cuda": the GPU this stage binds (CUDA_VISIBLE_DEVICES, set before CUDA starts)
 
@@ -135,6 +136,10 @@ def _load(spec: StageSpec):
     from ringshm.model.stage_model import StageModel
 
     device = "cuda:0" if spec.device == "cuda" else "cpu"  # CUDA_VISIBLE_DEVICES already picked the GPU
+    if spec.row_prefetch is not None:
+        from ringshm.model import qmatmul
+
+        qmatmul.set_row_prefetch(spec.row_prefetch)
     return StageModel.from_path(
         spec.model_path, (spec.layer_start, spec.layer_stop), is_first=spec.index == 0,
         is_last=spec.index == spec.n_stages - 1, max_rows=spec.max_rows, max_seq_len=spec.max_seq_len,
