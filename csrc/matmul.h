@@ -50,7 +50,8 @@
  *   against 3.93-4.72, Q4_1 0.80-0.94 against 0.86-1.69; Q4_K, MXFP4, Q5_K, Q6_K within the noise (on one Zen 4,
  *   a read of 8 interleaved runs of 544 or 1,024 bytes, 64 bytes at a time, streamed 17-24 GB/s against 28-30 for
  *   a sequential read). Those whole panel blocks in rows had read 1.1-1.3 x the speed of each panel's blocks
- *   together (8 streams) on an AMD EPYC Zen 5; the units are not yet measured there. Rows of the last panel past N
+ *   together (8 streams) on an AMD EPYC Zen 5; the units against them are not measured there (the units with and
+ *   without the row prefetch are: matmul.c). Rows of the last panel past N
  *   are zero. Float types allow any K (the last block is cut short); Q4_0 .. Q8_0 and MXFP4 need K % 32 == 0, the
  *   K-quants K % 256 == 0.
  *
