@@ -1,5 +1,6 @@
-"""RoPE (csrc/kernels.c via ringshm.model.kernels) against the plain torch reference and transformers'. Paged KV
-and attention are tests/test_attention.py; RMSNorm and the MLP gates tests/test_matmul.py."""
+"""The per-row kernels (csrc/kernels.c via ringshm.model.kernels): RoPE against the plain torch reference and
+transformers', RMSNorm and the MLP gates against torch in fp64 and batch-invariant. Paged KV and attention are
+tests/test_attention.py."""
 
 from __future__ import annotations
 
@@ -69,3 +70,61 @@ def test_rope_matches_transformers_llama_rotary_embedding():
     cos, sin = kernels.rope_tables(64, 64, 1e5)
     got = kernels.apply_rope(x[0].transpose(0, 1).contiguous(), 10, cos, sin)  # [T, H, D]
     torch.testing.assert_close(got, want[0].transpose(0, 1), atol=1e-6, rtol=1e-6)
+
+
+# --- RMSNorm and the MLP gates ----------------------------------------------------------------------
+
+
+def _rows_match_alone(fn, x: torch.Tensor) -> bool:
+    """True when every row of ``fn(x[:m])`` is bitwise the row computed alone, for m from 1 to all of x's rows."""
+    alone = torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+    return all(torch.equal(fn(x[:m]), alone[:m]) for m in (1, 2, 3, 7, 8, 16, 25, 33, 64, x.shape[0]))
+
+
+@pytest.mark.parametrize("k", [576, 64, 40])
+def test_rms_norm_is_close_to_torch_and_batch_invariant(k):
+    x, w = torch.randn(33, k) * 3, torch.randn(k)
+    out = kernels.rms_norm(x, w, 1e-5)
+    ref = torch.nn.functional.rms_norm(x.double(), (k,), w.double(), 1e-5)
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert _rows_match_alone(lambda a: kernels.rms_norm(a, w, 1e-5), torch.randn(256, k))
+
+
+@pytest.mark.parametrize("inter", [1536, 96, 21])
+def test_silu_mul_is_close_to_torch_and_batch_invariant(inter):
+    gu = torch.randn(33, 2 * inter) * 6
+    gu[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    out = kernels.act_mul(gu)
+    g, u = gu.double().chunk(2, dim=-1)
+    ref = torch.nn.functional.silu(g) * u
+    assert ((out.double() - ref).abs() <= 1e-6 * (1 + ref.abs())).all()
+    assert _rows_match_alone(kernels.act_mul, torch.randn(256, 2 * inter))
+
+
+@pytest.mark.parametrize("inter", [1536, 96, 21])
+def test_gelu_tanh_mul_is_close_to_torch_and_batch_invariant(inter):
+    gu = torch.randn(33, 2 * inter) * 6
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -3.0])
+    out = kernels.act_mul(gu, "gelu_tanh")
+    g, u = gu.double().chunk(2, dim=-1)
+    ref = torch.nn.functional.gelu(g, approximate="tanh") * u
+    assert ((out.double() - ref).abs() <= 2e-6 * (1 + ref.abs())).all()
+    assert _rows_match_alone(lambda a: kernels.act_mul(a, "gelu_tanh"), torch.randn(256, 2 * inter))
+
+
+@pytest.mark.parametrize("inter", [1536, 96, 21])
+def test_swiglu_oai_mul_is_close_to_transformers_and_batch_invariant(inter):
+    """gpt-oss's clamped SwiGLU: the gate clamped above, up on both sides, (up + 1) times the gate's swish."""
+    gu = torch.randn(33, 2 * inter) * 6
+    gu[0, :4] = torch.tensor([-100.0, 100.0, 0.0, 6.9])  # up: past either limit, inside
+    gu[0, inter:inter + 4] = torch.tensor([100.0, -100.0, 7.5, -7.5])
+    out = kernels.act_mul(gu, "swiglu_oai", 1.702, 7.0)
+    g, u = gu.double().chunk(2, dim=-1)
+    g = g.clamp(max=7.0)
+    ref = (u.clamp(-7.0, 7.0) + 1) * (g * torch.sigmoid(g * 1.702))  # GptOssExperts._apply_gate, de-interleaved
+    assert ((out.double() - ref).abs() <= 2e-6 * (1 + ref.abs())).all()
+    assert _rows_match_alone(lambda a: kernels.act_mul(a, "swiglu_oai", 1.702, 7.0), torch.randn(256, 2 * inter) * 6)
+    nan = torch.full((1, 2 * inter), float("nan"))
+    assert torch.isnan(kernels.act_mul(nan, "swiglu_oai")).all()  # the clamps keep a NaN, as torch.clamp does
+    with pytest.raises(ValueError):
+        kernels.act_mul(gu, "swiglu_oai", 1.702, 0.0)  # a limit of 0 clamps everything away: refused
