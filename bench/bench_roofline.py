@@ -20,7 +20,8 @@ the roofline's time, ``max(packed weight bytes / bandwidth, 2·M·N·K / peak)``
 
     python -m pytest bench/bench_roofline.py --benchmark-only -s -p no:cacheprovider
 
-The table names the CPU (vendor, family / model, ISA path). Issue 28's goal at M = 1 is >= 0.85 of the
+The last cases time the row prefetch forced on against forced off on the same weights (``qmatmul.set_row_prefetch``):
+whether it pays on this CPU. The table names the CPU (vendor, family / model, ISA path). Issue 28's goal at M = 1 is >= 0.85 of the
 bandwidth for every type; for the prefill GEMM >= 0.75 of the peak.
 """
 
@@ -172,3 +173,56 @@ def test_int8_activations_against_fp32(benchmark, figures, qtype, m):
         figures.summary.append(f"  {'case':<22} {'int8 time':>10} {'GB/s':>7} {'of bw':>6} {'x fp32 speed':>12}")
     figures.summary.append(f"  {name:<22} {t8 * 1e6:8.0f}us {nbytes / t8 / 1e9:7.1f} "
                            f"{nbytes / bandwidth / t8:6.2f} {speed:12.2f}")
+
+
+IN_ORDER = (qm.Q4_0, qm.Q4_1, qm.Q8_0, qm.Q4_K, qm.MXFP4, qm.F16, qm.BF16)  # the types the row prefetch applies to
+PF_CASES = [(t, m, act) for t in IN_ORDER for m, act in ((1, "float32"), (16, "float32"), (1, "int8"))
+            if act == "float32" or t in qm.QUANTIZED]
+PF_ROUNDS = 6
+
+
+@pytest.mark.parametrize("qtype,m,act", PF_CASES, ids=[f"{qm.type_name(t)}-M{m}-{a}" for t, m, a in PF_CASES])
+def test_the_row_prefetch_on_against_off(benchmark, figures, qtype, m, act):
+    """The software prefetch of the rows ahead (``qmatmul.set_row_prefetch``; cpuid's choice: on for AMD Zen 5,
+    off elsewhere, csrc/matmul.c) forced on and off in the same process, a thread per core, back to back in each of
+    ``PF_ROUNDS`` rounds (order flipped every round): the figure is the median of the rounds' on / off time ratios
+    (below 1: the prefetch pays on this CPU). What a session on a CPU not yet measured reads to set its default."""
+    threads = THREADS[-1]
+    r = ring(qtype)
+    x = torch.randn(m, K)
+    pairs: list[tuple[float, float]] = []
+
+    def timed(on: bool) -> float:
+        qm.set_row_prefetch(on)
+        r.next().matmul(x, threads=threads, activations=act)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            r.next().matmul(x, threads=threads, activations=act)
+        return (time.perf_counter() - t0) / calls
+
+    t0 = time.perf_counter()
+    r.next().matmul(x, threads=threads, activations=act)
+    calls = max(1, min(100, int(0.05 / max(time.perf_counter() - t0, 1e-6))))
+
+    def run():
+        for i in range(PF_ROUNDS):
+            if i % 2:
+                off = timed(False)
+                pairs.append((timed(True), off))
+            else:
+                on = timed(True)
+                pairs.append((on, timed(False)))
+
+    try:
+        benchmark.pedantic(run, rounds=1, iterations=1)
+    finally:
+        qm.set_row_prefetch(None)
+    name = f"{qm.type_name(qtype)} M={m} T={threads} {act}"
+    figures.paired_ratio(f"row prefetch on / off time, {name}", pairs)
+    nbytes = r.items[0].nbytes
+    on, off = (sorted(p[i] for p in pairs)[len(pairs) // 2] for i in (0, 1))
+    if not any(line.startswith("row prefetch") for line in figures.summary):
+        figures.summary.append(f"row prefetch on against off, {SHAPE}, {threads} thread(s), on {cpu_label()}")
+        figures.summary.append(f"  {'case':<30} {'off GB/s':>9} {'on GB/s':>8} {'on / off time':>14}")
+    figures.summary.append(f"  {name:<30} {nbytes / off / 1e9:9.1f} {nbytes / on / 1e9:8.1f} "
+                           f"{sorted(a / b for a, b in pairs)[len(pairs) // 2]:14.2f}")
