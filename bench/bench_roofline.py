@@ -21,8 +21,8 @@ the roofline's time, ``max(packed weight bytes / bandwidth, 2·M·N·K / peak)``
     python -m pytest bench/bench_roofline.py --benchmark-only -s -p no:cacheprovider
 
 The last cases time the row prefetch forced on against forced off on the same weights (``qmatmul.set_row_prefetch``):
-whether it pays on this CPU. The table names the CPU (vendor, family / model, ISA path). Issue 28's goal at M = 1 is >= 0.85 of the
-bandwidth for every type; for the prefill GEMM >= 0.75 of the peak.
+whether it pays on this CPU. The table names the CPU (vendor, family / model, ISA path). Issue 28's goal at M = 1 is
+>= 0.85 of the bandwidth for every type; for the prefill GEMM >= 0.75 of the peak.
 """
 
 from __future__ import annotations
