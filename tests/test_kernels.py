@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from ringshm.model import kernels
+from test_matmul import rows_match_alone  # the matmul tests' bitwise row-alone check, over their M sweep
 
 ATOL = RTOL = 1e-5
 
@@ -75,19 +76,13 @@ def test_rope_matches_transformers_llama_rotary_embedding():
 # --- RMSNorm and the MLP gates ----------------------------------------------------------------------
 
 
-def _rows_match_alone(fn, x: torch.Tensor) -> bool:
-    """True when every row of ``fn(x[:m])`` is bitwise the row computed alone, for m from 1 to all of x's rows."""
-    alone = torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
-    return all(torch.equal(fn(x[:m]), alone[:m]) for m in (1, 2, 3, 7, 8, 12, 16, 24, 25, 33, 64, x.shape[0]))
-
-
 @pytest.mark.parametrize("k", [576, 64, 40])
 def test_rms_norm_is_close_to_torch_and_batch_invariant(k):
     x, w = torch.randn(33, k) * 3, torch.randn(k)
     out = kernels.rms_norm(x, w, 1e-5)
     ref = torch.nn.functional.rms_norm(x.double(), (k,), w.double(), 1e-5)
     assert (out.double() - ref).abs().max().item() < 1e-5
-    assert _rows_match_alone(lambda a: kernels.rms_norm(a, w, 1e-5), torch.randn(256, k))
+    assert rows_match_alone(lambda a: kernels.rms_norm(a, w, 1e-5), torch.randn(256, k))
 
 
 @pytest.mark.parametrize("inter", [1536, 96, 21])
@@ -98,7 +93,7 @@ def test_silu_mul_is_close_to_torch_and_batch_invariant(inter):
     g, u = gu.double().chunk(2, dim=-1)
     ref = torch.nn.functional.silu(g) * u
     assert ((out.double() - ref).abs() <= 1e-6 * (1 + ref.abs())).all()
-    assert _rows_match_alone(kernels.act_mul, torch.randn(256, 2 * inter))
+    assert rows_match_alone(kernels.act_mul, torch.randn(256, 2 * inter))
 
 
 @pytest.mark.parametrize("inter", [1536, 96, 21])
@@ -109,7 +104,7 @@ def test_gelu_tanh_mul_is_close_to_torch_and_batch_invariant(inter):
     g, u = gu.double().chunk(2, dim=-1)
     ref = torch.nn.functional.gelu(g, approximate="tanh") * u
     assert ((out.double() - ref).abs() <= 2e-6 * (1 + ref.abs())).all()
-    assert _rows_match_alone(lambda a: kernels.act_mul(a, "gelu_tanh"), torch.randn(256, 2 * inter))
+    assert rows_match_alone(lambda a: kernels.act_mul(a, "gelu_tanh"), torch.randn(256, 2 * inter))
 
 
 @pytest.mark.parametrize("inter", [1536, 96, 21])
@@ -123,7 +118,7 @@ def test_swiglu_oai_mul_is_close_to_transformers_and_batch_invariant(inter):
     g = g.clamp(max=7.0)
     ref = (u.clamp(-7.0, 7.0) + 1) * (g * torch.sigmoid(g * 1.702))  # GptOssExperts._apply_gate, de-interleaved
     assert ((out.double() - ref).abs() <= 2e-6 * (1 + ref.abs())).all()
-    assert _rows_match_alone(lambda a: kernels.act_mul(a, "swiglu_oai", 1.702, 7.0), torch.randn(256, 2 * inter) * 6)
+    assert rows_match_alone(lambda a: kernels.act_mul(a, "swiglu_oai", 1.702, 7.0), torch.randn(256, 2 * inter) * 6)
     nan = torch.full((1, 2 * inter), float("nan"))
     assert torch.isnan(kernels.act_mul(nan, "swiglu_oai")).all()  # the clamps keep a NaN, as torch.clamp does
     with pytest.raises(ValueError):
