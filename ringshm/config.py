@@ -84,6 +84,10 @@ class EngineConfig(KeywordsNamed):
             and off elsewhere (``ringshm.model.qmatmul.row_prefetch``; csrc/matmul.c has the measurements: on Zen 5
             it streamed Q4_K 1.2 x and the 8-bit Q4_K 2.4 x as fast at one row; on Zen 4 it cost 1.4-1.7 x the
             time); True or False forces it, for a CPU not measured. Speed only: no byte of any output changes.
+        huge_pages: whether the stages ask the kernel for 2 MiB pages for their packed weights (True, the default;
+            ``ringshm.model.hugepages``: Linux transparent huge pages where the system allows them): on an AMD EPYC
+            Zen 5 one stream decoded 1.03-1.14 x as fast, a load where memory is fragmented took ~1.5 s more per
+            GB for the compaction (the 30B shape's loaded faster). False keeps 4 KiB pages. Speed only.
         op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.
         link_latency_ms: simulated latency of every hop (0: none), standing in for the slow links the seed
@@ -116,6 +120,7 @@ class EngineConfig(KeywordsNamed):
     dtype: str = "float32"
     matmul_activations: str = "float32"
     row_prefetch: bool | None = None
+    huge_pages: bool = True
     op_timeout_s: float = 120.0
     startup_timeout_s: float = 600.0
     link_latency_ms: float = 0.0
@@ -152,6 +157,8 @@ class EngineConfig(KeywordsNamed):
                              f"device={self.device!r}, dtype={self.dtype!r})")
         if self.row_prefetch is not None and not isinstance(self.row_prefetch, bool):
             raise ValueError(f"row_prefetch must be True, False or None (the CPU's choice), got {self.row_prefetch!r}")
+        if not isinstance(self.huge_pages, bool):
+            raise ValueError(f"huge_pages must be True or False, got {self.huge_pages!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         if self.layer_split is not None:

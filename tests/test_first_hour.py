@@ -23,6 +23,7 @@ from ringshm.model.loader import read_config
 from ringshm.runtime.resources import check_memory, ring_capacities
 from ringshm.transport.segment import Segment, list_segments, process_start_time
 from test_fail_fast import stage_pids
+from test_hugepages import advised_bytes
 
 KW = dict(prefill_chunk=64, max_rows=1, max_seq_len=256, progress=False)
 pytestmark = pytest.mark.usefixtures("no_segment_left_behind")
@@ -73,6 +74,13 @@ def test_help_of_every_option_shows_its_default(command):
         help_text = " ".join(sub._get_formatter()._expand_help(action).split())
         assert "default" in help_text, f"{command} {action.option_strings[0]}: {help_text!r}"
         assert help_text[:40] in text
+
+
+@pytest.mark.parametrize("flag, want", [([], True), (["--huge-pages", "off"], False), (["--huge-pages", "on"], True)])
+def test_the_huge_pages_flag_reaches_the_engine_config(flag, want):
+    from ringshm.cli import _engine_kwargs
+
+    assert _engine_kwargs(build_parser().parse_args(["generate", *flag, "Hi"]))["huge_pages"] is want
 
 
 def test_a_bad_depth_is_refused_before_anything_starts(capsys):
@@ -206,6 +214,19 @@ def engine(model_path):
 def test_stage_processes_have_readable_titles(engine):
     titles = [open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0].decode() for pid in engine.pids]
     assert titles == ["ringshm stage 0/2 layers 0-14", "ringshm stage 1/2 layers 15-29"]
+
+
+def test_the_last_stage_holds_its_packed_head_in_pages_advised_huge(engine):
+    """EngineConfig.huge_pages (default on) reaches the stage processes: the tied head, Q8_0 49,152 x 576 (~30 MB),
+    sits in whole 2 MiB extents advised as huge pages; stage 0's weights are each under 2 MiB (4 KiB pages)."""
+    assert [advised_bytes(pid) >> 20 for pid in engine.pids] == [0, 28]
+
+
+def test_huge_pages_off_keeps_every_stage_mapping_in_4k_pages_and_the_same_tokens(engine, model_path):
+    want = engine.generate("Hi", max_new_tokens=4).token_ids
+    with Engine(model_path, stages=1, huge_pages=False, **KW) as small_pages:
+        assert [advised_bytes(pid) for pid in small_pages.pids] == [0]
+        assert small_pages.generate("Hi", max_new_tokens=4).token_ids == want
 
 
 @pytest.mark.parametrize("prompt, match", [

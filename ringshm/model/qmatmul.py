@@ -25,6 +25,7 @@ import torch
 from ringshm._C import ffi, lib
 from ringshm.config import MATMUL_ACTIVATIONS
 from ringshm.errors import check_status
+from ringshm.model.hugepages import weight_buffer
 
 QK = 32  # weights per legacy quantized block (ggml's QK4_0 / QK5_0 / QK8_0 ...)
 QK_K = 256  # weights per K-quant super-block (ggml's QK_K)
@@ -249,7 +250,7 @@ class PackedWeight:
         self.n_padded = (raw.n + 15) // 16 * 16
         size = lib.ringshm_qmat_packed_bytes(raw.qtype, raw.n, raw.k)
         check_status(size, "PackedWeight")
-        self.packed = torch.empty(int(size), dtype=torch.uint8)
+        self.packed = weight_buffer(int(size))  # 2 MiB pages where the kernel gives them (hugepages.py)
         src = raw.data.contiguous()
         check_status(lib.ringshm_qmat_pack(raw.qtype, ffi.cast("uint8_t *", src.data_ptr()), src.numel(), raw.n,
                                            raw.k, ffi.cast("uint8_t *", self.packed.data_ptr()), self.packed.numel()),
@@ -362,7 +363,7 @@ class PackedExperts:
         self.qtype, self.n, self.k, self.n_experts = raws[0].qtype, raws[0].n, raws[0].k, len(raws)
         size = lib.ringshm_qmat_packed_bytes(self.qtype, self.n, self.k)
         self.stride = int(check_status(size, "PackedExperts"))
-        self.packed = torch.empty(self.stride * len(raws), dtype=torch.uint8)
+        self.packed = weight_buffer(self.stride * len(raws))
         for e, raw in enumerate(raws):
             src = raw.data.contiguous()
             check_status(lib.ringshm_qmat_pack(self.qtype, ffi.cast("uint8_t *", src.data_ptr()), src.numel(),

@@ -201,6 +201,7 @@ class StageGroup:
                                  max_op_tokens=cfg.max_op_tokens, node=plan.node, block_size=cfg.block_size,
                                  n_blocks=n_blocks, kv_dtype=cfg.kv_cache_dtype,
                                  matmul_activations=cfg.matmul_activations, row_prefetch=cfg.row_prefetch,
+                                 huge_pages=cfg.huge_pages,
                                  gpu=(i - local.start) % n_gpus if n_gpus else None)
                 p = ctx.Process(target=stage_main, args=(spec, self.status, self.errors, self.ended), daemon=True,
                                 name=f"ringshm-stage-{i}")

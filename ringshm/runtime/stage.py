@@ -56,6 +56,7 @@ class StageSpec:
     kv_dtype: str = "float32"  # what the KV blocks store (EngineConfig.kv_cache_dtype)
     matmul_activations: str = "float32"  # what the C matmuls multiply (EngineConfig.matmul_activations)
     row_prefetch: bool | None = None  # the C matmuls' row prefetch (EngineConfig.row_prefetch): None the CPU's choice
+    huge_pages: bool = True  # packed weights in 2 MiB pages (EngineConfig.huge_pages)
     node: int = 0  # the host it runs on (ringshm.transport.cluster): set explicitly, never inferred from shared memory
     gpu: int | None = None  # device="cuda": the GPU this stage binds (CUDA_VISIBLE_DEVICES, set before CUDA starts)
 
@@ -133,13 +134,13 @@ def stage_main(spec: StageSpec, status, errors=None, ended=None) -> None:
 def _load(spec: StageSpec):
     import torch
 
+    from ringshm.model import hugepages, qmatmul
     from ringshm.model.stage_model import StageModel
 
     device = "cuda:0" if spec.device == "cuda" else "cpu"  # CUDA_VISIBLE_DEVICES already picked the GPU
     if spec.row_prefetch is not None:
-        from ringshm.model import qmatmul
-
         qmatmul.set_row_prefetch(spec.row_prefetch)
+    hugepages.set_huge_pages(spec.huge_pages)
     return StageModel.from_path(
         spec.model_path, (spec.layer_start, spec.layer_stop), is_first=spec.index == 0,
         is_last=spec.index == spec.n_stages - 1, max_rows=spec.max_rows, max_seq_len=spec.max_seq_len,
