@@ -86,7 +86,7 @@ class EngineConfig(KeywordsNamed):
             time); True or False forces it, for a CPU not measured. Speed only: no byte of any output changes.
         huge_pages: whether the stages ask the kernel for 2 MiB pages for their packed weights (True, the default;
             ``ringshm.model.hugepages``: Linux transparent huge pages where the system allows them): on an AMD EPYC
-            Zen 5 one stream decoded 1.03-1.14 x as fast, a load where memory is fragmented took ~1.5 s more per
+            Zen 5 one stream decoded 0.99-1.14 x as fast, a load where memory is fragmented took ~1.5 s more per
             GB for the compaction (the 30B shape's loaded faster). False keeps 4 KiB pages. Speed only.
         op_timeout_s: the longest the coordinator waits for one reply before raising ``RingTimeout``.
         startup_timeout_s: the longest startup (every stage loaded and answering) may take.
