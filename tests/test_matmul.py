@@ -25,7 +25,7 @@ GGUF_QUANT = {t: QT(t) for t in [qm.Q4_0, qm.Q4_1, qm.Q8_0, *NEW_TYPES]}
 FLOAT = {qm.F32: torch.float32, qm.F16: torch.float16, qm.BF16: torch.bfloat16}
 ALL_TYPES = [qm.Q4_0, qm.Q4_1, qm.Q8_0, qm.F16, qm.BF16, qm.F32, *NEW_TYPES]
 ISAS = [isa for isa in qm.ISA_NAMES if lib.ringshm_isa_supported(isa)]
-M_SWEEP = (1, 2, 3, 7, 8, 12, 16, 24, 25, 33, 64, 256)  # 8-24: the register decode in 2-4 tiles
+M_SWEEP = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 25, 32, 33, 64, 256)  # 6-32: the register decode in 2-8 tiles
 # Bytes of each quantized block (ggml's GGML_QUANT_SIZES) and where its fp16 scales sit: the rest of a block
 # built from random bytes is any integer the type can hold. MXFP4's scale is its E8M0 byte 0 (random_blocks).
 BLOCK = {qm.Q5_0: (22, (0,)), qm.Q5_1: (24, (0, 2)), qm.Q4_K: (144, (0, 2)), qm.Q5_K: (176, (0, 2)),
