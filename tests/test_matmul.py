@@ -127,8 +127,9 @@ def rows_match_alone(matmul, x: torch.Tensor) -> bool:
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("n", [200, 192])
 def test_each_row_is_bitwise_the_same_for_every_batch_size_and_thread_count(qtype, threads, n):
-    """n = 200: 13 panels, groups and thread splits fall unevenly; 192: 12, a layout group's last 4 panels, which at
-    M <= 3 take the register decode at the large width (AVX-512) where a whole group takes the small one."""
+    """n = 200: 13 panels, groups and thread splits fall unevenly; 192: 12, a layout group's last 4 panels, which take
+    the register decode at the large width (AVX-512) where a whole group takes the small one (M <= 3; Q8_0 and the
+    float types up to 12 rows)."""
     k = kfit(qtype, 96)
     raw, _, _ = make_weight(qtype, n, k)
     pw = qm.PackedWeight(raw, torch.randn(n))
