@@ -99,7 +99,9 @@ int ringshm_mm_slab_blocks(void) {
  *   AMD EPYC Zen 4 (family 25 model 17), 2026-12-06, the same process alternating: on took 1.36-1.65 x the time of
  *   off at M = 1, 2 threads (matmul_dequant.inc has the figures); the 8-bit Q4_K at M = 1 on one thread read 10 GB/s
  *   on, 16.8 off. Its 8-bit slab asks for Q4_K's rows either way (0.92-0.97 x the time there).
- * Intel CPUs and older AMD ones were not measured with this layout: off, as on Zen 4. */
+ * Those figures are of the rows ahead asked for a block's share at once; the fp32 register decode and the 8-bit Q8_0
+ * and Q4_1 now ask for each unit as they read it (matmul_dequant.inc: 0.52-1.01 x the time of that on Zen 5), not
+ * measured on Zen 4. Intel CPUs and older AMD ones were not measured with this layout: off, as on Zen 4. */
 static int row_prefetch_of_cpu(void) {
 #if RINGSHM_HAVE_X86_ISAS
     unsigned eax, ebx, ecx, edx;
