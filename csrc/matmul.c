@@ -92,7 +92,7 @@ int ringshm_mm_slab_blocks(void) {
  * alternating in one process, medians of 4-6 rounds, fp32 activations unless named):
  *   AMD EPYC Zen 5 (family 26 model 2), 2026-12-06: off / on, 2 threads, GB/s of weights at M = 1: Q4_0 34.3 / 38.7,
  *   Q4_1 31.4 / 45.9, Q4_K 38.6 / 45.8, MXFP4 38.9 / 47.3, F16 38.6 / 48.1, Q8_0 and BF16 even (Q8_0 1.16-1.19 x
- *   the time on, in a slower phase: its fp32 ops of 1-3 rows do not ask, matmul_impl.inc); at M = 16 Q4_0 3.9 / 5.2,
+ *   the time on, in a slower phase: its fp32 ops of 1-3 rows did not ask then); at M = 16 Q4_0 3.9 / 5.2,
  *   Q4_K 4.0 / 6.1, Q8_0 6.5 / 8.6, MXFP4 3.7 / 5.3; M = 64 and 256 even; one thread Q4_K 19.0 / 22.5,
  *   F16 15.2 / 20.5. 8-bit activations, M = 1: Q4_K 20.6 / 49.1, Q4_1 37.1 / 52.8, Q8_0 31.2 / 36.0, MXFP4 32.3 /
  *   37.9 (one thread Q4_K 11.1 / 28.9); M = 3 Q4_K 18.6 / 38.3; M = 16 Q4_K 7.7 / 11.8, MXFP4 7.0 / 10.8.
