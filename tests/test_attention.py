@@ -95,6 +95,27 @@ def test_the_bits_do_not_depend_on_the_block_size():
         assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
+def test_the_row_prefetch_changes_no_bit_of_attention():
+    """Where the row prefetch is on (``qmatmul.set_row_prefetch``), attention also asks for the next key tile's keys
+    and values as it reads a tile (csrc/kernels_impl.inc): forced on and off, decode rows, a chunk across blocks and
+    a window give the same bits."""
+    from ringshm.model import qmatmul as qm
+
+    g = _gen(42)
+    k_row, v_row = _row(3, 700, 64, g)
+    pool, table = paged(k_row, v_row, 32, seed=3)
+    q = torch.randn(40, 9, 64, generator=g)
+    runs = {}
+    try:
+        for on in (False, True):
+            assert qm.set_row_prefetch(on) is on
+            runs[on] = [A.attention(q[:n], pool, table, start, window)
+                        for n, start, window in ((1, 0, 0), (1, 650, 0), (40, 600, 0), (7, 640, 100))]
+    finally:
+        qm.set_row_prefetch(None)
+    assert all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
+
+
 def test_a_block_size_that_is_not_a_multiple_of_the_key_tile_is_refused():
     with pytest.raises(ValueError, match="multiple of 32"):
         A.KVPool(4, 1, 16, 16)
