@@ -377,9 +377,9 @@ class PackedExperts:
 
 def row_prefetch() -> bool:
     """Whether the matmuls started from now on ask for the packed rows ahead (software prefetch) of the types read in
-    the order they are stored: the CPU's choice (on for AMD Zen 5 and later, where it streams Q4_K 1.2 x and the 8-bit
-    Q4_K 2.4 x as fast at M = 1; off elsewhere, measured on Zen 4: csrc/matmul.c), unless ``set_row_prefetch``
-    forced it. No bit of any result depends on it."""
+    the order they are stored (and attention for its next fp32 KV tile): the CPU's choice (on for AMD Zen 5 and later,
+    where it streams Q4_K 1.2 x and the 8-bit Q4_K 2.4 x as fast at M = 1; off elsewhere, measured on Zen 4:
+    csrc/matmul.c), unless ``set_row_prefetch`` forced it. No bit of any result depends on it."""
     return bool(lib.ringshm_mm_row_prefetch())
 
 
