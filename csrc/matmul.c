@@ -303,6 +303,54 @@ static void panels_job_run(const void *ctx, int64_t lo, int64_t hi) {
     j->fn(j->a, lo * RINGSHM_PANEL_GROUP, p1 < n_panels ? p1 : n_panels);
 }
 
+/* An op of at least MM_SPLIT_ROWS rows is split between threads by its work, panels x rows, not by whole groups of
+ * panels: where the groups do not divide evenly (36 panels, SmolLM2's 576 columns: 5 groups, the last of 4 panels;
+ * 40, Gemma 3 270M's 640), the thread with more groups had 20 / 36 or 24 / 40 of the work and the other waited. The
+ * split points fall between rows of a group in multiples of MM_SPLIT_QUANTUM (the register decode's tiles of 4 rows
+ * on AVX-512), so that a group can be shared: its rows [0, r) on one thread, [r, m) on the next, each reading the
+ * group's weights (one group more read an op: where a tile's weights serve 4 rows or more, the fmas bound it, not
+ * the weights). Each output element is the same function of its row of x and its weight row whatever rows run
+ * beside it (matmul.h), so the split changes no bit. Measured on an AMD EPYC Zen 5 (2 threads, StageModel in one
+ * process, the two splits alternating over 8 rounds, 2026-12-07): SmolLM2's 256-token prefill 0.976 x the time,
+ * Gemma 3 270M's 0.958; a 16-row decode step 1.024 x the tok/s (SmolLM2), 1.004 (Gemma, whose head is most of
+ * it); 8 rows 1.004. Widths of whole groups a thread (the 1B's 2048) split where they did before. */
+#define MM_SPLIT_ROWS 4
+#define MM_SPLIT_QUANTUM 4
+
+/* Work w (panel-rows, 0 <= w <= all of them, group-major: a group holds its panels x m) as a position g * m + r: the
+ * group it falls in and its rows before w, rounded to a multiple of the quantum (r = m: the next group's start). */
+static int64_t split_pos(int64_t n_panels, int64_t m, int64_t w) {
+    const int64_t G = RINGSHM_PANEL_GROUP, n_groups = (n_panels + G - 1) / G, g = w / (G * m);
+    if (g >= n_groups || w >= n_panels * m) return n_groups * m;
+    const int64_t pg = g == n_groups - 1 ? n_panels - g * G : G, q = pg * MM_SPLIT_QUANTUM;
+    const int64_t r = (w - g * G * m + q / 2) / q * MM_SPLIT_QUANTUM;
+    return g * m + (r < m ? r : m);
+}
+
+/* The thread's share [lo, hi) of the panel-rows: its whole groups in one call, a group it shares by rows alone. */
+static void panels_rows_run(const void *ctx, int64_t lo, int64_t hi) {
+    const struct panels_job *j = ctx;
+    const struct ringshm_mm_args *a = j->a;
+    const int64_t m = a->m, n_panels = (a->n + 15) / 16, G = RINGSHM_PANEL_GROUP;
+    const int64_t pos1 = split_pos(n_panels, m, hi);
+    for (int64_t pos = split_pos(n_panels, m, lo); pos < pos1;) {
+        const int64_t g = pos / m, r0 = pos % m, r1 = pos1 - g * m < m ? pos1 - g * m : m;
+        if (r0 == 0 && r1 == m) { /* groups [g, g1) whole */
+            const int64_t g1 = pos1 / m;
+            j->fn(a, g * G, g1 * G < n_panels ? g1 * G : n_panels);
+            pos = g1 * m;
+            continue;
+        }
+        struct ringshm_mm_args b = *a; /* rows [r0, r1) of group g */
+        b.m = r1 - r0, b.out = a->out + r0 * a->ldo;
+        if (a->x) b.x = a->x + r0 * a->k;
+        if (a->xq) b.xq = a->xq + r0 * a->nb;
+        if (a->residual) b.residual = a->residual + r0 * a->ldr;
+        j->fn(&b, g * G, (g + 1) * G < n_panels ? (g + 1) * G : n_panels);
+        pos = g * m + r1;
+    }
+}
+
 /* The checks and the thread split shared by ringshm_qmat_matmul and ringshm_qmat_matmul_q8: x (fp32) or xq. */
 static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int64_t n, int64_t k, const float *x,
                       const uint8_t *xq, int64_t xq_bytes, int64_t m, float *out, int64_t ldo, const float *bias,
@@ -329,9 +377,15 @@ static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int
         .slab_blocks = ringshm_mm_slab_blocks(), .xq = (const struct ringshm_q8_block *)xq,
         .row_prefetch = ringshm_mm_row_prefetch()};
     const int64_t n_groups = (n_panels + RINGSHM_PANEL_GROUP - 1) / RINGSHM_PANEL_GROUP;
-    int nt = n_threads < 1 ? 1 : n_threads;
-    if (nt > n_groups) nt = (int)n_groups;
     const struct panels_job job = {fn, &a};
+    int nt = n_threads < 1 ? 1 : n_threads;
+    if (nt > 1 && m >= MM_SPLIT_ROWS) { /* by panel-rows, every thread at least a quantum of a group's rows */
+        const int64_t quanta = n_groups * ((m + MM_SPLIT_QUANTUM - 1) / MM_SPLIT_QUANTUM);
+        if (nt > quanta) nt = (int)quanta;
+        ringshm_parallel_in_caller_mode(nt, n_panels * m, 0, panels_rows_run, &job);
+        return RINGSHM_MATMUL_OK;
+    }
+    if (nt > n_groups) nt = (int)n_groups;
     ringshm_parallel_in_caller_mode(nt, n_groups, 0, panels_job_run, &job);
     return RINGSHM_MATMUL_OK;
 }

@@ -97,7 +97,8 @@
  * fma is the IEEE fused multiply-add (one rounding), so every path (AVX-512, AVX2 + FMA, portable C with
  * fmaf) computes the same bits; the SIMD files are built with fp-contract off so the compiler adds no fusions
  * of its own. Each (m, n) depends only on x[m, :], W[n, :] and bias/residual at (m, n): not on M, on the rows
- * next to it in the op, or on the thread count. Threads split the panels (output rows: whole groups), never K.
+ * next to it in the op, or on the thread count. Threads split the panels (output rows: whole groups) and, from 4
+ * rows, a group's rows of x (matmul.c), never K.
  * Algebraically this is x . (d q + m) summed over k, i.e. the fp32-dequantized product up to rounding order.
  *
  * Memory: the caller owns every buffer; nothing here allocates, prints or keeps state. Scratch is on the stack

@@ -138,6 +138,27 @@ def test_each_row_is_bitwise_the_same_for_every_batch_size_and_thread_count(qtyp
     assert torch.equal(pw.matmul(x, threads=threads), pw.matmul(x, threads=1))
 
 
+@pytest.mark.parametrize("act", ["float32", "int8"])
+@pytest.mark.parametrize("qtype", [qm.Q4_1, qm.Q8_0], ids=["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("n", [576, 200, 80])
+def test_ops_of_4_rows_or_more_split_groups_by_rows_between_threads_and_change_no_bit(n, qtype, act):
+    """From 4 rows an op is split between threads by panels x rows (csrc/matmul.c), so a group of panels can be
+    shared: its first rows on one thread, the rest on the next. n = 576: 36 panels, 5 groups, the last of 4 (SmolLM2's
+    width); 200: 13 panels; 80: 5 panels, one group, so every thread past the first runs rows of it alone. With a
+    bias and a residual, each thread count equals one thread bit for bit, and so does each row alone (Q4_1: a min,
+    so block sums of x per row; Q8_0: the small width up to 12 rows)."""
+    k = kfit(qtype, 512)
+    raw, _, _ = make_weight(qtype, n, k)
+    pw = qm.PackedWeight(raw, torch.randn(n))
+    x, res = torch.randn(37, k), torch.randn(37, n)
+    for m in (4, 5, 7, 13, 16, 37):
+        one = pw.matmul(x[:m], residual=res[:m], threads=1, activations=act)
+        alone = torch.cat([pw.matmul(x[i:i + 1], residual=res[i:i + 1], threads=1, activations=act) for i in range(m)])
+        assert torch.equal(one, alone), m
+        for threads in (2, 3, 5):
+            assert torch.equal(pw.matmul(x[:m], residual=res[:m], threads=threads, activations=act), one), (m, threads)
+
+
 def test_the_invariance_check_catches_a_split_k_reduction():
     """The deliberate mutation: split K in two halves for M > 1 (what a split-K GEMM does). Same math, other
     rounding order, so the check above must fail on it."""
