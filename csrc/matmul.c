@@ -295,35 +295,31 @@ struct panels_job {
     const struct ringshm_mm_args *a;
 };
 
-/* Groups [lo, hi) of the packed layout (RINGSHM_PANEL_GROUP panels each, matmul_internal.h): a thread's panels
- * start a group, so that it reads its weights as one stream. */
-static void panels_job_run(const void *ctx, int64_t lo, int64_t hi) {
-    const struct panels_job *j = ctx;
-    const int64_t n_panels = (j->a->n + 15) / 16, p1 = hi * RINGSHM_PANEL_GROUP;
-    j->fn(j->a, lo * RINGSHM_PANEL_GROUP, p1 < n_panels ? p1 : n_panels);
-}
-
-/* An op of at least MM_SPLIT_ROWS rows is split between threads by its work, panels x rows, not by whole groups of
- * panels: where the groups do not divide evenly (36 panels, SmolLM2's 576 columns: 5 groups, the last of 4 panels;
- * 40, Gemma 3 270M's 640), the thread with more groups had 20 / 36 or 24 / 40 of the work and the other waited. The
- * split points fall between rows of a group in multiples of MM_SPLIT_QUANTUM (the register decode's tiles of 4 rows
- * on AVX-512), so that a group can be shared: its rows [0, r) on one thread, [r, m) on the next, each reading the
- * group's weights (one group more read an op: where a tile's weights serve 4 rows or more, the fmas bound it, not
- * the weights). Each output element is the same function of its row of x and its weight row whatever rows run
- * beside it (matmul.h), so the split changes no bit. Measured on an AMD EPYC Zen 5 (2 threads, StageModel in one
- * process, the two splits alternating over 8 rounds, 2026-12-07): SmolLM2's 256-token prefill 0.976 x the time,
- * Gemma 3 270M's 0.958; a 16-row decode step 1.024 x the tok/s (SmolLM2), 1.004 (Gemma, whose head is most of
- * it); 8 rows 1.004. Widths of whole groups a thread (the 1B's 2048) split where they did before. */
-#define MM_SPLIT_ROWS 4
+/* An op is split between threads by its work, panels x rows, at points between groups of the packed layout
+ * (RINGSHM_PANEL_GROUP panels, matmul_internal.h; a thread whose panels start a group reads its weights as one
+ * stream) and, from MM_SPLIT_QUANTUM rows on, between rows of a group in multiples of that quantum (the register
+ * decode's tiles of 4 rows on AVX-512): a group can then be shared, its rows [0, r) on one thread, [r, m) on the
+ * next, each reading the group's weights (one group more read an op: where a tile's weights serve 4 rows or more,
+ * the fmas bound it, not the weights). Split by whole groups alone, where the groups do not divide evenly (36
+ * panels, SmolLM2's 576 columns: 5 groups, the last of 4 panels; 40, Gemma 3 270M's 640), the thread with more
+ * groups had 20 / 36 or 24 / 40 of the work and the other waited. Each output element is the same function of its
+ * row of x and its weight row whatever rows run beside it (matmul.h), so the split changes no bit. Measured on an
+ * AMD EPYC Zen 5 against whole groups alone (2 threads, StageModel in one process, the two alternating over 8
+ * rounds, 2026-12-07): SmolLM2's 256-token prefill 0.976 x the time, Gemma 3 270M's 0.958; a 16-row decode step
+ * 1.024 x the tok/s (SmolLM2), 1.004 (Gemma, whose head is most of it); 8 rows 1.004. Widths of whole groups a
+ * thread (the 1B's 2048) split where they did before; ops of fewer rows than the quantum split between groups, the
+ * threads' shares as even as whole groups allow (as before, though not always the same thread takes the larger). */
 #define MM_SPLIT_QUANTUM 4
 
 /* Work w (panel-rows, 0 <= w <= all of them, group-major: a group holds its panels x m) as a position g * m + r: the
- * group it falls in and its rows before w, rounded to a multiple of the quantum (r = m: the next group's start). */
+ * group it falls in and its rows before w, rounded to the nearest multiple of the quantum, or of m where m is less
+ * (then r is 0 or m: a group boundary); r = m is the next group's start. */
 static int64_t split_pos(int64_t n_panels, int64_t m, int64_t w) {
     const int64_t G = RINGSHM_PANEL_GROUP, n_groups = (n_panels + G - 1) / G, g = w / (G * m);
     if (g >= n_groups || w >= n_panels * m) return n_groups * m;
-    const int64_t pg = g == n_groups - 1 ? n_panels - g * G : G, q = pg * MM_SPLIT_QUANTUM;
-    const int64_t r = (w - g * G * m + q / 2) / q * MM_SPLIT_QUANTUM;
+    const int64_t rows = m < MM_SPLIT_QUANTUM ? m : MM_SPLIT_QUANTUM;
+    const int64_t pg = g == n_groups - 1 ? n_panels - g * G : G, q = pg * rows;
+    const int64_t r = (w - g * G * m + q / 2) / q * rows;
     return g * m + (r < m ? r : m);
 }
 
@@ -378,15 +374,11 @@ static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int
         .row_prefetch = ringshm_mm_row_prefetch()};
     const int64_t n_groups = (n_panels + RINGSHM_PANEL_GROUP - 1) / RINGSHM_PANEL_GROUP;
     const struct panels_job job = {fn, &a};
+    /* every thread at least a quantum of a group's rows (a whole group below the quantum) */
+    const int64_t quanta = n_groups * ((m + MM_SPLIT_QUANTUM - 1) / MM_SPLIT_QUANTUM);
     int nt = n_threads < 1 ? 1 : n_threads;
-    if (nt > 1 && m >= MM_SPLIT_ROWS) { /* by panel-rows, every thread at least a quantum of a group's rows */
-        const int64_t quanta = n_groups * ((m + MM_SPLIT_QUANTUM - 1) / MM_SPLIT_QUANTUM);
-        if (nt > quanta) nt = (int)quanta;
-        ringshm_parallel_in_caller_mode(nt, n_panels * m, 0, panels_rows_run, &job);
-        return RINGSHM_MATMUL_OK;
-    }
-    if (nt > n_groups) nt = (int)n_groups;
-    ringshm_parallel_in_caller_mode(nt, n_groups, 0, panels_job_run, &job);
+    if (nt > quanta) nt = (int)quanta;
+    ringshm_parallel_in_caller_mode(nt, n_panels * m, 0, panels_rows_run, &job);
     return RINGSHM_MATMUL_OK;
 }
 
