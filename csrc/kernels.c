@@ -1,7 +1,10 @@
 /* ringshm kernels: argument checks and the run-time choice of ISA (see kernels.h); the attention loops are in
  * kernels_impl.inc, RMSNorm, the MLP gates and argmax in kernels_rows.inc, compiled once per ISA by csrc/simd_*.c. */
+#define _GNU_SOURCE /* sched_getcpu, sched_setaffinity and the CPU_* macros */
 #include "kernels.h"
 
+#include <errno.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -9,6 +12,10 @@
 #include "fpenv.h"
 #include "isa.h"
 #include "matmul.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define VW RINGSHM_ATTN_HEAD_DIM_MULTIPLE
 
@@ -285,4 +292,42 @@ int ringshm_gelu_tanh_mul(float *out, const float *gu, int64_t m, int64_t inter)
     if (m <= 0 || inter <= 0) return RINGSHM_KERNEL_ERR_SHAPE;
     ISA_PICK(ringshm_gelu_tanh_mul_rows)(out, gu, m, inter);
     return RINGSHM_KERNEL_OK;
+}
+
+int ringshm_pin_threads(const int *cpus, int n, int pin) {
+    if (!cpus || n < 1 || n > 1024 || (pin != 0 && pin != 1)) return EINVAL;
+    for (int i = 0; i < n; i++) {
+        if (cpus[i] < 0 || cpus[i] >= 1024 || cpus[i] >= CPU_SETSIZE) return EINVAL;
+        for (int j = 0; j < i; j++)
+            if (cpus[j] == cpus[i]) return EINVAL;
+    }
+    int mine = 0; /* the index of the caller's CPU */
+    const int now = sched_getcpu();
+    for (int i = 0; i < n; i++)
+        if (cpus[i] == now) mine = i;
+    int first = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(n)
+#endif
+    {
+#ifdef _OPENMP
+        const int t = omp_get_thread_num();
+#else
+        const int t = 0;
+#endif
+        cpu_set_t set;
+        CPU_ZERO(&set);
+        if (pin) /* thread t >= 1 takes the t-th of the CPUs other than the caller's */
+            CPU_SET(cpus[t == 0 ? mine : t - 1 < mine ? t - 1 : t], &set);
+        else
+            for (int i = 0; i < n; i++) CPU_SET(cpus[i], &set);
+        if (sched_setaffinity(0, sizeof set, &set)) {
+            const int e = errno;
+#ifdef _OPENMP
+#pragma omp critical(ringshm_pin_status)
+#endif
+            if (!first) first = e;
+        }
+    }
+    return first;
 }

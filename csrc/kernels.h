@@ -226,6 +226,22 @@ int ringshm_gelu_tanh_mul(float *out, const float *gu, int64_t m, int64_t inter)
  * sigmoid(z) = 1 / (1 + e), e = exp(-z) by the softmax's vector exp (as silu), each element on its own two inputs.
  * Returns RINGSHM_KERNEL_ERR_SHAPE if m or inter <= 0, or alpha or limit is not finite > 0. */
 int ringshm_swiglu_oai_mul(float *out, const float *gu, int64_t m, int64_t inter, float alpha, float limit);
+
+/* ringshm_pin_threads: where the calling thread and the OpenMP pool's workers may run, for the regions from now on.
+ *
+ *     cpus  [n] CPU numbers (0 <= cpus[i] < 1024, no repeats), n >= 1: the threads of a region of n threads
+ *
+ * pin 1: one thread a CPU: the caller keeps the CPU it runs on when it is one of cpus (else it takes cpus[0]) and
+ * the pool's first n - 1 workers take the others in order. pin 0: the caller and those workers may each run on
+ * any of cpus. Runs one OpenMP region of n threads. Returns 0, EINVAL for bad arguments (nothing changed), or the
+ * errno of the first sched_setaffinity(2) that failed (the other threads as asked).
+ *
+ * Why: a stage that sleeps on its ring between ops has its pool workers asleep too. On these 2-vCPU VMs the
+ * scheduler often wakes a worker onto the caller's CPU, and the caller, spinning at the region's end for the
+ * worker, keeps it off that CPU until its spin gives up: measured with GOMP_SPINCOUNT 5000, after the caller slept
+ * 1-3 ms, every one of the next six 2-thread regions took 170-290 us where it takes 0.6 us; pinned, the first
+ * took 36-52 us (one wake of the idle CPU) and the rest 0.6-1.7 us (ringshm/runtime/stage_threads.py). */
+int ringshm_pin_threads(const int *cpus, int n, int pin);
 /* CDEF END */
 
 #endif /* RINGSHM_KERNELS_H */
