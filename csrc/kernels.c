@@ -305,29 +305,33 @@ int ringshm_pin_threads(const int *cpus, int n, int pin) {
     const int now = sched_getcpu();
     for (int i = 0; i < n; i++)
         if (cpus[i] == now) mine = i;
-    int first = 0;
+    int first = 0, got = n;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(n)
 #endif
     {
 #ifdef _OPENMP
         const int t = omp_get_thread_num();
+        if (t == 0) got = omp_get_num_threads();
+#pragma omp barrier
 #else
         const int t = 0;
 #endif
-        cpu_set_t set;
-        CPU_ZERO(&set);
-        if (pin) /* thread t >= 1 takes the t-th of the CPUs other than the caller's */
-            CPU_SET(cpus[t == 0 ? mine : t - 1 < mine ? t - 1 : t], &set);
-        else
-            for (int i = 0; i < n; i++) CPU_SET(cpus[i], &set);
-        if (sched_setaffinity(0, sizeof set, &set)) {
-            const int e = errno;
+        if (!pin || got == n) { /* a short team (OMP_THREAD_LIMIT, nested, ...) pins nobody */
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            if (pin) /* thread t >= 1 takes the t-th of the CPUs other than the caller's */
+                CPU_SET(cpus[t == 0 ? mine : t - 1 < mine ? t - 1 : t], &set);
+            else
+                for (int i = 0; i < n; i++) CPU_SET(cpus[i], &set);
+            if (sched_setaffinity(0, sizeof set, &set)) {
+                const int e = errno;
 #ifdef _OPENMP
 #pragma omp critical(ringshm_pin_status)
 #endif
-            if (!first) first = e;
+                if (!first) first = e;
+            }
         }
     }
-    return first;
+    return got != n ? EAGAIN : first;
 }

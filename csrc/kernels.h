@@ -233,8 +233,11 @@ int ringshm_swiglu_oai_mul(float *out, const float *gu, int64_t m, int64_t inter
  *
  * pin 1: one thread a CPU: the caller keeps the CPU it runs on when it is one of cpus (else it takes cpus[0]) and
  * the pool's first n - 1 workers take the others in order. pin 0: the caller and those workers may each run on
- * any of cpus. Runs one OpenMP region of n threads. Returns 0, EINVAL for bad arguments (nothing changed), or the
- * errno of the first sched_setaffinity(2) that failed (the other threads as asked).
+ * any of cpus. Runs one OpenMP region of n threads. Returns 0, EINVAL for bad arguments (nothing changed), EAGAIN
+ * when the region got fewer than n threads (pin 1: nothing changed; pin 0: those it got freed), or the errno of the
+ * first sched_setaffinity(2) that failed (the other threads as asked). Workers libgomp starts later inherit the
+ * caller's mask: it ends the spare ones when a region asks for fewer threads than its pool holds (but more than
+ * one), so ringshm pins only stages of 2 CPUs.
  *
  * Why: a stage that sleeps on its ring between ops has its pool workers asleep too. On these 2-vCPU VMs the
  * scheduler often wakes a worker onto the caller's CPU, and the caller, spinning at the region's end for the

@@ -150,14 +150,24 @@ def test_a_long_op_runs_free():
     assert pins[-1] == ([0, 1], PIN_ALL) and len(pins) == 3
 
 
-def test_a_split_of_several_threads_frees_the_workers_too():
-    status, pins = [0.0] * (N_SLOTS * 2), []
-    picker, clocks = make(status, pins, n_stages=2, cores=4)
-    assert clocks.run(picker, 2e-3, 30) == 4 and pins == [([0, 1, 2, 3], PIN_ALL)]
-    status[1 * N_SLOTS + SLOT_ACTIVE] = 1.0  # 2 threads of 4 cores: the workers would run where the other stage is
-    assert clocks.run(picker, 2e-3, 30) == 2 and pins[-1] == ([0, 1, 2, 3], PIN_NONE)
-    clocks.run(picker, 2e-3, 30)
-    assert len(pins) == 2
+def test_only_a_stage_of_two_cpus_pins():
+    """On more CPUs a region of fewer threads (but more than one) makes libgomp end spare workers, and the ones it
+    starts again would inherit the pinned caller's CPU: such a stage never pins."""
+    pins = []
+    for cores in (3, 4, 16):
+        picker, clocks = make(pins=pins, n_stages=1, cores=cores)
+        assert clocks.run(picker, 2e-3, 30) == cores
+    assert pins == []
+
+
+def test_a_pinned_stage_that_gets_two_threads_for_a_long_op_frees_the_workers_too():
+    pins = []
+    picker, _ = make(pins=pins, cores=2)
+    picker.before_op(1)
+    picker.pinned = PIN_WORKERS  # as after a split
+    assert picker.before_op(ThreadPicker.PIN_MAX_TOKENS + 1) == 2 and pins[-1] == ([0, 1], PIN_NONE)
+    picker.before_op(ThreadPicker.PIN_MAX_TOKENS + 1)
+    assert len(pins) == 2 and picker.pinned == PIN_NONE
 
 
 def test_no_pinning_on_one_core_on_a_gpu_or_where_the_cpus_refuse_it():
@@ -199,6 +209,22 @@ for c in cpus:  # the caller on each CPU in turn
 print(json.dumps({"pid": os.getpid(), "cpus": cpus, "bad": bad, "rounds": rounds}))
 """
 
+_SHORT_TEAM_CHILD = """
+import json, os
+from ringshm._C import ffi, lib
+cpus = sorted(os.sched_getaffinity(0))
+before = os.sched_getaffinity(0)
+got = lib.ringshm_pin_threads(ffi.new("int[]", cpus), len(cpus), 1)
+print(json.dumps({"cpus": cpus, "got": got, "unchanged": os.sched_getaffinity(0) == before}))
+"""
+
+
+def _child(code: str, **env) -> dict:
+    """Run ``code`` in a fresh interpreter with no OpenMP settings of this environment (plus ``env``)."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_"))}
+    return json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                                     timeout=60, env={**clean, **env}).stdout)
+
 
 def _cpu_list(text: str) -> list[int]:
     out = []
@@ -211,8 +237,7 @@ def _cpu_list(text: str) -> list[int]:
 def test_ringshm_pin_threads_puts_one_thread_on_each_cpu_and_frees_them_again():
     """For real, in a child: with the caller on each CPU in turn, pinning leaves it there and puts the pool's
     workers one on each other CPU; freeing gives every one of those threads all the CPUs back."""
-    got = json.loads(subprocess.run([sys.executable, "-c", _PIN_CHILD], check=True, capture_output=True,
-                                    text=True, timeout=60).stdout)
+    got = _child(_PIN_CHILD)
     cpus, main = got["cpus"], got["pid"]
     assert got["bad"] == [22, 22, 22, 22]  # EINVAL: a repeat, no CPU, a negative one, an unknown mode
     for caller, pinned, after_pin, freed, after_free in got["rounds"]:
@@ -221,3 +246,12 @@ def test_ringshm_pin_threads_puts_one_thread_on_each_cpu_and_frees_them_again():
         single = sorted(_cpu_list(v)[0] for v in after_pin.values() if len(_cpu_list(v)) == 1)
         assert single == cpus  # the caller's and one worker on each other CPU
         assert all(_cpu_list(after_free[t]) == cpus for t, v in after_pin.items() if len(_cpu_list(v)) == 1)
+
+
+def test_a_short_team_pins_nobody():
+    """With libgomp held to one thread (OMP_THREAD_LIMIT) a region of n threads gets one: EAGAIN, nothing pinned."""
+    got = _child(_SHORT_TEAM_CHILD, OMP_THREAD_LIMIT="1")
+    if len(got["cpus"]) == 1:  # one thread is the whole team there: pinned to its one CPU, as asked
+        assert got["got"] == 0
+    else:
+        assert got["got"] == 11 and got["unchanged"]  # EAGAIN

@@ -192,11 +192,11 @@ def serve(model, spec: StageSpec, rin, rout, status, ended=None) -> None:
                 rin.release()
                 released = True
                 masks = functools.partial(read_masks, rin, msg, spec.ring_timeout_s, spec.link_latency_ms)
-            # Active before the threads are picked: two stages starting at once each see the other (and split)
-            # rather than both taking every core.
+            # Active before the threads are picked: two stages starting at once usually each see the other (and
+            # split) rather than both taking every core.
             status[base + SLOT_ACTIVE] = 1.0
-            threads.before_op(msg.n_tokens)
             try:
+                threads.before_op(msg.n_tokens)
                 out = apply(model, msg, is_last, spec.max_op_tokens, ended, masks)
             except Exception as exc:
                 out = msg.error(exc, spec.index)

@@ -53,7 +53,9 @@ class ThreadPicker:
       another stage's (two stages that started at once both took every core) cannot move off its CPUs: with
       every op pinned a 3-stage 433-token TTFT took 1.08 x as long, with this limit 0.99 x. When the op is
       long, or the cores are split or contended, the caller is freed at once and the workers, asleep, only
-      before they run again.
+      before they run again. Only a stage of exactly ``PIN_CPUS`` CPUs pins: a region of fewer threads than the
+      pool has (but more than one) makes libgomp end the spare workers, and the ones it starts later inherit the
+      pinned caller's CPU; on 2 CPUs a smaller region is one thread, which leaves the pool as it is.
 
     ``cores <= 1`` leaves torch alone (e.g. a fake stage running in a test's thread). A GPU stage only splits:
     its ops wait on the device, so the cores are not what they wait for.
@@ -64,12 +66,13 @@ class ThreadPicker:
     PROBE_MIN_S, PROBE_MAX_S = 0.05, 1.0  # a contended stage's waits before it tries the split again
     SMOOTHING = 0.05  # weight of the newest op in the moving average
     PIN_MAX_TOKENS = 64  # ops of at most this many tokens are pinned when they take every CPU (Placement)
+    PIN_CPUS = 2  # only a stage of exactly this many CPUs pins (Placement)
 
     def __init__(self, spec: StageSpec, status, clock=time.perf_counter, switches=None, pin=None):
         self.spec, self.status, self.clock = spec, status, clock
         self.switches = switches or _involuntary_switches
         self.pin = pin or pin_threads
-        self.cpus = sorted(os.sched_getaffinity(0))  # the CPUs this stage may run on (the engine's, at its start)
+        self.cpus = sorted(os.sched_getaffinity(0))  # the CPUs this stage may run on (the fork server's)
         self.pinned = PIN_NONE
         self.current = 0  # threads torch runs with now (0: not set yet)
         self.switch_rate = 0.0  # moving average of involuntary switches per second of op
@@ -110,7 +113,7 @@ class ThreadPicker:
 
     def _place(self, want: int, n_tokens: int) -> None:
         """Pin a short op's threads when it takes every CPU, else free them (see Placement)."""
-        if want >= 2 and want == len(self.cpus) and self.spec.device == "cpu" and n_tokens <= self.PIN_MAX_TOKENS:
+        if want == len(self.cpus) == self.PIN_CPUS and self.spec.device == "cpu" and n_tokens <= self.PIN_MAX_TOKENS:
             target = PIN_ALL
         elif self.pinned == PIN_NONE or (self.pinned == PIN_WORKERS and want < 2):
             return
@@ -148,13 +151,14 @@ def pin_threads(cpus: list[int], target: int) -> int:
     """Place the calling thread and the kernels' OpenMP pool workers on ``cpus``: ``PIN_ALL`` one to a CPU (the
     caller keeps its own; csrc/kernels.h, ``ringshm_pin_threads``), ``PIN_WORKERS`` the caller free to run on any
     of them (the workers keep theirs; one ``sched_setaffinity``, no region), ``PIN_NONE`` every thread free.
-    Returns 0, or the errno of a ``sched_setaffinity`` that failed."""
-    if target == PIN_WORKERS:
-        try:
+    Returns 0, or non-zero where the threads could not all be placed (an errno of ``sched_setaffinity``, EAGAIN
+    for a short team, 1 for anything else raised): placement only speeds up, so a failure never fails an op."""
+    try:
+        if target == PIN_WORKERS:
             os.sched_setaffinity(0, cpus)
-        except OSError as exc:
-            return exc.errno or 1
-        return 0
-    from ringshm._C import ffi, lib
+            return 0
+        from ringshm._C import ffi, lib
 
-    return int(lib.ringshm_pin_threads(ffi.new("int[]", cpus), len(cpus), int(target == PIN_ALL)))
+        return int(lib.ringshm_pin_threads(ffi.new("int[]", cpus), len(cpus), int(target == PIN_ALL)))
+    except Exception as exc:  # noqa: BLE001 - see Returns
+        return getattr(exc, "errno", None) or 1
