@@ -6,8 +6,8 @@ Two bounds, measured in the same run, with 1 thread and with a thread per core:
   its part of the buffer as 4 streams into 8 independent 16-lane add chains, the ISA path in use) over a fp32
   buffer the size of a case's ring of weight copies (``bench_matmul.RING_BYTES``: 4 x the last-level cache), the
   best of rounds (``torch.sum`` read 8 GB/s on one Xeon core where a Q8_0 matmul streamed 10);
-- **peak**: the fp32 FMA flop/s of the ISA path in use (``qmatmul.fma_probe``: independent 16-lane fma chains on
-  every thread, csrc/matmul.h), the best of rounds.
+- **peak**: the fp32 FMA flop/s of the ISA path in use (``conftest.fma_peak``: ``qmatmul.fma_probe``'s independent
+  16-lane fma chains on every thread, csrc/matmul.h), the best of rounds.
 
 Bounds are the best of their rounds (what the machine can do; a shared machine's slow moments only lower them),
 matmul times the median.
@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from bench_matmul import RING_BYTES, Ring, type_weight
-from conftest import cpu_label
+from conftest import cpu_label, fma_peak
 from ringshm.model import qmatmul as qm
 
 STREAM_BYTES = RING_BYTES // (128 * 4) * (128 * 4)
@@ -61,16 +61,7 @@ def bounds(threads: int) -> tuple[float, float]:
         qm.read_probe(buf, threads)  # the pages are in
         bandwidth = STREAM_BYTES / _best_time(lambda: qm.read_probe(buf, threads), 9)
         del buf
-        iters = 1 << 16
-        while True:  # size the probe to ~0.2 s
-            t0 = time.perf_counter()
-            qm.fma_probe(iters, threads)
-            if time.perf_counter() - t0 > 0.05:
-                break
-            iters *= 4
-        flops = qm.fma_probe(iters, threads)
-        peak = flops / _best_time(lambda: qm.fma_probe(iters, threads), 5)
-        BOUNDS[threads] = (bandwidth, peak)
+        BOUNDS[threads] = (bandwidth, fma_peak(threads))
     return BOUNDS[threads]
 
 

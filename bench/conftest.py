@@ -116,6 +116,32 @@ def cpu_label(cpu: dict | None = None) -> str:
             f"ringshm path: {cpu['isa']})")
 
 
+_PEAKS: dict[int, float] = {}
+
+
+def fma_peak(threads: int) -> float:
+    """The fp32 FMA peak, flop/s, of the ISA path ringshm runs on with ``threads`` threads: ``qmatmul.fma_probe``
+    (independent 16-lane fma chains on every thread, csrc/matmul.h) sized to ~0.05 s or more, the best of 5 rounds
+    (what the machine can do: a shared machine's slow moments only lower it); measured once per process. The
+    compute roof of the fp32 contract's matmuls (``bench_roofline.py``, ``bench_sizes.py``)."""
+    if threads not in _PEAKS:
+        from ringshm.model import qmatmul as qm
+
+        iters = 1 << 16
+        while True:
+            t0 = time.perf_counter()
+            qm.fma_probe(iters, threads)
+            if time.perf_counter() - t0 > 0.05:
+                break
+            iters *= 4
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            flops = qm.fma_probe(iters, threads)
+            best = min(best, time.perf_counter() - t0)
+        _PEAKS[threads] = flops / best
+    return _PEAKS[threads]
+
 
 @contextmanager
 def ringshm_server(*args: str, startup_s: float = 180.0):
