@@ -305,6 +305,8 @@ def test_the_argmax_kernel_keeps_torchs_rules_for_nan_inf_and_ties():
     logits[2] = float("-inf")
     logits[3, 999] = 50.0  # the last token, in the last partial word
     logits[4, :500] = float("inf")
+    logits[5:7] = -1.0  # +0 and -0 compare equal: the first of the two is the argmax, in either order
+    logits[5, 10], logits[5, 20], logits[6, 10], logits[6, 20] = -0.0, 0.0, 0.0, -0.0
     for isa in [-1, *SUPPORTED_ISAS]:
         assert argmax_rows(logits, None, isa).tolist() == logits.argmax(dim=-1).tolist(), isa
     ok = torch.rand(8, vocab, generator=gen) < 0.5
