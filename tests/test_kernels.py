@@ -129,13 +129,13 @@ def test_swiglu_oai_mul_is_close_to_transformers_and_batch_invariant(inter):
 def test_a_gate_gives_an_element_the_same_bits_in_a_whole_vector_and_in_a_row_tail(activation):
     """The gates read whole vectors from the row and a row's last < 16 columns through zero-padded copies
     (csrc/kernels_rows.inc, gate_rows): the same (gate, up) pair must come out the same in either place, and in any
-    lane. Pairs of 48 columns (3 whole vectors) are laid out again as rows of 21 (one vector and a tail of 5) and of
-    37 (two vectors and a tail of 5), so each pair runs once in a vector and again in a tail."""
+    lane. Pairs of 48 columns (3 whole vectors) are laid out again as rows of 15 (a tail alone) and of 31 (a vector
+    and a tail of 15) starting at every column, so each pair runs in a whole vector and in every tail lane it can."""
     g, u = torch.randn(64, 48) * 8, torch.randn(64, 48) * 4
-    g[0, :6] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 7.5, float("nan")])
+    g[0, 18:24] = torch.tensor([-100.0, 100.0, 0.0, -0.0, 7.5, float("nan")])
     whole = kernels.act_mul(torch.cat([g, u], 1), activation)
-    for width in (21, 37):
-        cols = [(c, c + width) for c in range(0, 48 - width + 1, 5)]
+    for width in (15, 31):
+        cols = [(c, c + width) for c in range(0, 48 - width + 1)]
         gu = torch.cat([torch.cat([g[:, a:b], u[:, a:b]], 1) for a, b in cols])
         out = kernels.act_mul(gu, activation)
         want = torch.cat([whole[:, a:b] for a, b in cols])
