@@ -146,10 +146,10 @@ void ringshm_add_scaled_rows(float *x, const float *a, const float *b, float sca
     }
 }
 
-int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
-                          int64_t t, const int64_t *starts, const int64_t *lens, const int32_t *tables,
-                          const int64_t *table_offs, int n_seg, float *work, int64_t work_floats, int n_threads,
-                          int isa) {
+/* The layer, or (kv_only) its keys and values alone: the steps up to each segment's kv_append. */
+static int layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x, int64_t t,
+                         const int64_t *starts, const int64_t *lens, const int32_t *tables, const int64_t *table_offs,
+                         int n_seg, float *work, int64_t work_floats, int n_threads, int isa, int kv_only) {
     struct layout l;
     if (!w || !layout_of(s, t, &l) || work_floats < l.total || n_seg <= 0 || n_seg > RINGSHM_ATTN_MAX_SEGMENTS ||
         w->window < 0 || !w->cos || !w->sin || (!w->q_norm) != (!w->k_norm) ||
@@ -193,10 +193,10 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         memcpy(v + i * kvd, qkv + i * l.qkv_w + qd + kvd, sizeof(float) * (size_t)kvd);
     }
     if (w->q_norm && s->qk_norm_full) { /* over each token's whole projection (OLMoE) */
-        if ((st = ringshm_rms_norm(q, q, w->q_norm, w->q_norm_len, t, qd, s->rms_eps))) return st;
+        if (!kv_only && (st = ringshm_rms_norm(q, q, w->q_norm, w->q_norm_len, t, qd, s->rms_eps))) return st;
         if ((st = ringshm_rms_norm(k, k, w->k_norm, w->k_norm_len, t, kvd, s->rms_eps))) return st;
     } else if (w->q_norm) { /* per-head RMSNorm: every head's D values are one row */
-        if ((st = ringshm_rms_norm(q, q, w->q_norm, w->q_norm_len, t * hq, d, s->rms_eps))) return st;
+        if (!kv_only && (st = ringshm_rms_norm(q, q, w->q_norm, w->q_norm_len, t * hq, d, s->rms_eps))) return st;
         if ((st = ringshm_rms_norm(k, k, w->k_norm, w->k_norm_len, t * hkv, d, s->rms_eps))) return st;
     }
     int64_t off = 0;
@@ -207,9 +207,11 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
         if ((st = ringshm_kv_append(&w->kv, table, n_table, k + off * kvd, v + off * kvd, w->cos, w->sin, n, start,
                                     s->n_pos)))
             return st;
-        if ((st = ringshm_rope_apply(q + off * qd, q + off * qd, w->cos, w->sin, n, hq, d, start, s->n_pos)))
+        if (!kv_only && (st = ringshm_rope_apply(q + off * qd, q + off * qd, w->cos, w->sin, n, hq, d, start,
+                                                 s->n_pos)))
             return st;
     }
+    if (kv_only) return RINGSHM_KERNEL_OK;
     /* then every segment's attention at once: (segment, kv head) items over the threads */
     if ((st = ringshm_attn_forward_segments(attn, q, &w->kv, tables, table_offs, starts, lens, n_seg, hq, w->window,
                                             s->attn_scale, w->sinks, n_threads)))
@@ -255,4 +257,18 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
     }
     return ringshm_layer_mm(s, &l, work, 0, w->type_down, w->down, w->down_bytes, hid, s->inter, act, t, x, hid,
                             w->bdown, w->bdown_len, x2, hid, n_threads, isa);
+}
+
+int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, float *x,
+                          int64_t t, const int64_t *starts, const int64_t *lens, const int32_t *tables,
+                          const int64_t *table_offs, int n_seg, float *work, int64_t work_floats, int n_threads,
+                          int isa) {
+    return layer_forward(s, w, x, t, starts, lens, tables, table_offs, n_seg, work, work_floats, n_threads, isa, 0);
+}
+
+int ringshm_layer_kv(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, const float *x,
+                     int64_t t, const int64_t *starts, const int64_t *lens, const int32_t *tables,
+                     const int64_t *table_offs, int n_seg, float *work, int64_t work_floats, int n_threads, int isa) {
+    return layer_forward(s, w, (float *)x, t, starts, lens, tables, table_offs, n_seg, work, work_floats, n_threads,
+                         isa, 1);
 }

@@ -160,6 +160,16 @@ int ringshm_layer_forward(const struct ringshm_layer_shape *s, const struct ring
                           int64_t t, const int64_t *starts, const int64_t *lens, const int32_t *tables,
                           const int64_t *table_offs, int n_seg, float *work, int64_t work_floats, int n_threads,
                           int isa);
+
+/* ringshm_layer_kv: the layer's steps up to each segment's kv_append alone (h, the Q / K / V matmul, the k norm),
+ * the same bits as ringshm_layer_forward writes into the pool; x is only read. For the last layer of an op whose
+ * outputs need few of its tokens (a prefill chunk that wants the last position's logits, or none): the pool gets
+ * every token's keys and values here, and ringshm_layer_forward then runs the tokens that are wanted, each a
+ * segment of its own at its position (their keys and values written again, the same bits: a token's rows do not
+ * depend on the tokens beside it). Returns as ringshm_layer_forward. */
+int ringshm_layer_kv(const struct ringshm_layer_shape *s, const struct ringshm_layer_weights *w, const float *x,
+                     int64_t t, const int64_t *starts, const int64_t *lens, const int32_t *tables,
+                     const int64_t *table_offs, int n_seg, float *work, int64_t work_floats, int n_threads, int isa);
 /* CDEF END */
 
 #endif /* RINGSHM_LAYER_H */

@@ -8,6 +8,7 @@ import torch
 from ringshm.errors import KVRangeError
 from ringshm.model.reference import greedy_generate, run_stages
 from ringshm.model.stage_model import StageModel
+from ringshm.transport.messages import WANT_NONE
 
 pytestmark = pytest.mark.usefixtures("torch_one_thread")
 
@@ -68,6 +69,27 @@ def test_chunked_prefill_gives_bitwise_the_hidden_states_and_logits_of_a_whole_p
     hidden_whole = first.forward(prompt, 0, 0)  # [n, hidden] after layer 14
     hidden = torch.cat([first.forward(prompt[s:s + chunk], 0, s) for s in range(0, len(prompt), chunk)])
     assert torch.equal(hidden, hidden_whole)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, None], ids=["chunk_7", "chunk_64", "whole"])
+@torch.inference_mode()
+def test_a_wanted_position_gets_the_bits_of_a_step_that_wants_every_position(full_stage, prompts, chunk):
+    """The last stage runs its last layer past K / V only on the rows its head reads (``StageModel._native_layers``'
+    ``wanted``): the last position's logits of a prefill that wants it alone (the chunks before it want none) equal
+    bitwise those of one that wants every position (where every row runs the whole layer), and a decode step after
+    each reads the same KV (the skipped rows' keys and values were written)."""
+    prompt = prompts[3]
+    every = full_stage.forward(prompt, 0, 0, all_positions=True, return_logits=True)
+    size = chunk or len(prompt)
+    for start in range(0, len(prompt), size):
+        piece = prompt[start:start + size]
+        if start + size < len(prompt):
+            assert full_stage.step(piece, [(1, start, len(piece), WANT_NONE)]).token_ids.numel() == 0
+    last = full_stage.forward(piece, 1, start, return_logits=True)
+    assert torch.equal(last.logits, every.logits) and torch.equal(last.token_ids, every.token_ids[-1:])
+    nxt = every.token_ids[-1:]
+    a, b = (full_stage.forward(nxt, row, len(prompt), return_logits=True) for row in (0, 1))
+    assert torch.equal(a.logits, b.logits)
 
 
 # ---- KV row rules (a 2-layer stage over the real weights keeps these fast) ----------------------------

@@ -38,6 +38,7 @@ formula; csrc/layer.h for the order of every sum, which keeps each token's bits 
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -388,7 +389,7 @@ class StageModel(TorchPath):
         plan = plan_head(op.table, [] if targets is None else targets.tolist(), allowed, self.config.vocab
                          ) if self.is_last else None
         if self.native:
-            h = self._native_layers(h, op, abandoned)
+            h = self._native_layers(h, op, abandoned, plan.positions if self.is_last else None)
         else:
             for li, layer in enumerate(self.layers):
                 if abandoned is not None and abandoned():
@@ -431,9 +432,18 @@ class StageModel(TorchPath):
             raise ValueError(f"stage takes hidden states of [T, {hidden}], T ≥ 1; got {tuple(x.shape)}")
         return x.to(device=self.device, dtype=self.dtype)
 
-    def _native_layers(self, h: torch.Tensor, op: StepPlan, abandoned=None) -> torch.Tensor:
+    def _native_layers(self, h: torch.Tensor, op: StepPlan, abandoned=None, wanted: list[int] | None = None
+                       ) -> torch.Tensor:
         """Every layer on ``h [T, hidden]`` for a checked op, one ``ringshm_layer_forward`` call per layer
-        (``abandoned`` asked before each, as in ``step``). Returns a new ``[T, hidden]`` tensor."""
+        (``abandoned`` asked before each, as in ``step``). Returns a new ``[T, hidden]`` tensor.
+
+        ``wanted``: on the last stage, the rows the head reads (``HeadPlan.positions``). Where they are fewer than
+        T, the last layer writes every token's keys and values (``ringshm_layer_kv``) but runs attention, the output
+        projection and the FFN on the wanted rows alone, each as a one-token segment at its position
+        (``_wanted_rows``): the same bits for those rows (a token's rows do not depend on the tokens beside it, as
+        chunking invariance asks), the other rows left as the layer before wrote them (nothing reads them). A
+        256-token prefill chunk that wants one position thus skips 255 / 256 of the last layer's work after K / V
+        (1 / 16 of the Llama-3.2-1B shape's layers); a chunk that wants none skips all of it."""
         if not self.is_first:  # written in place: a later stage's input may be a read-only ring record
             h = h.clone(memory_format=torch.contiguous_format)
         t = h.shape[0]
@@ -444,13 +454,39 @@ class StageModel(TorchPath):
         args = (ffi.cast("float *", h.data_ptr()), t, i64(op.starts), i64(op.lens),
                 ffi.cast("int32_t *", op.tables.data_ptr()), i64(op.table_offs), len(op.table),
                 ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
+        rows = None if wanted is None else sorted(set(wanted))
+        cut = len(self._c_layers) - 1 if rows is not None and len(rows) < t else len(self._c_layers)
         for li, c in enumerate(self._c_layers):
             if abandoned is not None and abandoned():
                 raise OpAbandoned(f"every stream of the op ended before layer {self.layer_range.start + li}")
-            status = lib.ringshm_layer_forward(self._c_shape, c, *args)
+            status = (lib.ringshm_layer_forward if li < cut else lib.ringshm_layer_kv)(self._c_shape, c, *args)
             if status:  # the Python checks ran first: a refusal here is a bug or a malformed tensor
                 check_status(status, f"layer {self.layer_range.start + li}: the C layer refused the op")
+            if li == cut and rows:
+                self._wanted_rows(h, op, rows, c, li)
         return h
+
+    def _wanted_rows(self, h: torch.Tensor, op: StepPlan, rows: list[int], c, li: int) -> None:
+        """The layer ``c`` on rows ``rows`` of ``h`` alone (in place), each a one-token segment of its stream at its
+        position, through its segment's block table (``_native_layers``' ``wanted``)."""
+        lens = op.lens.tolist()
+        ends = list(itertools.accumulate(lens))
+        offs = op.table_offs.tolist()
+        seg = [bisect.bisect_right(ends, r) for r in rows]  # the segment each row is in
+        starts = torch.tensor([int(op.starts[i]) + r - (ends[i] - lens[i]) for r, i in zip(rows, seg)],
+                              dtype=torch.int64)
+        tables = torch.cat([op.tables[offs[i]:offs[i + 1]] for i in seg])
+        table_offs = torch.tensor([0, *itertools.accumulate(offs[i + 1] - offs[i] for i in seg)], dtype=torch.int64)
+        ones = torch.ones(len(rows), dtype=torch.int64)
+        x = h[rows].contiguous()
+        i64 = lambda v: ffi.cast("int64_t *", v.data_ptr())  # noqa: E731
+        status = lib.ringshm_layer_forward(
+            self._c_shape, c, ffi.cast("float *", x.data_ptr()), len(rows), i64(starts), i64(ones),
+            ffi.cast("int32_t *", tables.data_ptr()), i64(table_offs), len(rows),
+            ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
+        if status:
+            check_status(status, f"layer {self.layer_range.start + li}: the C layer refused the op's wanted rows")
+        h[rows] = x
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim; ``x`` ``[..., hidden]`` (or ``[..., head_dim]`` for q/k norms)."""
