@@ -173,33 +173,53 @@ def models() -> dict[str, Path]:
 
 def prefill_flops(path: Path, n: int) -> float:
     """The fp32 flops of one prefill op of ``n`` tokens of the GGUF dense model at ``path`` that wants the last
-    token's logits: 2 n (weights of every 2-D ``blk.*`` tensor), causal attention's two products 2 n (n + 1) / 2
-    (Hq dk + Hq dv) per layer (keys up to each token's position; a sliding window longer than ``n`` changes
-    nothing), and the LM head (``output``, else the tied ``token_embd``) for the last token. Norms, RoPE, softmax
-    and the activation function are left out (a few flops a value). Raises KeyError where the file lacks the
-    ``{arch}.block_count`` / ``.attention.head_count`` keys, ValueError for a MoE file (``*_exps`` tensors)."""
+    token's logits, counting only what such an op must compute: 2 n (weights of every 2-D ``blk.*`` tensor) but
+    in the last layer, where only Q, K and V take all n tokens and the rest (attention output, FFN) the last one
+    (llama.cpp skips the other rows there too); causal attention's two products, 2 n (n + 1) / 2 (Hq dk + Hq dv)
+    per layer (keys up to each token's position; the last layer's one query 2 n (Hq dk + Hq dv)); the LM head
+    (``output``, else the tied ``token_embd``) for the last token. Norms, RoPE, softmax and the activation are
+    left out (a few flops a value).
+
+    Raises:
+        KeyError: the file lacks ``general.architecture`` / ``{arch}.block_count`` / ``.embedding_length`` /
+            ``.attention.head_count``. ValueError: a MoE file (``*_exps`` tensors), a head count per layer (an
+            array), or ``n`` past the sliding window (the count assumes every key is seen).
+    """
     import gguf
 
     r = gguf.GGUFReader(str(path))
 
-    def field(key: str):
-        return r.fields[key].contents()
+    def field(key: str, default=None):
+        if key not in r.fields:
+            if default is None:
+                raise KeyError(f"{path.name} has no {key}")
+            return default
+        value = r.fields[key].contents()
+        if isinstance(value, list):
+            raise ValueError(f"prefill_flops takes one value for {key}; {path.name} has {len(value)}")
+        return value
 
     arch = field("general.architecture")
-    hq = field(f"{arch}.attention.head_count")
-    hidden = field(f"{arch}.embedding_length")
-    dk = field(f"{arch}.attention.key_length") if f"{arch}.attention.key_length" in r.fields else hidden // hq
-    dv = field(f"{arch}.attention.value_length") if f"{arch}.attention.value_length" in r.fields else dk
-    per_token, head = 0, 0
+    layers, hq, hidden = (field(f"{arch}.{k}") for k in ("block_count", "attention.head_count", "embedding_length"))
+    dk = field(f"{arch}.attention.key_length", hidden // hq)
+    dv = field(f"{arch}.attention.value_length", dk)
+    if n > field(f"{arch}.attention.sliding_window", n):
+        raise ValueError(f"prefill_flops counts every key: {n} tokens are past {path.name}'s sliding window")
+    per_token, last_all, last_one, head = 0, 0, 0, 0
     for t in r.tensors:
         if "_exps" in t.name:
             raise ValueError(f"prefill_flops counts dense models only; {path.name} has {t.name}")
         if t.name.startswith("blk.") and len(t.shape) == 2:
-            per_token += int(t.n_elements)
+            if not t.name.startswith(f"blk.{layers - 1}."):
+                per_token += int(t.n_elements)
+            elif t.name.split(".")[2] in ("attn_q", "attn_k", "attn_v", "attn_qkv"):
+                last_all += int(t.n_elements)
+            else:
+                last_one += int(t.n_elements)
         elif t.name == "output.weight" or (t.name == "token_embd.weight" and not head):
             head = int(t.n_elements)
-    attention = field(f"{arch}.block_count") * n * (n + 1) / 2 * hq * (dk + dv)
-    return 2.0 * (n * per_token + attention + head)
+    attention = ((layers - 1) * n * (n + 1) / 2 + n) * hq * (dk + dv)
+    return 2.0 * (n * (per_token + last_all) + last_one + attention + head)
 
 
 def measure(name: str, path: Path) -> dict:
@@ -251,7 +271,7 @@ def test_sizes_ringshm_vs_llama_cpp(benchmark, figures):
     def run():
         from ringshm.runtime.process_start import process_context
 
-        table["fma_peak"] = fma_peak(2)  # before any engine runs: nothing else on the cores
+        table["fma_peak"] = fma_peak(2)  # measured once per process: here, unless an earlier bench module did
         t0 = time.perf_counter()
         first = process_context().Process(target=os.getpid)  # the server imports its preload before this forks
         first.start()
