@@ -437,8 +437,8 @@ class StageModel(TorchPath):
         """Every layer on ``h [T, hidden]`` for a checked op, one ``ringshm_layer_forward`` call per layer
         (``abandoned`` asked before each, as in ``step``). Returns a new ``[T, hidden]`` tensor.
 
-        ``wanted``: on the last stage, the rows the head reads (``HeadPlan.positions``). Where they are fewer than
-        T, the last layer writes every token's keys and values (``ringshm_layer_kv``) but runs attention, the output
+        ``wanted``: on the last stage, the rows the head reads (``HeadPlan.positions``). Where they are at most half
+        of T, the last layer writes every token's keys and values (``ringshm_layer_kv``) but runs attention, the output
         projection and the FFN on the wanted rows alone, each as a one-token segment at its position
         (``_wanted_rows``): the same bits for those rows (a token's rows do not depend on the tokens beside it, as
         chunking invariance asks), the other rows left as the layer before wrote them (nothing reads them). A
@@ -455,7 +455,9 @@ class StageModel(TorchPath):
                 ffi.cast("int32_t *", op.tables.data_ptr()), i64(op.table_offs), len(op.table),
                 ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
         rows = None if wanted is None else sorted(set(wanted))
-        cut = len(self._c_layers) - 1 if rows is not None and len(rows) < t else len(self._c_layers)
+        # a few wanted rows only: each costs its Q / K / V again and a segment of its own
+        few = rows is not None and 2 * len(rows) <= t and len(rows) <= MAX_SEGMENTS
+        cut = len(self._c_layers) - 1 if few else len(self._c_layers)
         for li, c in enumerate(self._c_layers):
             if abandoned is not None and abandoned():
                 raise OpAbandoned(f"every stream of the op ended before layer {self.layer_range.start + li}")
