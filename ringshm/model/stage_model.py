@@ -450,10 +450,7 @@ class StageModel(TorchPath):
         need = lib.ringshm_layer_work_floats(self._c_shape, t)
         if self._work.numel() < need:
             self._work = torch.empty(need, dtype=torch.float32)
-        i64 = lambda v: ffi.cast("int64_t *", v.data_ptr())  # noqa: E731
-        args = (ffi.cast("float *", h.data_ptr()), t, i64(op.starts), i64(op.lens),
-                ffi.cast("int32_t *", op.tables.data_ptr()), i64(op.table_offs), len(op.table),
-                ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
+        args = self._layer_args(h, op.starts, op.lens, op.tables, op.table_offs)
         rows = None if wanted is None else sorted(set(wanted))
         # a few wanted rows only: each costs its Q / K / V again and a segment of its own
         few = rows is not None and 2 * len(rows) <= t and len(rows) <= MAX_SEGMENTS
@@ -468,24 +465,27 @@ class StageModel(TorchPath):
                 self._wanted_rows(h, op, rows, c, li)
         return h
 
+    def _layer_args(self, h: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, tables: torch.Tensor,
+                    table_offs: torch.Tensor) -> tuple:
+        """``ringshm_layer_forward`` / ``ringshm_layer_kv``'s arguments after shape and weights for ``h [T, hidden]``
+        fp32 and a segment table (int64 ``starts`` / ``lens [n_seg]``, int32 ``tables``, int64 ``table_offs
+        [n_seg + 1]``), on this stage's scratch, threads and ISA. The tensors must outlive the call."""
+        i64 = lambda v: ffi.cast("int64_t *", v.data_ptr())  # noqa: E731
+        return (ffi.cast("float *", h.data_ptr()), h.shape[0], i64(starts), i64(lens),
+                ffi.cast("int32_t *", tables.data_ptr()), i64(table_offs), lens.numel(),
+                ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
+
     def _wanted_rows(self, h: torch.Tensor, op: StepPlan, rows: list[int], c, li: int) -> None:
         """The layer ``c`` on rows ``rows`` of ``h`` alone (in place), each a one-token segment of its stream at its
         position, through its segment's block table (``_native_layers``' ``wanted``)."""
-        lens = op.lens.tolist()
+        lens, offs, first = op.lens.tolist(), op.table_offs.tolist(), op.starts.tolist()
         ends = list(itertools.accumulate(lens))
-        offs = op.table_offs.tolist()
         seg = [bisect.bisect_right(ends, r) for r in rows]  # the segment each row is in
-        starts = torch.tensor([int(op.starts[i]) + r - (ends[i] - lens[i]) for r, i in zip(rows, seg)],
-                              dtype=torch.int64)
+        starts = torch.tensor([first[i] + r - (ends[i] - lens[i]) for r, i in zip(rows, seg)], dtype=torch.int64)
         tables = torch.cat([op.tables[offs[i]:offs[i + 1]] for i in seg])
         table_offs = torch.tensor([0, *itertools.accumulate(offs[i + 1] - offs[i] for i in seg)], dtype=torch.int64)
-        ones = torch.ones(len(rows), dtype=torch.int64)
-        x = h[rows].contiguous()
-        i64 = lambda v: ffi.cast("int64_t *", v.data_ptr())  # noqa: E731
-        status = lib.ringshm_layer_forward(
-            self._c_shape, c, ffi.cast("float *", x.data_ptr()), len(rows), i64(starts), i64(ones),
-            ffi.cast("int32_t *", tables.data_ptr()), i64(table_offs), len(rows),
-            ffi.cast("float *", self._work.data_ptr()), self._work.numel(), torch.get_num_threads(), BEST_ISA)
+        x, ones = h[rows].contiguous(), torch.ones(len(rows), dtype=torch.int64)  # held until the call returns
+        status = lib.ringshm_layer_forward(self._c_shape, c, *self._layer_args(x, starts, ones, tables, table_offs))
         if status:
             check_status(status, f"layer {self.layer_range.start + li}: the C layer refused the op's wanted rows")
         h[rows] = x
