@@ -162,6 +162,13 @@ int64_t ringshm_qmat_packed_bytes(int type, int64_t n, int64_t k);
  * Returns RINGSHM_MATMUL_ERR_SIZE when a size differs (nothing written). */
 int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n, int64_t k, uint8_t *dst,
                       int64_t dst_bytes);
+/* ringshm_qmat_pack_rows: the same panels from rows that need not lie together: row r's GGUF bytes
+ * (ringshm_qmat_src_bytes(type, 1, k) of them) at rows[r], r < n, so that rows of several tensors (Q | K | V, gate |
+ * up) or a reordering of one are packed as one weight without first being copied into one buffer. Bytes equal to
+ * ringshm_qmat_pack's of those rows laid end to end. The caller vouches for each rows[r]'s bytes.
+ * Returns RINGSHM_MATMUL_ERR_SIZE for a NULL row or a dst_bytes that differs (nothing written). */
+int ringshm_qmat_pack_rows(int type, const uint8_t *const *rows, int64_t n, int64_t k, uint8_t *dst,
+                           int64_t dst_bytes);
 
 /* ringshm_qmat_matmul: out[M, N] = x[M, K] . W[N, K]^T (+ bias[N]) (+ residual[M, N]), reduction as above.
  *

@@ -135,14 +135,11 @@ static void pack_q6_k(const uint8_t *blk, uint8_t *o, int l) {
     }
 }
 
-int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n, int64_t k, uint8_t *dst,
-                      int64_t dst_bytes) {
-    const struct ringshm_wtype_info *t = ringshm_wtype_info(type);
-    const int64_t want_src = ringshm_qmat_src_bytes(type, n, k), want_dst = ringshm_qmat_packed_bytes(type, n, k);
-    if (want_src < 0) return (int)want_src; /* unknown type or bad shape */
-    if (src_bytes != want_src || dst_bytes != want_dst) return RINGSHM_MATMUL_ERR_SIZE;
+/* The panels of N rows of K, row r's GGUF bytes at rows ? rows[r] : src + r * row_bytes (the callers checked the
+ * shape and sizes). */
+static void pack_panels(const struct ringshm_wtype_info *t, int type, const uint8_t *src, int64_t row_bytes,
+                        const uint8_t *const *rows, int64_t n, int64_t k, uint8_t *dst) {
     const int64_t nb = (k + t->block_k - 1) / t->block_k, n_panels = (n + 15) / 16, pb = t->panel_block_bytes;
-    const int64_t row_bytes = want_src / n;
     /* Panels in parallel (OpenMP's default thread count): each is written by one thread, the same bytes whatever
      * the count. The thread that zeroes a panel first touches its pages, so the kernel's zeroing of fresh memory
      * runs in parallel too: loading the OLMoE-shape Q4_K_M (4.2 GB) in one process spent 38 % of its samples in
@@ -153,7 +150,7 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
         for (int64_t b = 0; b < nb; b++) {
             memset(o, 0, (size_t)pb); /* rows past n and k past the end stay zero */
             for (int l = 0; l < 16 && p * 16 + l < n; l++) {
-                const uint8_t *row = src + (p * 16 + l) * row_bytes;
+                const uint8_t *row = rows ? rows[p * 16 + l] : src + (p * 16 + l) * row_bytes;
                 if (!t->quantized) {
                     const int64_t wb = t->row_block_bytes / 32; /* bytes per weight */
                     for (int64_t kk = 0; kk < 32 && b * 32 + kk < k; kk++)
@@ -174,5 +171,26 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
                 memcpy(dst + at.body + u * at.stride, o + t->head_bytes + u * t->unit_bytes, (size_t)t->unit_bytes);
         }
     }
+}
+
+int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n, int64_t k, uint8_t *dst,
+                      int64_t dst_bytes) {
+    const struct ringshm_wtype_info *t = ringshm_wtype_info(type);
+    const int64_t want_src = ringshm_qmat_src_bytes(type, n, k), want_dst = ringshm_qmat_packed_bytes(type, n, k);
+    if (want_src < 0) return (int)want_src; /* unknown type or bad shape */
+    if (src_bytes != want_src || dst_bytes != want_dst) return RINGSHM_MATMUL_ERR_SIZE;
+    pack_panels(t, type, src, want_src / n, NULL, n, k, dst);
+    return RINGSHM_MATMUL_OK;
+}
+
+int ringshm_qmat_pack_rows(int type, const uint8_t *const *rows, int64_t n, int64_t k, uint8_t *dst,
+                           int64_t dst_bytes) {
+    const struct ringshm_wtype_info *t = ringshm_wtype_info(type);
+    const int64_t want_src = ringshm_qmat_src_bytes(type, n, k), want_dst = ringshm_qmat_packed_bytes(type, n, k);
+    if (want_src < 0) return (int)want_src; /* unknown type or bad shape */
+    if (!rows || dst_bytes != want_dst) return RINGSHM_MATMUL_ERR_SIZE;
+    for (int64_t r = 0; r < n; r++)
+        if (!rows[r]) return RINGSHM_MATMUL_ERR_SIZE;
+    pack_panels(t, type, NULL, 0, rows, n, k, dst);
     return RINGSHM_MATMUL_OK;
 }

@@ -467,6 +467,35 @@ def test_concatenated_rows_keep_their_encoding_and_mixed_ones_become_f32():
     assert mixed.qtype == qm.F32 and torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), c.dequantize()]))
 
 
+@pytest.mark.parametrize("qtype", [qm.Q4_0, qm.Q5_1, qm.Q8_0, qm.Q4_K, qm.Q6_K, qm.MXFP4, qm.F16, qm.BF16])
+def test_stacked_parts_pack_to_the_bytes_of_their_concatenation(qtype):
+    """PackedWeight([a, b, c]) packs each part's rows from where they lie (ringshm_qmat_pack_rows): byte for byte
+    what packing concat_rows([a, b, c]) gives, with part sizes that split panels (5, 19, 40 rows), a part that is a
+    view of rows of a larger tensor (RawWeight.rows of a run: no copy) and one that is a reordering (a copy)."""
+    k = kfit(qtype, 96)
+    big = make_weight(qtype, 64, k, seed=3)[0]
+    a, b = make_weight(qtype, 5, k, seed=4)[0], big.rows(torch.arange(7, 26))
+    c = big.rows(torch.randperm(64, generator=torch.Generator().manual_seed(5))[:40])
+    assert b.data.data_ptr() == big.data[7:].data_ptr()  # the run is a view
+    bias = torch.randn(64)
+    stacked, whole = qm.PackedWeight([a, b, c], bias), qm.PackedWeight(qm.concat_rows([a, b, c]), bias)
+    assert stacked.n == whole.n == 64 and torch.equal(stacked.packed, whole.packed)
+    x = torch.randn(3, k)
+    assert torch.equal(stacked.matmul(x), whole.matmul(x))
+    mixed = qm.PackedWeight([a, make_weight(qm.Q8_0 if qtype != qm.Q8_0 else qm.Q4_0, 3, k, seed=6)[0]])
+    assert mixed.qtype == qm.F32 and mixed.n == 8  # as concat_rows: widened
+
+
+def test_pack_rows_refuses_a_null_row_and_parts_of_different_k():
+    w = make_weight(qm.Q4_1, 2, 64)[0]
+    dst = torch.zeros(lib.ringshm_qmat_packed_bytes(qm.Q4_1, 2, 64), dtype=torch.uint8)
+    rows = ffi.new("const uint8_t *[2]", [ffi.cast("uint8_t *", w.data.data_ptr()), ffi.NULL])
+    assert lib.ringshm_qmat_pack_rows(qm.Q4_1, rows, 2, 64, ffi.cast("uint8_t *", dst.data_ptr()),
+                                      dst.numel()) == lib.RINGSHM_MATMUL_ERR_SIZE and not dst.any()
+    with pytest.raises(ValueError, match="parts of one K"):
+        qm.PackedWeight([w, make_weight(qm.Q4_1, 2, 96)[0]])
+
+
 # ---- bad input --------------------------------------------------------------------------------------------
 
 

@@ -15,7 +15,8 @@ from ringshm.model_config import ModelConfig
 
 class Layer:
     """One decoder layer's weights, fused for fewer matmuls: ``wqkv [q_dim + 2*kv_dim, hidden]`` (+ ``bqkv``),
-    ``w_gate_up [2*intermediate, hidden]`` (+ its bias); rows concatenated in the checkpoint's encoding. Native
+    ``w_gate_up [2*intermediate, hidden]`` (+ its bias); rows stacked in the checkpoint's encoding (native: packed
+    from where each part's rows lie, ``PackedWeight``). Native
     Q, K, V of different encodings stay apart: ``wqkv`` is then Q alone and ``wk``, ``wv`` K and V (csrc/layer.h);
     fused, ``concat_rows`` would widen them to F32 (8x a Q4_K tensor's memory). The optional parts of the
     description (q/k norms, post norms, biases) are None where the model has none.
@@ -27,11 +28,9 @@ class Layer:
         bqkv = None if w.bq is None else torch.cat([w.bq, w.bk, w.bv], dim=0)
         b_gate_up = None if w.b_gate is None else torch.cat([w.b_gate, w.b_up], dim=0)
         self.moe = w.w_router is not None  # routed experts in place of the dense FFN
-        w_gate_up = None if self.moe else concat_rows([w.w_gate, w.w_up])
         self.wk = self.wv = None  # K and V apart from Q (native, encodings differ)
         self.w_router = self.exp_gate = self.exp_up = self.exp_down = None
         self.shared = w.w_shexp_gate is not None  # a shared expert beside the routed ones (Qwen2-MoE, Granite)
-        sh_gate_up = concat_rows([w.w_shexp_gate, w.w_shexp_up]) if self.shared else None
         self.sh_gate_up = self.sh_down = self.sh_gate_inp = None
         if native:
             def f32(t):
@@ -47,7 +46,7 @@ class Layer:
                 self.wqkv, self.wk, self.wv = PackedWeight(w.wq), PackedWeight(w.wk), PackedWeight(w.wv)
                 self.bqkv = f32(bqkv)
             else:
-                self.wqkv = PackedWeight(concat_rows([w.wq, w.wk, w.wv]), bqkv)
+                self.wqkv = PackedWeight([w.wq, w.wk, w.wv], bqkv)  # the rows stacked where they lie
                 self.bqkv = self.wqkv.bias
             self.wo = PackedWeight(w.wo, w.bo)
             if self.moe:
@@ -56,11 +55,12 @@ class Layer:
                 self.exp_gate, self.exp_up, self.exp_down = (PackedExperts(e) for e in (w.w_exp_gate, w.w_exp_up,
                                                                                         w.w_exp_down))
                 if self.shared:
-                    self.sh_gate_up, self.sh_down = PackedWeight(sh_gate_up), PackedWeight(w.w_shexp_down)
+                    self.sh_gate_up = PackedWeight([w.w_shexp_gate, w.w_shexp_up])
+                    self.sh_down = PackedWeight(w.w_shexp_down)
                     self.sh_gate_inp = f32(w.shexp_gate_inp)
             else:
                 self.w_down = PackedWeight(w.w_down, w.b_down)
-                self.w_gate_up = PackedWeight(w_gate_up, b_gate_up)
+                self.w_gate_up = PackedWeight([w.w_gate, w.w_up], b_gate_up)
             return
 
         def dense(t):
@@ -73,14 +73,16 @@ class Layer:
         self.post_attn_norm, self.post_ffn_norm = dense(w.post_attn_norm), dense(w.post_ffn_norm)
         self.wqkv, self.bqkv = dense(concat_rows([w.wq, w.wk, w.wv])), dense(bqkv)
         self.wo, self.bo = dense(w.wo), dense(w.bo)
-        self.w_gate_up, self.b_gate_up = dense(w_gate_up), dense(b_gate_up)
+        self.w_gate_up = None if self.moe else dense(concat_rows([w.w_gate, w.w_up]))
+        self.b_gate_up = dense(b_gate_up)
         self.w_down, self.b_down = dense(w.w_down), dense(w.b_down)
         if self.moe:  # [E, hidden]; [E, I_e, hidden] gate and up; [E, hidden, I_e] down
             self.w_router = dense(w.w_router)
             self.exp_gate, self.exp_up, self.exp_down = (torch.stack([dense(x) for x in e]) for e in (
                 w.w_exp_gate, w.w_exp_up, w.w_exp_down))
             if self.shared:  # [2 S, hidden] rows [gate | up]; [hidden, S]; [hidden] or None
-                self.sh_gate_up, self.sh_down = dense(sh_gate_up), dense(w.w_shexp_down)
+                self.sh_gate_up = dense(concat_rows([w.w_shexp_gate, w.w_shexp_up]))
+                self.sh_down = dense(w.w_shexp_down)
                 self.sh_gate_inp = dense(w.shexp_gate_inp)
 
     def bind(self, kv: KVPool, cos: torch.Tensor, sin: torch.Tensor, window: int):

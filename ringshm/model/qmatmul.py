@@ -141,8 +141,12 @@ class RawWeight:
         return embed_rows(self, ids)
 
     def rows(self, order: torch.Tensor) -> RawWeight:
-        """Rows picked (or reordered) by the int64 index ``order``: a new RawWeight."""
-        return RawWeight(self.qtype, int(order.numel()), self.k, self.data[order].contiguous())
+        """Rows picked (or reordered) by the int64 index ``order``: a new RawWeight, a view of these bytes where
+        ``order`` is a run of consecutive rows (a fused tensor's part), else a copy."""
+        n = int(order.numel())
+        if n and bool((order == torch.arange(int(order[0]), int(order[0]) + n, dtype=order.dtype)).all()):
+            return RawWeight(self.qtype, n, self.k, self.data[int(order[0]):int(order[0]) + n])
+        return RawWeight(self.qtype, n, self.k, self.data[order].contiguous())
 
     def to_f32(self) -> RawWeight:
         """The same weight as F32 bytes (for fusing rows of different encodings)."""
@@ -238,27 +242,44 @@ def embed_rows(w: RawWeight, ids: torch.Tensor) -> torch.Tensor:
 class PackedWeight:
     """A weight ``[n, k]`` packed into 16-row panels for the matmul (csrc/matmul.h draws the layout).
 
+    ``raw``: one RawWeight, or several of one K whose rows are stacked in order (Q | K | V, gate | up), packed from
+    where they lie (``ringshm_qmat_pack_rows``): the same bytes as packing ``concat_rows(raw)`` (parts of different
+    encodings all widened to F32, as it does), without its copy (loading a Llama-3.1-8B-shape Q4_K_M, gate | up
+    alone was 2.1 GB of fresh memory written and dropped).
     Holds ``packed`` (uint8, ``ringshm_qmat_packed_bytes`` long: the checkpoint's size, plus zero rows up to a
     multiple of 16) and ``bias`` (fp32 ``[n]`` or None).
 
     Raises:
-        ValueError: from ``RawWeight``'s checks; a bias that is not fp32 ``[n]``.
+        ValueError: from ``RawWeight``'s checks; no parts, or parts of different K; a bias that is not fp32 ``[n]``.
     """
 
-    def __init__(self, raw: RawWeight, bias: torch.Tensor | None = None) -> None:
-        self.qtype, self.n, self.k = raw.qtype, raw.n, raw.k
-        self.n_padded = (raw.n + 15) // 16 * 16
-        size = lib.ringshm_qmat_packed_bytes(raw.qtype, raw.n, raw.k)
+    def __init__(self, raw: RawWeight | Sequence[RawWeight], bias: torch.Tensor | None = None) -> None:
+        parts = [raw] if isinstance(raw, RawWeight) else list(raw)
+        if not parts or len({p.k for p in parts}) != 1:
+            raise ValueError(f"PackedWeight stacks parts of one K, got {sorted({p.k for p in parts})}")
+        if len({p.qtype for p in parts}) > 1:  # as concat_rows: parts of different encodings all in F32
+            parts = [p.to_f32() for p in parts]
+        self.qtype, self.k, self.n = parts[0].qtype, parts[0].k, sum(p.n for p in parts)
+        self.n_padded = (self.n + 15) // 16 * 16
+        size = lib.ringshm_qmat_packed_bytes(self.qtype, self.n, self.k)
         check_status(size, "PackedWeight")
         self.packed = weight_buffer(int(size))  # 2 MiB pages where the kernel gives them (hugepages.py)
-        src = raw.data.contiguous()
-        check_status(lib.ringshm_qmat_pack(raw.qtype, ffi.cast("uint8_t *", src.data_ptr()), src.numel(), raw.n,
-                                           raw.k, ffi.cast("uint8_t *", self.packed.data_ptr()), self.packed.numel()),
-                     "PackedWeight")
+        dst = ffi.cast("uint8_t *", self.packed.data_ptr())
+        if len(parts) == 1:
+            src = parts[0].data.contiguous()
+            check_status(lib.ringshm_qmat_pack(self.qtype, ffi.cast("uint8_t *", src.data_ptr()), src.numel(),
+                                               self.n, self.k, dst, self.packed.numel()), "PackedWeight")
+        else:  # each part's rows where they lie: [n] addresses, read while the parts are held here
+            datas = [p.data if p.data.stride(-1) == 1 else p.data.contiguous() for p in parts]
+            rows = torch.cat([d.data_ptr() + torch.arange(d.shape[0], dtype=torch.int64) * d.stride(0)
+                              for d in datas])
+            check_status(lib.ringshm_qmat_pack_rows(self.qtype, ffi.cast("const uint8_t *const *", rows.data_ptr()),
+                                                    self.n, self.k, dst, self.packed.numel()), "PackedWeight")
         if bias is not None:
             bias = bias.detach().to("cpu", torch.float32).contiguous()
-            if tuple(bias.shape) != (raw.n,):
-                raise ValueError(f"bias of a [{raw.n}, {raw.k}] weight must be [{raw.n}], got {tuple(bias.shape)}")
+            if tuple(bias.shape) != (self.n,):
+                raise ValueError(f"bias of a [{self.n}, {self.k}] weight must be [{self.n}], got "
+                                 f"{tuple(bias.shape)}")
         self.bias = bias
         self._ptr = ffi.cast("uint8_t *", self.packed.data_ptr())
         self._bias_ptr = ffi.NULL if bias is None else ffi.cast("float *", bias.data_ptr())
