@@ -64,10 +64,23 @@ static inline void put_nibble_bytes(uint8_t *o, int l, struct nibbles n) {
  * 2a + 1 those of weights 2 (4a + r) and 2 (4a + r) + 1, the two weights of nibble byte row j = 4a + r. */
 static void put_q5_high(uint8_t *o, int l, uint32_t h) {
     for (int r = 0; r < 4; r++) {
-        unsigned v = 0;
-        for (int a = 0; a < 4; a++) v |= ((h >> 2 * (4 * a + r)) & 3u) << 2 * a;
-        o[r * 16 + l] = (uint8_t)v;
+        uint32_t u = (h >> 2 * r) & 0x03030303u; /* byte a: the pair of row j = 4a + r */
+        u = (u | u >> 6) & 0x000F000Fu;          /* bits 0-3: a = 0, 1; bits 16-19: a = 2, 3 */
+        o[r * 16 + l] = (uint8_t)(u | u >> 12);
     }
+}
+
+/* Bit s of each of the bytes qh[0 .. 31] as bit i of a word (Q5_K's fifth bits of a block of 32): eight bytes a
+ * step, each byte's bit moved to its bottom and the eight gathered into the top byte by one multiply (the
+ * partial products that land there never carry into one another). */
+static inline uint32_t bits32(const uint8_t *qh, int s) {
+    uint32_t h = 0;
+    for (int q = 0; q < 4; q++) {
+        uint64_t x;
+        memcpy(&x, qh + 8 * q, 8);
+        h |= (uint32_t)((((x >> s) & 0x0101010101010101ull) * 0x0102040810204080ull) >> 56) << 8 * q;
+    }
+    return h;
 }
 
 static void pack_legacy(int type, const uint8_t *blk, uint8_t *o, int l) {
@@ -111,9 +124,7 @@ static void pack_q45_k(int type, const uint8_t *blk, uint8_t *o, int l) {
         uint8_t *so = o + 256 + s * sub_bytes;
         const struct nibbles n = shifted_nibbles(qs + 32 * (s / 2), 4 * (s & 1));
         if (q5) {
-            uint32_t h = 0;
-            for (int i = 0; i < 32; i++) h |= (uint32_t)((qh[i] >> s) & 1) << i;
-            put_q5_high(so, l, h);
+            put_q5_high(so, l, bits32(qh, s));
             put_nibble_bytes(so + 64, l, n);
         } else {
             put_nibble_words(so, l, n);
