@@ -185,10 +185,12 @@ static void pack_panels(const struct ringshm_wtype_info *t, int type, const uint
                     for (int64_t off = 0; off < t->row_block_bytes; off += 64)
                         __builtin_prefetch(next + b * t->row_block_bytes + off, 0, 0);
                 }
-                if (!t->quantized) {
-                    const int64_t wb = t->row_block_bytes / 32; /* bytes per weight */
-                    for (int64_t kk = 0; kk < 32 && b * 32 + kk < k; kk++)
-                        memcpy(o + (kk * 16 + l) * wb, row + (b * 32 + kk) * wb, (size_t)wb);
+                if (!t->quantized) { /* 2 or 4 bytes a weight, each copy of a constant size (one move, no call) */
+                    const int64_t kn = k - b * 32 < 32 ? k - b * 32 : 32; /* a float block may end short of 32 */
+                    if (t->row_block_bytes == 64)
+                        for (int64_t kk = 0; kk < kn; kk++) memcpy(o + (kk * 16 + l) * 2, row + (b * 32 + kk) * 2, 2);
+                    else
+                        for (int64_t kk = 0; kk < kn; kk++) memcpy(o + (kk * 16 + l) * 4, row + (b * 32 + kk) * 4, 4);
                 } else if (type == RINGSHM_W_Q4_K || type == RINGSHM_W_Q5_K) {
                     pack_q45_k(type, row + b * t->row_block_bytes, o, l);
                 } else if (type == RINGSHM_W_Q6_K) {
