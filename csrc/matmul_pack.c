@@ -162,9 +162,9 @@ static void pack_q6_k(const uint8_t *blk, uint8_t *o, int l) {
     }
 }
 
-/* The panels of N rows of K, row r's GGUF bytes at rows ? rows[r] : src + r * row_bytes (the callers checked the
- * shape and sizes). */
-static void pack_panels(const struct ringshm_wtype_info *t, int type, const uint8_t *src, int64_t row_bytes,
+/* The panels of N rows of K, row r's GGUF bytes (row_len of them) at rows ? rows[r] : src + r * row_len (the
+ * callers checked the shape and sizes). */
+static void pack_panels(const struct ringshm_wtype_info *t, int type, const uint8_t *src, int64_t row_len,
                         const uint8_t *const *rows, int64_t n, int64_t k, uint8_t *dst) {
     const int64_t nb = (k + t->block_k - 1) / t->block_k, n_panels = (n + 15) / 16, pb = t->panel_block_bytes;
     /* Panels in parallel (OpenMP's default thread count): each is written by one thread, the same bytes whatever
@@ -177,13 +177,15 @@ static void pack_panels(const struct ringshm_wtype_info *t, int type, const uint
         for (int64_t b = 0; b < nb; b++) {
             memset(o, 0, (size_t)pb); /* rows past n and k past the end stay zero */
             for (int l = 0; l < 16 && p * 16 + l < n; l++) {
-                const uint8_t *row = rows ? rows[p * 16 + l] : src + (p * 16 + l) * row_bytes;
+                const uint8_t *row = rows ? rows[p * 16 + l] : src + (p * 16 + l) * row_len;
                 if (p * 16 + 16 + l < n) { /* the next panel's row at this block: 16 rows' blocks apart, which
                                             * the hardware prefetcher did not follow (a Q4_K pack waited on these
-                                            * loads ~half its time) */
-                    const uint8_t *next = rows ? rows[p * 16 + 16 + l] : src + (p * 16 + 16 + l) * row_bytes;
-                    for (int64_t off = 0; off < t->row_block_bytes; off += 64)
-                        __builtin_prefetch(next + b * t->row_block_bytes + off, 0, 0);
+                                            * loads ~half its time); within the row (a float row's last block
+                                            * may be short) */
+                    const uint8_t *next = rows ? rows[p * 16 + 16 + l] : src + (p * 16 + 16 + l) * row_len;
+                    for (int64_t off = b * t->row_block_bytes; off < (b + 1) * t->row_block_bytes && off < row_len;
+                         off += 64)
+                        __builtin_prefetch(next + off, 0, 0);
                 }
                 if (!t->quantized) { /* 2 or 4 bytes a weight, each copy of a constant size (one move, no call) */
                     const int64_t kn = k - b * 32 < 32 ? k - b * 32 : 32; /* a float block may end short of 32 */
@@ -227,6 +229,6 @@ int ringshm_qmat_pack_rows(int type, const uint8_t *const *rows, int64_t n, int6
     if (!rows || dst_bytes != want_dst) return RINGSHM_MATMUL_ERR_SIZE;
     for (int64_t r = 0; r < n; r++)
         if (!rows[r]) return RINGSHM_MATMUL_ERR_SIZE;
-    pack_panels(t, type, NULL, 0, rows, n, k, dst);
+    pack_panels(t, type, NULL, want_src / n, rows, n, k, dst);
     return RINGSHM_MATMUL_OK;
 }

@@ -467,33 +467,56 @@ def test_concatenated_rows_keep_their_encoding_and_mixed_ones_become_f32():
     assert mixed.qtype == qm.F32 and torch.equal(mixed.dequantize(), torch.cat([a.dequantize(), c.dequantize()]))
 
 
-@pytest.mark.parametrize("qtype", [qm.Q4_0, qm.Q5_1, qm.Q8_0, qm.Q4_K, qm.Q6_K, qm.MXFP4, qm.F16, qm.BF16])
+@pytest.mark.parametrize("qtype", [qm.Q4_0, qm.Q4_1, qm.Q5_0, qm.Q5_1, qm.Q8_0, qm.Q4_K, qm.Q5_K, qm.Q6_K, qm.MXFP4,
+                                   qm.F16, qm.BF16, qm.F32])
 def test_stacked_parts_pack_to_the_bytes_of_their_concatenation(qtype):
-    """PackedWeight([a, b, c]) packs each part's rows from where they lie (ringshm_qmat_pack_rows): byte for byte
-    what packing concat_rows([a, b, c]) gives, with part sizes that split panels (5, 19, 40 rows), a part that is a
-    view of rows of a larger tensor (RawWeight.rows of a run: no copy) and one that is a reordering (a copy)."""
-    k = kfit(qtype, 96)
+    """PackedWeight([a, b, c, d]) packs each part's rows from where they lie (ringshm_qmat_pack_rows): byte for
+    byte what packing concat_rows of them gives, with part sizes that split panels (5, 19, 40, 3 rows), a part that
+    is a view of rows of a larger tensor (RawWeight.rows of a run: no copy), one that is a reordering (a copy) and
+    one whose rows sit further apart than their length (a strided view); floats at a K that ends in a short block."""
+    k = kfit(qtype, 96) if qtype not in (qm.F16, qm.BF16, qm.F32) else 100
     big = make_weight(qtype, 64, k, seed=3)[0]
     a, b = make_weight(qtype, 5, k, seed=4)[0], big.rows(torch.arange(7, 26))
     c = big.rows(torch.randperm(64, generator=torch.Generator().manual_seed(5))[:40])
-    assert b.data.data_ptr() == big.data[7:].data_ptr()  # the run is a view
-    bias = torch.randn(64)
-    stacked, whole = qm.PackedWeight([a, b, c], bias), qm.PackedWeight(qm.concat_rows([a, b, c]), bias)
-    assert stacked.n == whole.n == 64 and torch.equal(stacked.packed, whole.packed)
+    wide = torch.zeros(3, big.data.shape[1] + 24, dtype=torch.uint8)
+    wide[:, :big.data.shape[1]] = make_weight(qtype, 3, k, seed=6)[0].data
+    d = qm.RawWeight(qtype, 3, k, wide[:, :big.data.shape[1]])
+    assert b.data.data_ptr() == big.data[7:].data_ptr() and d.data.stride(0) > d.data.shape[1]
+    bias = torch.randn(67)
+    stacked, whole = qm.PackedWeight([a, b, c, d], bias), qm.PackedWeight(qm.concat_rows([a, b, c, d]), bias)
+    assert stacked.n == whole.n == 67 and torch.equal(stacked.packed, whole.packed)
     x = torch.randn(3, k)
     assert torch.equal(stacked.matmul(x), whole.matmul(x))
-    mixed = qm.PackedWeight([a, make_weight(qm.Q8_0 if qtype != qm.Q8_0 else qm.Q4_0, 3, k, seed=6)[0]])
-    assert mixed.qtype == qm.F32 and mixed.n == 8  # as concat_rows: widened
 
 
-def test_pack_rows_refuses_a_null_row_and_parts_of_different_k():
+def test_stacked_parts_of_two_encodings_pack_as_their_f32_concatenation():
+    a, b = make_weight(qm.Q4_K, 5, 256)[0], make_weight(qm.Q6_K, 3, 256, seed=1)[0]
+    mixed = qm.PackedWeight([a, b])
+    assert mixed.qtype == qm.F32 and torch.equal(mixed.packed, qm.PackedWeight(qm.concat_rows([a, b])).packed)
+
+
+def test_rows_of_a_run_is_a_view_and_any_other_order_indexes():
+    w = make_weight(qm.Q4_1, 6, 64)[0]
+    assert w.rows(torch.arange(2, 5)).data.data_ptr() == w.data[2:].data_ptr()
+    assert torch.equal(w.rows(torch.arange(-2, 0)).data, w.data[4:])  # negative: as indexing reads them
+    with pytest.raises(IndexError):
+        w.rows(torch.tensor([5, 6, 7]))  # past the end: indexing's error, not a shape one
+
+
+def test_pack_rows_refuses_a_null_row_or_table_a_wrong_size_and_parts_of_different_k():
     w = make_weight(qm.Q4_1, 2, 64)[0]
     dst = torch.zeros(lib.ringshm_qmat_packed_bytes(qm.Q4_1, 2, 64), dtype=torch.uint8)
+    out = ffi.cast("uint8_t *", dst.data_ptr())
     rows = ffi.new("const uint8_t *[2]", [ffi.cast("uint8_t *", w.data.data_ptr()), ffi.NULL])
-    assert lib.ringshm_qmat_pack_rows(qm.Q4_1, rows, 2, 64, ffi.cast("uint8_t *", dst.data_ptr()),
-                                      dst.numel()) == lib.RINGSHM_MATMUL_ERR_SIZE and not dst.any()
+    assert lib.ringshm_qmat_pack_rows(qm.Q4_1, rows, 2, 64, out, dst.numel()) == lib.RINGSHM_MATMUL_ERR_SIZE
+    assert lib.ringshm_qmat_pack_rows(qm.Q4_1, ffi.NULL, 2, 64, out, dst.numel()) == lib.RINGSHM_MATMUL_ERR_SIZE
+    rows[1] = ffi.cast("uint8_t *", w.data.data_ptr()) + w.data.shape[1]
+    assert lib.ringshm_qmat_pack_rows(qm.Q4_1, rows, 2, 64, out, dst.numel() - 1) == lib.RINGSHM_MATMUL_ERR_SIZE
+    assert not dst.any()  # nothing written by a refusal
     with pytest.raises(ValueError, match="parts of one K"):
         qm.PackedWeight([w, make_weight(qm.Q4_1, 2, 96)[0]])
+    with pytest.raises(ValueError, match="got none"):
+        qm.PackedWeight([])
 
 
 # ---- bad input --------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ from ringshm.model_config import ModelConfig
 
 class Layer:
     """One decoder layer's weights, fused for fewer matmuls: ``wqkv [q_dim + 2*kv_dim, hidden]`` (+ ``bqkv``),
-    ``w_gate_up [2*intermediate, hidden]`` (+ its bias); rows stacked in the checkpoint's encoding (native: packed
-    from where each part's rows lie, ``PackedWeight``). Native
+    ``w_gate_up [2*intermediate, hidden]`` (+ its bias); rows stacked in the checkpoint's encoding (gate and up of two
+    encodings: both in F32, as the loader holds them; native: packed from where each part's rows lie,
+    ``PackedWeight``). Native
     Q, K, V of different encodings stay apart: ``wqkv`` is then Q alone and ``wk``, ``wv`` K and V (csrc/layer.h);
     fused, ``concat_rows`` would widen them to F32 (8x a Q4_K tensor's memory). The optional parts of the
     description (q/k norms, post norms, biases) are None where the model has none.

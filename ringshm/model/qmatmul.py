@@ -143,10 +143,11 @@ class RawWeight:
     def rows(self, order: torch.Tensor) -> RawWeight:
         """Rows picked (or reordered) by the int64 index ``order``: a new RawWeight, a view of these bytes where
         ``order`` is a run of consecutive rows (a fused tensor's part), else a copy."""
-        n = int(order.numel())
-        if n and bool((order == torch.arange(int(order[0]), int(order[0]) + n, dtype=order.dtype)).all()):
-            return RawWeight(self.qtype, n, self.k, self.data[int(order[0]):int(order[0]) + n])
-        return RawWeight(self.qtype, n, self.k, self.data[order].contiguous())
+        n, first = int(order.numel()), int(order[0]) if order.numel() else 0
+        if (n and 0 <= first and first + n <= self.n
+                and bool((order == torch.arange(first, first + n, dtype=order.dtype)).all())):
+            return RawWeight(self.qtype, n, self.k, self.data[first:first + n])
+        return RawWeight(self.qtype, n, self.k, self.data[order].contiguous())  # indexing's rules (and errors)
 
     def to_f32(self) -> RawWeight:
         """The same weight as F32 bytes (for fusing rows of different encodings)."""
@@ -255,7 +256,9 @@ class PackedWeight:
 
     def __init__(self, raw: RawWeight | Sequence[RawWeight], bias: torch.Tensor | None = None) -> None:
         parts = [raw] if isinstance(raw, RawWeight) else list(raw)
-        if not parts or len({p.k for p in parts}) != 1:
+        if not parts:
+            raise ValueError("PackedWeight takes a RawWeight or one or more parts, got none")
+        if len({p.k for p in parts}) != 1:
             raise ValueError(f"PackedWeight stacks parts of one K, got {sorted({p.k for p in parts})}")
         if len({p.qtype for p in parts}) > 1:  # as concat_rows: parts of different encodings all in F32
             parts = [p.to_f32() for p in parts]
