@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import save_file
 
 import ringshm
+from conftest import own_segments
 from ringshm import EngineOwned, ResourceShortage, StageStartupError
 from ringshm.cli import build_parser, main
 from ringshm.config import EngineConfig
@@ -100,14 +101,14 @@ def test_rings_for_five_stages_fit_a_containers_default_64_mib_of_shm(model_path
 
 def test_rings_that_do_not_fit_dev_shm_are_refused_with_the_numbers_and_the_fix(model_path, monkeypatch):
     monkeypatch.setattr("ringshm.runtime.resources.shm_free_bytes", lambda: 20 * 2**20)
-    before = set(list_segments())
+    before = own_segments()  # this process's: the other xdist worker creates and removes its own meanwhile
     t0 = time.monotonic()
     with pytest.raises(ResourceShortage) as info:
         Engine(model_path, stages=5, progress=False)
     msg = str(info.value)
     assert "20.0 MiB free" in msg and "--shm-size" in msg and "fewer stages" in msg, msg
     assert time.monotonic() - t0 < 5, "refused only after the stages started"
-    assert set(list_segments()) == before
+    assert own_segments() == before
 
 
 def test_a_segment_dev_shm_cannot_back_fails_with_enospc_not_a_later_sigbus(monkeypatch):
@@ -115,11 +116,11 @@ def test_a_segment_dev_shm_cannot_back_fails_with_enospc_not_a_later_sigbus(monk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "posix_fallocate", full)
-    before = set(list_segments())
+    before = own_segments()
     with pytest.raises(OSError) as info:
         Segment.create(1 << 20)
     assert info.value.errno == errno.ENOSPC and "1.0 MiB" in str(info.value)
-    assert set(list_segments()) == before
+    assert own_segments() == before
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_before_any_stage_starts(model_path, monkeypatch):
