@@ -165,8 +165,9 @@ int ringshm_qmat_pack(int type, const uint8_t *src, int64_t src_bytes, int64_t n
 /* ringshm_qmat_pack_rows: the same panels from rows that need not lie together: row r's GGUF bytes
  * (ringshm_qmat_src_bytes(type, 1, k) of them) at rows[r], r < n, so that rows of several tensors (Q | K | V, gate |
  * up) or a reordering of one are packed as one weight without first being copied into one buffer. Bytes equal to
- * ringshm_qmat_pack's of those rows laid end to end. The caller vouches for each rows[r]'s bytes.
- * Returns RINGSHM_MATMUL_ERR_SIZE for a NULL row or a dst_bytes that differs (nothing written). */
+ * ringshm_qmat_pack's of those rows laid end to end, split over threads as it is. The caller vouches for each
+ * rows[r]'s bytes. Returns ringshm_qmat_src_bytes's error for an unknown type or a bad shape, and
+ * RINGSHM_MATMUL_ERR_SIZE for a NULL table, a NULL row or a dst_bytes that differs (nothing written either way). */
 int ringshm_qmat_pack_rows(int type, const uint8_t *const *rows, int64_t n, int64_t k, uint8_t *dst,
                            int64_t dst_bytes);
 
