@@ -322,15 +322,15 @@ int main(void) {
     const int n_types = (int)(sizeof types / sizeof types[0]);
     int cases = 0, dequant_rows = 0, q8_cases = 0;
     for (int it = 0; it < 16 * n_types; it++) {
-        const int type = types[it % n_types];
+        const int type = types[it % n_types], c = it / n_types; /* c: the type's case, 0-15, for what varies */
         const int kquant = type == RINGSHM_W_Q4_K || type == RINGSHM_W_Q5_K || type == RINGSHM_W_Q6_K;
         const int quant = kquant || (type >= RINGSHM_W_Q4_0 && type <= RINGSHM_W_Q8_0) || type == RINGSHM_W_MXFP4;
         /* one case in 4 has 9-19 panels: 2 or 3 groups of the packed layout (the last one short), split over the
          * threads; the others 1-5 panels (one group) */
-        const int64_t n = it % 4 == 3 ? 129 + next() % 172 : 1 + next() % 70;
+        const int64_t n = c % 4 == 3 ? 129 + next() % 172 : 1 + next() % 70;
         const int64_t k = kquant ? 256 * (1 + next() % 3) : quant ? 32 * (1 + next() % 5) : 1 + next() % 150;
         /* to 34 rows: 1-4 tiles of the register decode (AVX2: 1-8), then the slab */
-        const int64_t m = it % 10 == 0 ? 200 + next() % 20 : 1 + next() % 34;
+        const int64_t m = c % 5 == 0 ? 200 + next() % 20 : 1 + next() % 34;
         const int64_t sbytes = ringshm_qmat_src_bytes(type, n, k), pbytes = ringshm_qmat_packed_bytes(type, n, k);
         if (sbytes <= 0 || pbytes <= 0)
             FAIL("sizes refused: type %d n %lld k %lld\n", type, (long long)n, (long long)k);
@@ -345,8 +345,8 @@ int main(void) {
         for (int64_t i = 0; i < m * k; i++) x[i] = uniform();
         for (int64_t i = 0; i < n; i++) bias[i] = uniform();
         for (int64_t i = 0; i < (m - 1) * ldr + n; i++) res[i] = uniform();
-        const int use_bias = it % 2, use_res = (it / 2) % 2, threads = 1 + it % 3;
-        if (ringshm_mm_set_row_prefetch((it / 4) % 2) != (it / 4) % 2) FAIL("row prefetch not set\n"); /* half on */
+        const int use_bias = c % 2, use_res = (c / 2) % 2, threads = 1 + c % 3;
+        if (ringshm_mm_set_row_prefetch((c / 4) % 2) != (c / 4) % 2) FAIL("row prefetch not set\n"); /* half on */
         if (ringshm_qmat_matmul(type, packed, pbytes, n, k, x, m, out, ldo, use_bias ? bias : NULL, use_bias ? n : 0,
                                 use_res ? res : NULL, ldr, threads, RINGSHM_ISA_PORTABLE))
             FAIL("matmul refused\n");

@@ -129,8 +129,9 @@ def rows_match_alone(matmul, x: torch.Tensor) -> bool:
 def test_each_row_is_bitwise_the_same_for_every_batch_size_and_thread_count(qtype, threads, n):
     """n = 200: 13 panels, groups and thread splits fall unevenly; 192: 12, a layout group's last 4 panels, which take
     the register decode at the large width (AVX-512) where a whole group takes the small one (M <= 3; Q8_0 and the
-    float types up to 12 rows)."""
-    k = kfit(qtype, 96)
+    float types up to 12 rows; M <= 2 of the nibble types: one function per group, mm_decode_run). K-quants at two
+    super-blocks, so that the sub-blocks of a second one meet the first's accumulators."""
+    k = kfit(qtype, 512 if qm.block_k(qtype) == 256 else 96)
     raw, _, _ = make_weight(qtype, n, k)
     pw = qm.PackedWeight(raw, torch.randn(n))
     x = torch.randn(max(M_SWEEP), k)
@@ -185,11 +186,14 @@ def test_torch_linear_is_the_kind_of_kernel_this_replaces():
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
 @pytest.mark.parametrize("isa", ISAS, ids=[qm.ISA_NAMES[i] for i in ISAS])
 def test_every_isa_path_gives_the_portable_bits(qtype, isa):
-    k = kfit(qtype, 160)
-    raw, _, _ = make_weight(qtype, 100, k)
-    pw = qm.PackedWeight(raw, torch.randn(100))
+    """n = 299: two whole groups of the packed layout (the small width's paths on AVX-512) and a short one; M = 1, 2
+    and 3 take the decode's one-tile paths, 9 its tiles."""
+    k = kfit(qtype, 512 if qm.block_k(qtype) == 256 else 160)
+    raw, _, _ = make_weight(qtype, 299, k)
+    pw = qm.PackedWeight(raw, torch.randn(299))
     x = torch.randn(9, k)
-    assert torch.equal(pw.matmul(x, isa=isa), pw.matmul(x, isa=lib.RINGSHM_ISA_PORTABLE))
+    for m in (1, 2, 3, 9):
+        assert torch.equal(pw.matmul(x[:m], isa=isa), pw.matmul(x[:m], isa=lib.RINGSHM_ISA_PORTABLE)), m
 
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
