@@ -167,15 +167,16 @@ def test_int8_activations_against_fp32(benchmark, figures, qtype, m):
 
 
 IN_ORDER = (qm.Q4_0, qm.Q4_1, qm.Q8_0, qm.Q4_K, qm.MXFP4, qm.F16, qm.BF16)  # the types the row prefetch applies to
-PF_CASES = [(t, m, act) for t in IN_ORDER for m, act in ((1, "float32"), (16, "float32"), (1, "int8"))
+PF_CASES = [(t, m, act) for t in IN_ORDER
+            for m, act in ((1, "float32"), (4, "float32"), (16, "float32"), (1, "int8"))
             if act == "float32" or t in qm.QUANTIZED]
 PF_ROUNDS = 6
 
 
 @pytest.mark.parametrize("qtype,m,act", PF_CASES, ids=[f"{qm.type_name(t)}-M{m}-{a}" for t, m, a in PF_CASES])
 def test_the_row_prefetch_on_against_off(benchmark, figures, qtype, m, act):
-    """The software prefetch of the rows ahead (``qmatmul.set_row_prefetch``; cpuid's choice: on for AMD Zen 5,
-    off elsewhere, csrc/matmul.c) forced on and off in the same process, a thread per core, back to back in each of
+    """The software prefetch of the rows ahead (``qmatmul.set_row_prefetch``; cpuid's choice per op:
+    ``qmatmul.row_prefetch_for``, csrc/matmul.c) forced on and off in the same process, a thread per core, back to back in each of
     ``PF_ROUNDS`` rounds (order flipped every round): the figure is the median of the rounds' on / off time ratios
     (below 1: the prefetch pays on this CPU). What a session on a CPU not yet measured reads to set its default."""
     threads = THREADS[-1]

@@ -96,9 +96,12 @@ def cpu_info() -> dict:
     if any(f.startswith("amx") for f in flags):
         simd.append("amx")
     try:
-        from ringshm.model.qmatmul import BEST_ISA, ISA_NAMES, row_prefetch
+        from ringshm.model.qmatmul import BEST_ISA, F16, ISA_NAMES, Q4_K, row_prefetch_for
 
-        isa = f"{ISA_NAMES[BEST_ISA]}, row prefetch {'on' if row_prefetch() else 'off'}"
+        quant, floats = ([m for m in range(1, 65) if row_prefetch_for(t, m)] for t in (Q4_K, F16))
+        prefetch = ("on" if quant[:1] == floats[:1] == [1] else "off" if not quant + floats
+                    else f"from {quant[0] if quant else '-'} rows ({floats[0] if floats else '-'} of a float weight)")
+        isa = f"{ISA_NAMES[BEST_ISA]}, row prefetch {prefetch}"
     except ImportError:  # the C extension is not built
         isa = "?"
     return {"model_name": first.get("model name") or platform.processor() or platform.machine(), "simd": simd,

@@ -87,22 +87,26 @@ int ringshm_mm_slab_blocks(void) {
     return blocks;
 }
 
-/* The CPU's choice of ringshm_mm_row_prefetch (matmul.h): on for AMD family 26 (0x1A, Zen 5) and later, off for
- * the rest. Measured with the packed layout of matmul.h (2048 -> 16384 from a 400 MiB ring, the two settings
- * alternating in one process, medians of 4-6 rounds, fp32 activations unless named):
- *   AMD EPYC Zen 5 (family 26 model 2), 2026-12-06: off / on, 2 threads, GB/s of weights at M = 1: Q4_0 34.3 / 38.7,
+/* The CPU's choice of the row prefetch (matmul.h), as the fewest rows of an op that asks (0: none) for fp32 ops of a
+ * quantized weight, fp32 ops of a float weight (F32, F16, BF16) and 8-bit ops. Measured with the packed layout of
+ * matmul.h (2048 -> 16384 or 8192 from a ring of 80-400 MiB, 2 threads, the two settings alternating in one process,
+ * medians of 4-12 rounds, time on / off unless named):
+ *   AMD EPYC Zen 5 (family 26 model 2), 2026-12-06: off / on, GB/s of weights at M = 1: Q4_0 34.3 / 38.7,
  *   Q4_1 31.4 / 45.9, Q4_K 38.6 / 45.8, MXFP4 38.9 / 47.3, F16 38.6 / 48.1, Q8_0 and BF16 even (Q8_0 1.16-1.19 x
  *   the time on, in a slower phase: its fp32 ops of 1-3 rows did not ask then); at M = 16 Q4_0 3.9 / 5.2,
  *   Q4_K 4.0 / 6.1, Q8_0 6.5 / 8.6, MXFP4 3.7 / 5.3; M = 64 and 256 even; one thread Q4_K 19.0 / 22.5,
  *   F16 15.2 / 20.5. 8-bit activations, M = 1: Q4_K 20.6 / 49.1, Q4_1 37.1 / 52.8, Q8_0 31.2 / 36.0, MXFP4 32.3 /
  *   37.9 (one thread Q4_K 11.1 / 28.9); M = 3 Q4_K 18.6 / 38.3; M = 16 Q4_K 7.7 / 11.8, MXFP4 7.0 / 10.8.
- *   AMD EPYC Zen 4 (family 25 model 17), 2026-12-06, the same process alternating: on took 1.36-1.65 x the time of
- *   off at M = 1, 2 threads (matmul_dequant.inc has the figures); the 8-bit Q4_K at M = 1 on one thread read 10 GB/s
- *   on, 16.8 off. Its 8-bit slab asks for Q4_K's rows either way (0.92-0.97 x the time there).
- * Those figures are of the rows ahead asked for a block's share at once; the fp32 register decode and the 8-bit Q8_0
- * and Q4_1 now ask for each unit as they read it (matmul_dequant.inc: 0.52-1.01 x the time of that on Zen 5), not
- * measured on Zen 4. Intel CPUs and older AMD ones were not measured with this layout: off, as on Zen 4. */
-static int row_prefetch_of_cpu(void) {
+ *   Every op asks.
+ *   AMD EPYC Zen 4 (family 25 model 17), 2026-12-07, 8192 x 2048 from 80 MiB, 12 rounds, the row asked for one unit
+ *   beside each load (matmul_dequant.inc): fp32 Q4_0 / Q4_1 / Q4_K / MXFP4 / Q8_0 at M = 1-3 0.90-1.04, at M = 4
+ *   0.86-0.96, 6 0.86-0.91, 8 0.84-0.91, 16 0.87-0.95, 32 0.93-0.98, 64 1.00; F16 / BF16 at M = 1-5 1.04-1.35, at 6
+ *   0.84-0.88, 8-32 0.90-0.97, 64 0.99-1.00 (Q5_K / Q6_K, which always ask, 0.98-1.01). 8-bit: 1.02-1.78 at M = 1-4,
+ *   0.92-1.02 at 8-32. So fp32 ops of 4 rows or more ask (float weights from 6); 8-bit ops and one-row fp32 ops do
+ *   not (nor attention). The Zen 4 rule applies to family 25 with AVX-512 (Zen 3, family 25 too, has none: off).
+ *   Intel CPUs and older AMD ones were not measured with this layout: off. */
+#define RP_RULE(quant, floats, q8) ((quant) | (floats) << 8 | (q8) << 16)
+static int row_prefetch_rule_of_cpu(void) {
 #if RINGSHM_HAVE_X86_ISAS
     unsigned eax, ebx, ecx, edx;
     if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 0;
@@ -110,7 +114,9 @@ static int row_prefetch_of_cpu(void) {
     if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
     unsigned family = (eax >> 8) & 15;
     if (family == 15) family += (eax >> 20) & 255; /* the extended family */
-    return family >= 26;
+    if (family >= 26) return RP_RULE(1, 1, 1);
+    if (family == 25 && __builtin_cpu_supports("avx512f")) return RP_RULE(4, 6, 0);
+    return 0;
 #else
     return 0;
 #endif
@@ -118,12 +124,17 @@ static int row_prefetch_of_cpu(void) {
 
 static int row_prefetch_mode = -1; /* ringshm_mm_set_row_prefetch's mode: -1 the CPU's choice */
 
-int ringshm_mm_row_prefetch(void) {
-    static int cpu = -1; /* a pure function of the CPU: computed once, the same answer from any thread */
-    if (cpu < 0) cpu = row_prefetch_of_cpu();
+int ringshm_mm_row_prefetch_for(int type, int64_t m, int q8) {
+    static int rule = -1; /* a pure function of the CPU: computed once, the same answer from any thread */
+    if (rule < 0) rule = row_prefetch_rule_of_cpu();
     const int mode = __atomic_load_n(&row_prefetch_mode, __ATOMIC_RELAXED);
-    return mode < 0 ? cpu : mode;
+    if (mode >= 0) return mode;
+    const int is_float = type == RINGSHM_W_F32 || type == RINGSHM_W_F16 || type == RINGSHM_W_BF16;
+    const int from = (rule >> (q8 ? 16 : is_float ? 8 : 0)) & 255;
+    return from > 0 && m >= from;
 }
+
+int ringshm_mm_row_prefetch(void) { return ringshm_mm_row_prefetch_for(RINGSHM_W_F32, 1, 0); }
 
 int ringshm_mm_set_row_prefetch(int mode) {
     if (mode < -1 || mode > 1) return RINGSHM_MATMUL_ERR_SHAPE;
@@ -371,7 +382,7 @@ static int run_matmul(int type, const uint8_t *packed, int64_t packed_bytes, int
         .block_bytes = ti->panel_block_bytes, .panel_bytes = (k + bk - 1) / bk * ti->panel_block_bytes, .x = x,
         .out = out, .ldo = ldo, .bias = bias, .residual = residual, .ldr = ldr,
         .slab_blocks = ringshm_mm_slab_blocks(), .xq = (const struct ringshm_q8_block *)xq,
-        .row_prefetch = ringshm_mm_row_prefetch()};
+        .row_prefetch = ringshm_mm_row_prefetch_for(type, m, xq != NULL)};
     const int64_t n_groups = (n_panels + RINGSHM_PANEL_GROUP - 1) / RINGSHM_PANEL_GROUP;
     const struct panels_job job = {fn, &a};
     /* every thread at least a quantum of a group's rows (a whole group below the quantum) */

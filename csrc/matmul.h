@@ -234,12 +234,16 @@ int ringshm_q8_isa(int isa);
 /* Software prefetch of the packed rows ahead (matmul_dequant.inc) for the types whose loops read a group's rows in the
  * order they are stored (Q4_0, Q4_1, Q4_K, MXFP4, Q8_0 and the float types; Q5_0, Q5_1, Q5_K and Q6_K always ask):
  * on where the CPU streams them faster with it, off where its hardware prefetcher does better alone; attention
- * (kernels_impl.inc) asks for its next fp32 KV tile where it is on. The CPU's choice (cpuid, once): on for AMD family
- * 26 and later (Zen 5), off elsewhere (matmul.c gives the measurements). No bit of any result depends on it.
- * ringshm_mm_row_prefetch: 1 when on for the matmuls started from now on, else 0.
- * ringshm_mm_set_row_prefetch, for tests and benches: mode 1 on, 0 off, -1 the CPU's choice again, for every later
- * matmul of the process (not while another thread runs one); returns ringshm_mm_row_prefetch() after it, or
- * RINGSHM_MATMUL_ERR_SHAPE (nothing changed) for another mode. */
+ * (kernels_impl.inc) asks for its next fp32 KV tile where one-row ops ask. The CPU's choice (cpuid, once; matmul.c
+ * gives the measurements): every op on AMD family 26 and later (Zen 5); on AMD Zen 4 (family 25 with AVX-512) the
+ * fp32 ops of 4 rows or more (of a float weight, 6 or more), no 8-bit op; off elsewhere. No bit of any result depends
+ * on it.
+ * ringshm_mm_row_prefetch_for: 1 when a matmul of m rows of weight type `type` (q8: with 8-bit activations) started
+ * from now on asks, else 0. ringshm_mm_row_prefetch: the same for a one-row fp32 op (and attention).
+ * ringshm_mm_set_row_prefetch, for tests and benches: mode 1 on, 0 off (for every op), -1 the CPU's choice again, for
+ * every later matmul of the process (not while another thread runs one); returns ringshm_mm_row_prefetch() after it,
+ * or RINGSHM_MATMUL_ERR_SHAPE (nothing changed) for another mode. */
+int ringshm_mm_row_prefetch_for(int type, int64_t m, int q8);
 int ringshm_mm_row_prefetch(void);
 int ringshm_mm_set_row_prefetch(int mode);
 

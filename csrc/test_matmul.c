@@ -408,8 +408,9 @@ int main(void) {
         free(src), free(packed), free(x), free(out), free(one), free(bias), free(res);
         cases++;
     }
-    if (ringshm_mm_set_row_prefetch(2) != RINGSHM_MATMUL_ERR_SHAPE || ringshm_mm_set_row_prefetch(-1) != 0)
-        FAIL("row prefetch: mode 2 not refused, or the portable build's CPU choice not off\n");
+    if (ringshm_mm_set_row_prefetch(2) != RINGSHM_MATMUL_ERR_SHAPE || ringshm_mm_set_row_prefetch(-1) != 0 ||
+        ringshm_mm_row_prefetch_for(RINGSHM_W_Q4_K, 64, 0) != 0)
+        FAIL("row prefetch: mode 2 not refused, or the portable build's CPU choice not off for every op\n");
     check_mxfp4_dequant_edges();
     check_mxfp4_every_scale_in_the_matmul();
     printf("test_matmul: %d cases over %d types, every element bitwise the contract's, alone and batched (%d of "

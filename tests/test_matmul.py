@@ -198,7 +198,7 @@ def test_every_isa_path_gives_the_portable_bits(qtype, isa):
 
 @pytest.mark.parametrize("qtype", ALL_TYPES, ids=[qm.type_name(t) for t in ALL_TYPES])
 def test_the_row_prefetch_changes_no_bit_on_any_path(qtype):
-    """The prefetch of the rows ahead (on for AMD Zen 5, off elsewhere: ``qm.set_row_prefetch``) only asks for
+    """The prefetch of the rows ahead (the CPU's choice per op: ``qm.row_prefetch_for``; forced here) only asks for
     bytes: forced on and forced off, every ISA path this CPU runs (the 8-bit VNNI one too), M = 1 and 3 (one tile of
     the register decode), 8 and 16 (its tiles; the 8-bit slab) and 40 (the slab), 1 and 2 threads, fp32 and, for
     the quantized types, 8-bit activations, give the same bits; over 3 groups of panels, the last one short."""
@@ -220,22 +220,39 @@ def test_the_row_prefetch_changes_no_bit_on_any_path(qtype):
 
 
 def test_the_row_prefetch_is_the_cpus_choice_unless_forced():
-    """On for AMD family 26 (Zen 5) and later, off for every other CPU (csrc/matmul.c); a forced setting lasts until
-    None gives it back; anything but a bool or None is refused, in Python and in C."""
+    """The CPU's choice per op (csrc/matmul.c): every op on AMD family 26 (Zen 5) and later; on AMD family 25 with
+    AVX-512 (Zen 4) the fp32 ops of 4 rows or more, 6 or more of a float weight, no 8-bit op; no op on any other CPU.
+    A forced setting covers every op until None gives it back; anything but a bool or None is refused, in Python and
+    in C."""
     info = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
                 if ":" in line)
     info = {key.strip(): value.strip() for key, value in info.items()}
-    zen5_or_later = info.get("vendor_id") == "AuthenticAMD" and int(info.get("cpu family", 0)) >= 26
+    amd = info.get("vendor_id") == "AuthenticAMD"
+    family = int(info.get("cpu family", 0))
+    zen5_or_later = amd and family >= 26
+    zen4 = amd and family == 25 and "avx512f" in info.get("flags", "").split()
+
+    def cpus_choice(qtype, m, act):
+        return zen5_or_later or (zen4 and act == "float32" and m >= (6 if qtype in (qm.F32, qm.F16, qm.BF16) else 4))
+
+    cases = [(t, m, a) for t in (qm.Q4_K, qm.Q8_0, qm.Q6_K, qm.F16, qm.BF16, qm.F32) for m in (1, 2, 3, 4, 5, 6, 16, 64)
+             for a in (("float32", "int8") if t in qm.QUANTIZED else ("float32",))]
     try:
         assert qm.set_row_prefetch(None) is zen5_or_later and qm.row_prefetch() is zen5_or_later
-        assert qm.set_row_prefetch(not zen5_or_later) is (not zen5_or_later)
+        assert [qm.row_prefetch_for(*c) for c in cases] == [cpus_choice(*c) for c in cases]
+        for forced in (True, False):
+            assert qm.set_row_prefetch(forced) is forced
+            assert all(qm.row_prefetch_for(*c) is forced for c in cases)
         with pytest.raises(TypeError, match="True, False or None"):
             qm.set_row_prefetch(1)
+        with pytest.raises(ValueError, match="m >= 1"):
+            qm.row_prefetch_for(qm.Q4_K, 0)
         assert lib.ringshm_mm_set_row_prefetch(2) == lib.RINGSHM_MATMUL_ERR_SHAPE
-        assert qm.row_prefetch() is (not zen5_or_later)  # a refused mode changes nothing
+        assert qm.row_prefetch() is False  # a refused mode changes nothing
     finally:
         qm.set_row_prefetch(None)
     assert qm.row_prefetch() is zen5_or_later
+    assert [qm.row_prefetch_for(*c) for c in cases] == [cpus_choice(*c) for c in cases]
 
 
 M_SWEEP_NEW = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17, 33, 100)

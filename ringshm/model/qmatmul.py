@@ -400,17 +400,31 @@ class PackedExperts:
 
 
 def row_prefetch() -> bool:
-    """Whether the matmuls started from now on ask for the packed rows ahead (software prefetch) of the types read in
-    the order they are stored (and attention for its next fp32 KV tile): the CPU's choice (on for AMD Zen 5 and later,
-    where it streams Q4_K 1.2 x and the 8-bit Q4_K 2.4 x as fast at M = 1; off elsewhere, measured on Zen 4:
-    csrc/matmul.c), unless ``set_row_prefetch`` forced it. No bit of any result depends on it."""
+    """Whether the one-row fp32 matmuls started from now on ask for the packed rows ahead (software prefetch) of the
+    types read in the order they are stored, and attention for its next fp32 KV tile: ``row_prefetch_for(F32, 1)``.
+    No bit of any result depends on it."""
     return bool(lib.ringshm_mm_row_prefetch())
 
 
+def row_prefetch_for(qtype: int, m: int, activations: str = "float32") -> bool:
+    """Whether a matmul of ``m`` rows of weight type ``qtype`` (``activations`` "float32" or "int8") started from now
+    on asks for the packed rows ahead: the CPU's choice (csrc/matmul.c has the measurements): every op on AMD Zen 5
+    and later; on AMD Zen 4 the fp32 ops of 4 rows or more (6 or more for a float weight), no one-row or 8-bit op;
+    no op elsewhere. ``set_row_prefetch`` forces every op on or off.
+
+    Raises:
+        ValueError: ``m`` < 1 or an unknown ``activations``.
+    """
+    if m < 1 or activations not in MATMUL_ACTIVATIONS:
+        raise ValueError(f"row_prefetch_for takes m >= 1 and activations in {MATMUL_ACTIVATIONS}, got {m}, "
+                         f"{activations!r}")
+    return bool(lib.ringshm_mm_row_prefetch_for(qtype, m, int(activations == "int8")))
+
+
 def set_row_prefetch(on: bool | None) -> bool:
-    """Force the row prefetch on (True) or off (False) for every later matmul of this process, or give it back to
-    the CPU's choice (None); returns ``row_prefetch()`` after it. For tests and benches that compare the two (the
-    bits never change); not while another thread runs a matmul.
+    """Force the row prefetch on (True) or off (False) for every later matmul of this process, whatever its rows, or
+    give it back to the CPU's choice (None: ``row_prefetch_for``); returns ``row_prefetch()`` after it. For tests
+    and benches that compare the two (the bits never change); not while another thread runs a matmul.
 
     Raises:
         TypeError: ``on`` not a bool or None.
