@@ -176,9 +176,10 @@ PF_ROUNDS = 6
 @pytest.mark.parametrize("qtype,m,act", PF_CASES, ids=[f"{qm.type_name(t)}-M{m}-{a}" for t, m, a in PF_CASES])
 def test_the_row_prefetch_on_against_off(benchmark, figures, qtype, m, act):
     """The software prefetch of the rows ahead (``qmatmul.set_row_prefetch``; cpuid's choice per op:
-    ``qmatmul.row_prefetch_for``, csrc/matmul.c) forced on and off in the same process, a thread per core, back to back in each of
-    ``PF_ROUNDS`` rounds (order flipped every round): the figure is the median of the rounds' on / off time ratios
-    (below 1: the prefetch pays on this CPU). What a session on a CPU not yet measured reads to set its default."""
+    ``qmatmul.row_prefetch_for``, csrc/matmul.c) forced on and off in the same process, a thread per core, back to
+    back in each of ``PF_ROUNDS`` rounds (order flipped every round): the figure is the median of the rounds' on / off
+    time ratios (below 1: the prefetch pays on this CPU). What a session on a CPU not yet measured reads to set its
+    default, per op's rows (M = 1, 4, 16)."""
     threads = THREADS[-1]
     r = ring(qtype)
     x = torch.randn(m, K)
