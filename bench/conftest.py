@@ -102,7 +102,7 @@ def cpu_info() -> dict:
         prefetch = ("on" if quant[:1] == floats[:1] == [1] else "off" if not quant + floats
                     else f"from {quant[0] if quant else '-'} rows ({floats[0] if floats else '-'} of a float weight)")
         isa = f"{ISA_NAMES[BEST_ISA]}, row prefetch {prefetch}"
-    except ImportError:  # the C extension is not built
+    except (ImportError, AttributeError):  # the C extension is not built, or is older than this file
         isa = "?"
     return {"model_name": first.get("model name") or platform.processor() or platform.machine(), "simd": simd,
             "cores": len(os.sched_getaffinity(0)), "machine": platform.machine(),
@@ -112,7 +112,7 @@ def cpu_info() -> dict:
 
 def cpu_label(cpu: dict | None = None) -> str:
     """One line naming the CPU for a table: model name, vendor family / model, cores, SIMD flags, ISA path and whether
-    the matmuls prefetch the rows ahead (``qmatmul.row_prefetch``)."""
+    the matmuls prefetch the rows ahead (``qmatmul.row_prefetch_for``: from how many rows of an fp32 op)."""
     cpu = cpu or cpu_info()
     return (f"{cpu['model_name']} ({cpu['vendor']} family {cpu['family']} model {cpu['model']}, {cpu['machine']}, "
             f"{cpu['cores']} cores; SIMD: {', '.join(cpu['simd']) or 'none of avx2/avx512f/amx'}; "

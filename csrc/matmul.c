@@ -125,8 +125,9 @@ static int row_prefetch_rule_of_cpu(void) {
 static int row_prefetch_mode = -1; /* ringshm_mm_set_row_prefetch's mode: -1 the CPU's choice */
 
 int ringshm_mm_row_prefetch_for(int type, int64_t m, int q8) {
-    static int rule = -1; /* a pure function of the CPU: computed once, the same answer from any thread */
-    if (rule < 0) rule = row_prefetch_rule_of_cpu();
+    static int cached = -1; /* a pure function of the CPU: computed once, the same answer from any thread */
+    int rule = __atomic_load_n(&cached, __ATOMIC_RELAXED);
+    if (rule < 0) __atomic_store_n(&cached, rule = row_prefetch_rule_of_cpu(), __ATOMIC_RELAXED);
     const int mode = __atomic_load_n(&row_prefetch_mode, __ATOMIC_RELAXED);
     if (mode >= 0) return mode;
     const int is_float = type == RINGSHM_W_F32 || type == RINGSHM_W_F16 || type == RINGSHM_W_BF16;

@@ -239,7 +239,9 @@ int ringshm_q8_isa(int isa);
  * fp32 ops of 4 rows or more (of a float weight, 6 or more), no 8-bit op; off elsewhere. No bit of any result depends
  * on it.
  * ringshm_mm_row_prefetch_for: 1 when a matmul of m rows of weight type `type` (q8: with 8-bit activations) started
- * from now on asks, else 0. ringshm_mm_row_prefetch: the same for a one-row fp32 op (and attention).
+ * from now on asks for the rows ahead of the types read in order, else 0 (the Q5 types and Q6_K ask for their own
+ * bytes either way, the 8-bit slab for Q4_K's). ringshm_mm_row_prefetch: the same for a one-row fp32 op of a float
+ * weight (and attention).
  * ringshm_mm_set_row_prefetch, for tests and benches: mode 1 on, 0 off (for every op), -1 the CPU's choice again, for
  * every later matmul of the process (not while another thread runs one); returns ringshm_mm_row_prefetch() after it,
  * or RINGSHM_MATMUL_ERR_SHAPE (nothing changed) for another mode. */

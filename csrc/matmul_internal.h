@@ -96,7 +96,7 @@ struct ringshm_mm_args {
     int64_t ldr;
     int slab_blocks;        /* blocks of 32 k the scratch dequantizes at a time (1 .. 4): ringshm_mm_slab_blocks */
     const struct ringshm_q8_block *xq; /* ringshm_qmat_matmul_q8: [m][nb] (x is NULL), else NULL */
-    int row_prefetch;       /* ringshm_mm_row_prefetch() for this call: ask for the rows ahead (matmul_dequant.inc) */
+    int row_prefetch;       /* ringshm_mm_row_prefetch_for(type, m, q8) for this call: ask for the rows ahead */
 };
 
 /* Blocks of 32 k a slab of the matmul's scratch holds (matmul_impl.inc), from the L1 data cache: a slab of a group

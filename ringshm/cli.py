@@ -79,7 +79,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--row-prefetch", default="auto", choices=("auto", "on", "off"),
                    help="software prefetch of the weight rows ahead in the CPU matmuls and of the next KV tile in "
                         "attention: auto (default) the CPU's choice per op (every op on AMD Zen 5 and later, the fp32 "
-                        "ops of 4 rows or more on AMD Zen 4); on / off force it (speed only, the same output bytes)")
+                        "ops of 4 rows or more (6 of a float weight) on AMD Zen 4); on / off force it (speed only, "
+                        "the same output bytes)")
     p.add_argument("--huge-pages", default="on", choices=("on", "off"),
                    help="packed weights in 2 MiB pages where Linux allows them: on (default; faster decode, a load "
                         "on fragmented memory pays for the compaction) or off (4 KiB pages; the same output bytes)")

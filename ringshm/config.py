@@ -83,9 +83,9 @@ class EngineConfig(KeywordsNamed):
             types read in the order they are stored, and attention for the next tile of its fp32 KV: None (the default)
             the CPU's choice per op (``ringshm.model.qmatmul.row_prefetch_for``; csrc/matmul.c has the measurements):
             every op on AMD Zen 5 and later (it streamed Q4_K 1.2 x and the 8-bit Q4_K 2.4 x as fast at one row); on
-            AMD Zen 4 the fp32 ops of 4 rows or more (0.84-0.96 x their time; one row and 8-bit ops ran as fast or
-            slower with it); no op elsewhere. True or False forces it for every op, for a CPU not measured. Speed only:
-            no byte of any output changes.
+            AMD Zen 4 the fp32 ops of 4 rows or more, 6 of a float weight (0.84-0.96 x their time; one row and 8-bit
+            ops ran as fast or slower with it); no op elsewhere. True or False forces it for every op, for a CPU not
+            measured. Speed only: no byte of any output changes.
         huge_pages: whether the stages ask the kernel for 2 MiB pages for their packed weights (True, the default;
             ``ringshm.model.hugepages``: Linux transparent huge pages where the system allows them): on an AMD EPYC
             Zen 5 one stream decoded 0.99-1.14 x as fast, a load where memory is fragmented took ~1.5 s more per

@@ -245,7 +245,8 @@ def test_a_streams_int8_tokens_are_the_same_alone_beside_batch_mates_chunked_and
 
 
 def test_the_engine_serves_int8_over_two_stage_processes_as_the_in_process_stage_computes(zoo):
-    """... with the stages' row prefetch forced the other way from this process's (the CPU's choice): speed only."""
+    """... with the stages' row prefetch forced the other way from this process's one-row choice (for these 8-bit
+    ops the other way from the CPU's choice on AMD Zen 4 and 5): speed only."""
     from ringshm.engine.engine import Engine
     from ringshm.model import qmatmul as qm
 

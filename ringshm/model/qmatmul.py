@@ -408,7 +408,8 @@ def row_prefetch() -> bool:
 
 def row_prefetch_for(qtype: int, m: int, activations: str = "float32") -> bool:
     """Whether a matmul of ``m`` rows of weight type ``qtype`` (``activations`` "float32" or "int8") started from now
-    on asks for the packed rows ahead: the CPU's choice (csrc/matmul.c has the measurements): every op on AMD Zen 5
+    on asks for the packed rows ahead of the types read in order (Q5_0, Q5_1, Q5_K and Q6_K ask for their own bytes
+    either way, whatever this says): the CPU's choice (csrc/matmul.c has the measurements): every op on AMD Zen 5
     and later; on AMD Zen 4 the fp32 ops of 4 rows or more (6 or more for a float weight), no one-row or 8-bit op;
     no op elsewhere. ``set_row_prefetch`` forces every op on or off.
 
